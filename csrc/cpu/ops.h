@@ -1,0 +1,57 @@
+// cpu/ops.h — the CPU reference of every op. Arguments are already validated by api/ (shapes, dtypes,
+// contiguity, index ranges); outputs are caller-owned and fully written. Shapes use T tokens, E experts,
+// K = top-k, R rows in expert order, H / N / Kd feature sizes.
+#pragma once
+#include "core/params.h"
+#include "core/tensor.h"
+
+namespace moe8::cpu {
+
+// logits [T,E] f32|f16|bf16, bias [E] f32 (optional) -> ids [T,K] i32, weights [T,K] f32,
+// prob_mean [E] f32, token_frac [E] f32, lse [T] f32.
+void route_forward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
+                   const TensorView& weights, const TensorView& prob_mean, const TensorView& token_frac,
+                   const TensorView& lse);
+
+// grad_weights [T,K] f32, grad_prob_mean [E] f32 (optional), grad_lse [T] f32 (optional)
+// -> grad_logits [T,E] (dtype of logits).
+void route_backward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
+                    const TensorView& grad_weights, const TensorView& grad_prob_mean, const TensorView& grad_lse,
+                    const TensorView& grad_logits);
+
+// ids [T,K] i32 -> counts [E] i32, offsets [E+1] i32 (group starts, each group padded to pad_multiple),
+// row_to_slot [R] i32 (slot = t*K + k, -1 for padding and rows past offsets[E]), slot_to_row [T*K] i32.
+// Rows of one expert are in ascending slot order.
+void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multiple, const TensorView& counts,
+                         const TensorView& offsets, const TensorView& row_to_slot, const TensorView& slot_to_row);
+
+// dst[r] = scale[slot] * src[slot / K] where slot = row_to_slot[r], or 0 where slot < 0.
+// src [T,H], scale [T*K] f32 (optional), dst [R,H].
+void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
+                 const TensorView& dst);
+
+// out[t] = sum_k weights[t,k] * rows[slot_to_row[t,k]] (weights optional: 1), fp32 accumulation.
+// rows [R,H], slot_to_row [T,K] i32, weights [T,K] f32, out [T,H].
+void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
+                  const TensorView& out);
+
+// d_weights[t,k] = <dy[t], rows[slot_to_row[t,k]]> in fp32. dy [T,H], rows [R,H], d_weights [T,K] f32.
+void combine_weights_grad(const TensorView& dy, const TensorView& rows, const TensorView& slot_to_row,
+                          const TensorView& d_weights);
+
+// c[r] = a[r] · op(b[e]) + bias[e] for offsets[e] <= r < offsets[e+1]; rows past offsets[E] are zeroed.
+// a [R,Kd], b [E,N,Kd] (kNK) or [E,Kd,N] (kKN), bias [E,N] (optional), c [R,N]; fp32 accumulation.
+void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                  const TensorView& bias, const TensorView& c);
+
+// db[e] = sum over the rows r of group e of dc[r]^T a[r] (kNK: [N,Kd]) or a[r]^T dc[r] (kKN: [Kd,N]);
+// dbias[e] = sum of dc[r] (optional). Empty groups give zeros.
+void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
+                        const TensorView& db, const TensorView& dbias);
+
+// h [R, 2I] (gated) or [R, I] -> out [R, I].
+void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out);
+// dout [R, I] -> dh (shape of h).
+void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh);
+
+}  // namespace moe8::cpu

@@ -1,0 +1,70 @@
+// common.cuh — what every CUDA kernel file shares: storage-type traits, float conversion, launch checks,
+// and the dtype dispatch used by launchers.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+namespace moe8::cuda {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  return static_cast<float>(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace moe8::cuda
+
+// Calls F.template operator()<T>() with T the CUDA storage type of a float dtype (f32, f16, bf16).
+#define MOE8_DISPATCH_FLOAT(dtype, NAME, ...)                                      \
+  [&] {                                                                             \
+    switch (dtype) {                                                                \
+      case ::moe8::DType::kF32: {                                                   \
+        using scalar_t = float;                                                     \
+        return __VA_ARGS__();                                                       \
+      }                                                                             \
+      case ::moe8::DType::kF16: {                                                   \
+        using scalar_t = __half;                                                    \
+        return __VA_ARGS__();                                                       \
+      }                                                                             \
+      case ::moe8::DType::kBF16: {                                                  \
+        using scalar_t = __nv_bfloat16;                                             \
+        return __VA_ARGS__();                                                       \
+      }                                                                             \
+      default:                                                                      \
+        ::moe8::fail(NAME, ": unsupported dtype ", ::moe8::dtype_name(dtype));      \
+    }                                                                               \
+  }()
