@@ -1,0 +1,451 @@
+// api/ops.cpp — validation and backend choice for every op. Nothing reaches a backend unchecked.
+#include "api/ops.h"
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "core/check.h"
+#include "cpu/ops.h"
+#ifdef MOE8_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/ops.h"
+#endif
+
+namespace moe8::api {
+namespace {
+
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 64;
+
+void* as_ptr(intptr_t s) { return reinterpret_cast<void*>(s); }
+
+[[noreturn]] void no_cuda(const char* op) {
+  fail(op, ": tensors are on a CUDA device but moe8 was built without CUDA (no nvcc at build time)");
+}
+
+// Values of an int32 index array must lie in [lo, hi).
+void check_range(const char* name, const TensorView& t, int64_t lo, int64_t hi, intptr_t stream) {
+  int64_t bad = 0;
+  if (t.is_cuda()) {
+#ifdef MOE8_WITH_CUDA
+    bad = cuda::count_out_of_range(t.ptr<int32_t>(), t.numel(), lo, hi, as_ptr(stream));
+#else
+    (void)stream;
+    no_cuda(name);
+#endif
+  } else {
+    const int32_t* p = t.ptr<int32_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) bad += (p[i] < lo || p[i] >= hi);
+  }
+  MOE8_CHECK(bad == 0, name, ": expected values in [", lo, ", ", hi, "), found ", bad, " out of range");
+}
+
+// offsets[0] == 0, nondecreasing, offsets[E] <= rows.
+void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stream) {
+  (void)stream;
+  std::vector<int32_t> off(offsets.numel());
+  if (offsets.is_cuda()) {
+#ifdef MOE8_WITH_CUDA
+    cudaStream_t s = static_cast<cudaStream_t>(as_ptr(stream));
+    cudaMemcpyAsync(off.data(), offsets.data, off.size() * 4, cudaMemcpyDeviceToHost, s);
+    if (cudaStreamSynchronize(s) != cudaSuccess) throw CudaError("offsets: copy to host failed");
+#else
+    no_cuda("offsets");
+#endif
+  } else {
+    std::copy(offsets.ptr<int32_t>(), offsets.ptr<int32_t>() + off.size(), off.begin());
+  }
+  MOE8_CHECK(off[0] == 0, "offsets: expected offsets[0] == 0, got ", off[0]);
+  for (size_t e = 1; e < off.size(); ++e)
+    MOE8_CHECK(off[e] >= off[e - 1], "offsets: expected nondecreasing values, got offsets[", e, "] = ", off[e],
+               " < offsets[", e - 1, "] = ", off[e - 1]);
+  MOE8_CHECK(off.back() <= rows, "offsets: expected offsets[E] <= ", rows, " rows, got ", off.back());
+}
+
+void check_optional(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
+  if (t.present) check_tensor(name, t, ref_name, ref);
+}
+
+bool on_cuda(const TensorView& t, const char* op) {
+#ifndef MOE8_WITH_CUDA
+  if (t.is_cuda()) no_cuda(op);
+#else
+  (void)op;
+#endif
+  return t.is_cuda();
+}
+
+void check_route_params(const RouteParams& p, int64_t E) {
+  MOE8_CHECK(E >= 1 && E <= kMaxExperts, "logits: expected 1..", kMaxExperts, " experts (dim 1), got ", E);
+  MOE8_CHECK(p.k >= 1 && p.k <= E && p.k <= kMaxTopK, "k: expected 1 <= k <= min(num_experts=", E, ", ",
+             kMaxTopK, "), got ", p.k);
+  if (p.scheme == RouteScheme::kSigmoidGroupTopK) {
+    MOE8_CHECK(p.n_group >= 1 && E % p.n_group == 0, "n_group: expected a divisor of num_experts=", E, ", got ",
+               p.n_group);
+    MOE8_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group, "topk_group: expected 1..n_group=", p.n_group,
+               ", got ", p.topk_group);
+    MOE8_CHECK(p.topk_group * (E / p.n_group) >= p.k, "topk_group: the ", p.topk_group, " chosen groups hold ",
+               p.topk_group * (E / p.n_group), " experts, fewer than k=", p.k);
+  }
+}
+
+void check_route_common(const TensorView& logits, const TensorView& bias, const RouteParams& p) {
+  check_present("logits", logits);
+  check_ndim("logits", logits, 2);
+  check_float("logits", logits);
+  check_contiguous("logits", logits);
+  check_route_params(p, logits.size(1));
+  if (bias.present) {
+    check_tensor("bias", bias, "logits", logits);
+    check_dtype("bias", bias, {DType::kF32});
+    check_shape("bias", bias, {logits.size(1)});
+  }
+}
+
+}  // namespace
+
+bool cuda_available() {
+#ifdef MOE8_WITH_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
+
+void route_forward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
+                   const TensorView& weights, const TensorView& prob_mean, const TensorView& token_frac,
+                   const TensorView& lse, intptr_t stream) {
+  (void)stream;
+  check_route_common(logits, bias, p);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  check_tensor("ids", ids, "logits", logits);
+  check_dtype("ids", ids, {DType::kI32});
+  check_shape("ids", ids, {T, p.k});
+  check_tensor("weights", weights, "logits", logits);
+  check_dtype("weights", weights, {DType::kF32});
+  check_shape("weights", weights, {T, p.k});
+  check_tensor("prob_mean", prob_mean, "logits", logits);
+  check_dtype("prob_mean", prob_mean, {DType::kF32});
+  check_shape("prob_mean", prob_mean, {E});
+  check_tensor("token_frac", token_frac, "logits", logits);
+  check_dtype("token_frac", token_frac, {DType::kF32});
+  check_shape("token_frac", token_frac, {E});
+  check_tensor("lse", lse, "logits", logits);
+  check_dtype("lse", lse, {DType::kF32});
+  check_shape("lse", lse, {T});
+  if (on_cuda(logits, "route_forward")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::route_forward(logits, bias, p, ids, weights, prob_mean, token_frac, lse, as_ptr(stream));
+#endif
+  } else {
+    cpu::route_forward(logits, bias, p, ids, weights, prob_mean, token_frac, lse);
+  }
+}
+
+void route_backward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
+                    const TensorView& grad_weights, const TensorView& grad_prob_mean, const TensorView& grad_lse,
+                    const TensorView& grad_logits, intptr_t stream, bool check_indices) {
+  check_route_common(logits, bias, p);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  check_tensor("ids", ids, "logits", logits);
+  check_dtype("ids", ids, {DType::kI32});
+  check_shape("ids", ids, {T, p.k});
+  check_tensor("grad_weights", grad_weights, "logits", logits);
+  check_dtype("grad_weights", grad_weights, {DType::kF32});
+  check_shape("grad_weights", grad_weights, {T, p.k});
+  check_optional("grad_prob_mean", grad_prob_mean, "logits", logits);
+  if (grad_prob_mean.present) {
+    check_dtype("grad_prob_mean", grad_prob_mean, {DType::kF32});
+    check_shape("grad_prob_mean", grad_prob_mean, {E});
+  }
+  check_optional("grad_lse", grad_lse, "logits", logits);
+  if (grad_lse.present) {
+    check_dtype("grad_lse", grad_lse, {DType::kF32});
+    check_shape("grad_lse", grad_lse, {T});
+  }
+  check_tensor("grad_logits", grad_logits, "logits", logits);
+  check_same_dtype("grad_logits", grad_logits, "logits", logits);
+  check_shape("grad_logits", grad_logits, {T, E});
+  if (check_indices) check_range("ids", ids, 0, E, stream);
+  if (on_cuda(logits, "route_backward")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::route_backward(logits, bias, p, ids, grad_weights, grad_prob_mean, grad_lse, grad_logits, as_ptr(stream));
+#endif
+  } else {
+    cpu::route_backward(logits, bias, p, ids, grad_weights, grad_prob_mean, grad_lse, grad_logits);
+  }
+}
+
+int64_t plan_workspace_elems(int64_t num_slots, int num_experts, bool cuda) {
+#ifdef MOE8_WITH_CUDA
+  if (cuda) return static_cast<int64_t>(cuda::plan_workspace_elems(num_slots, num_experts));
+#else
+  (void)num_slots;
+  (void)num_experts;
+  (void)cuda;
+#endif
+  return 0;
+}
+
+int64_t plan_max_rows(int64_t num_slots, int num_experts, int pad_multiple) {
+  return num_slots + static_cast<int64_t>(num_experts) * (pad_multiple - 1);
+}
+
+void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multiple, const TensorView& counts,
+                         const TensorView& offsets, const TensorView& row_to_slot, const TensorView& slot_to_row,
+                         const TensorView& workspace, intptr_t stream, bool check_indices) {
+  (void)workspace;
+  check_present("ids", ids);
+  check_ndim("ids", ids, 2);
+  check_dtype("ids", ids, {DType::kI32});
+  check_contiguous("ids", ids);
+  MOE8_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts: expected 1..", kMaxExperts, ", got ",
+             num_experts);
+  MOE8_CHECK(pad_multiple >= 1, "pad_multiple: expected >= 1, got ", pad_multiple);
+  const int64_t slots = ids.numel();
+  MOE8_CHECK(plan_max_rows(slots, num_experts, pad_multiple) < (int64_t(1) << 31),
+             "ids: too many (token, slot) pairs for int32 rows: ", slots);
+  for (auto [name, t, n] : {std::make_tuple("counts", &counts, int64_t(num_experts)),
+                            std::make_tuple("offsets", &offsets, int64_t(num_experts) + 1),
+                            std::make_tuple("slot_to_row", &slot_to_row, slots)}) {
+    check_tensor(name, *t, "ids", ids);
+    check_dtype(name, *t, {DType::kI32});
+    check_shape(name, *t, {n});
+  }
+  check_tensor("row_to_slot", row_to_slot, "ids", ids);
+  check_dtype("row_to_slot", row_to_slot, {DType::kI32});
+  check_ndim("row_to_slot", row_to_slot, 1);
+  const int64_t need = plan_max_rows(slots, num_experts, pad_multiple);
+  MOE8_CHECK(row_to_slot.size(0) >= need, "row_to_slot: expected at least ", need,
+             " rows (T*K + E*(pad_multiple-1)), got ", row_to_slot.size(0));
+  if (check_indices) check_range("ids", ids, 0, num_experts, stream);
+  if (on_cuda(ids, "build_dispatch_plan")) {
+#ifdef MOE8_WITH_CUDA
+    const int64_t ws = plan_workspace_elems(slots, num_experts, true);
+    check_tensor("workspace", workspace, "ids", ids);
+    check_dtype("workspace", workspace, {DType::kI32});
+    MOE8_CHECK(workspace.numel() >= ws, "workspace: expected at least ", ws, " int32 elements, got ",
+               workspace.numel());
+    cuda::build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row, workspace,
+                              as_ptr(stream));
+#endif
+  } else {
+    cpu::build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row);
+  }
+}
+
+void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
+                 const TensorView& dst, intptr_t stream, bool check_indices) {
+  check_present("src", src);
+  check_ndim("src", src, 2);
+  check_float("src", src);
+  check_contiguous("src", src);
+  const int64_t T = src.size(0), H = src.size(1);
+  MOE8_CHECK(k >= 1, "k: expected >= 1, got ", k);
+  check_tensor("row_to_slot", row_to_slot, "src", src);
+  check_dtype("row_to_slot", row_to_slot, {DType::kI32});
+  check_ndim("row_to_slot", row_to_slot, 1);
+  const int64_t R = row_to_slot.size(0);
+  check_optional("scale", scale, "src", src);
+  if (scale.present) {
+    check_dtype("scale", scale, {DType::kF32});
+    MOE8_CHECK(scale.numel() == T * k, "scale: expected ", T * k, " elements (T*k), got shape ",
+               scale.shape_str());
+  }
+  check_tensor("dst", dst, "src", src);
+  check_same_dtype("dst", dst, "src", src);
+  check_shape("dst", dst, {R, H});
+  if (check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
+  if (on_cuda(src, "gather_rows")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::gather_rows(src, row_to_slot, k, scale, dst, as_ptr(stream));
+#endif
+  } else {
+    cpu::gather_rows(src, row_to_slot, k, scale, dst);
+  }
+}
+
+void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
+                  const TensorView& out, intptr_t stream, bool check_indices) {
+  check_present("rows", rows);
+  check_ndim("rows", rows, 2);
+  check_float("rows", rows);
+  check_contiguous("rows", rows);
+  check_tensor("slot_to_row", slot_to_row, "rows", rows);
+  check_dtype("slot_to_row", slot_to_row, {DType::kI32});
+  check_ndim("slot_to_row", slot_to_row, 2);
+  const int64_t T = slot_to_row.size(0), K = slot_to_row.size(1);
+  check_optional("weights", weights, "rows", rows);
+  if (weights.present) {
+    check_dtype("weights", weights, {DType::kF32});
+    check_shape("weights", weights, {T, K});
+  }
+  check_tensor("out", out, "rows", rows);
+  check_same_dtype("out", out, "rows", rows);
+  check_shape("out", out, {T, rows.size(1)});
+  if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
+  if (on_cuda(rows, "combine_rows")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::combine_rows(rows, slot_to_row, weights, out, as_ptr(stream));
+#endif
+  } else {
+    cpu::combine_rows(rows, slot_to_row, weights, out);
+  }
+}
+
+void combine_weights_grad(const TensorView& dy, const TensorView& rows, const TensorView& slot_to_row,
+                          const TensorView& d_weights, intptr_t stream, bool check_indices) {
+  check_present("dy", dy);
+  check_ndim("dy", dy, 2);
+  check_float("dy", dy);
+  check_contiguous("dy", dy);
+  check_tensor("rows", rows, "dy", dy);
+  check_same_dtype("rows", rows, "dy", dy);
+  check_shape("rows", rows, {-1, dy.size(1)});
+  check_tensor("slot_to_row", slot_to_row, "dy", dy);
+  check_dtype("slot_to_row", slot_to_row, {DType::kI32});
+  check_shape("slot_to_row", slot_to_row, {dy.size(0), -1});
+  check_tensor("d_weights", d_weights, "dy", dy);
+  check_dtype("d_weights", d_weights, {DType::kF32});
+  check_shape("d_weights", d_weights, {dy.size(0), slot_to_row.size(1)});
+  if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
+  if (on_cuda(dy, "combine_weights_grad")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::combine_weights_grad(dy, rows, slot_to_row, d_weights, as_ptr(stream));
+#endif
+  } else {
+    cpu::combine_weights_grad(dy, rows, slot_to_row, d_weights);
+  }
+}
+
+void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                  const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices) {
+  check_present("a", a);
+  check_ndim("a", a, 2);
+  check_float("a", a);
+  check_contiguous("a", a);
+  const int64_t R = a.size(0), Kd = a.size(1);
+  check_tensor("b", b, "a", a);
+  check_same_dtype("b", b, "a", a);
+  check_ndim("b", b, 3);
+  const int64_t E = b.size(0), N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
+  if (layout == WeightLayout::kNK)
+    check_shape("b", b, {E, -1, Kd});
+  else
+    check_shape("b", b, {E, Kd, -1});
+  MOE8_CHECK(E >= 1, "b: expected at least one expert (dim 0), got shape ", b.shape_str());
+  check_tensor("offsets", offsets, "a", a);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_shape("offsets", offsets, {E + 1});
+  check_optional("bias", bias, "a", a);
+  if (bias.present) {
+    check_dtype("bias", bias, {a.dtype, DType::kF32});
+    check_shape("bias", bias, {E, N});
+  }
+  check_tensor("c", c, "a", a);
+  check_same_dtype("c", c, "a", a);
+  check_shape("c", c, {R, N});
+  if (check_indices) check_offsets(offsets, R, stream);
+  if (on_cuda(a, "grouped_gemm")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::grouped_gemm(a, b, offsets, layout, bias, c, as_ptr(stream));
+#endif
+  } else {
+    cpu::grouped_gemm(a, b, offsets, layout, bias, c);
+  }
+}
+
+void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
+                        const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices) {
+  check_present("a", a);
+  check_ndim("a", a, 2);
+  check_float("a", a);
+  check_contiguous("a", a);
+  const int64_t R = a.size(0), Kd = a.size(1);
+  check_tensor("dc", dc, "a", a);
+  check_same_dtype("dc", dc, "a", a);
+  check_shape("dc", dc, {R, -1});
+  const int64_t N = dc.size(1);
+  check_tensor("db", db, "a", a);
+  check_dtype("db", db, {a.dtype, DType::kF32});
+  check_ndim("db", db, 3);
+  const int64_t E = db.size(0);
+  if (layout == WeightLayout::kNK)
+    check_shape("db", db, {E, N, Kd});
+  else
+    check_shape("db", db, {E, Kd, N});
+  MOE8_CHECK(E >= 1, "db: expected at least one expert (dim 0), got shape ", db.shape_str());
+  check_tensor("offsets", offsets, "a", a);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_shape("offsets", offsets, {E + 1});
+  check_optional("dbias", dbias, "a", a);
+  if (dbias.present) {
+    check_same_dtype("dbias", dbias, "db", db);
+    check_shape("dbias", dbias, {E, N});
+  }
+  if (check_indices) check_offsets(offsets, R, stream);
+  if (on_cuda(a, "grouped_gemm_wgrad")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias, as_ptr(stream));
+#endif
+  } else {
+    cpu::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias);
+  }
+}
+
+namespace {
+void check_activation(const TensorView& h, const ActParams& p, const TensorView& out, const char* out_name) {
+  check_present("h", h);
+  check_ndim("h", h, 2);
+  check_float("h", h);
+  check_contiguous("h", h);
+  check_tensor(out_name, out, "h", h);
+  check_same_dtype(out_name, out, "h", h);
+  check_ndim(out_name, out, 2);
+  const int64_t I = out.size(1);
+  check_shape(out_name, out, {h.size(0), -1});
+  if (is_gated(p.kind))
+    MOE8_CHECK(h.size(1) == 2 * I, "h: a gated activation expects h.shape[1] == 2 * ", out_name,
+               ".shape[1] = ", 2 * I, ", got ", h.size(1));
+  else
+    MOE8_CHECK(h.size(1) == I, "h: an ungated activation expects h.shape[1] == ", out_name, ".shape[1] = ", I,
+               ", got ", h.size(1));
+  MOE8_CHECK(p.kind >= ActKind::kSwiGLU && p.kind <= ActKind::kGELU, "kind: unknown activation ",
+             static_cast<int>(p.kind));
+}
+}  // namespace
+
+void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, intptr_t stream) {
+  check_activation(h, p, out, "out");
+  if (on_cuda(h, "activation_forward")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::activation_forward(h, p, out, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::activation_forward(h, p, out);
+  }
+}
+
+void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
+                         intptr_t stream) {
+  check_activation(h, p, dout, "dout");
+  check_tensor("dh", dh, "h", h);
+  check_same_dtype("dh", dh, "h", h);
+  check_shape("dh", dh, {h.size(0), h.size(1)});
+  if (on_cuda(h, "activation_backward")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::activation_backward(h, dout, p, dh, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::activation_backward(h, dout, p, dh);
+  }
+}
+
+}  // namespace moe8::api
