@@ -1,0 +1,231 @@
+"""Hugging Face transformers (>= 5) integration: run the experts of MoE models on moe8.
+
+    import moe8
+    moe8.enable()            # supported MoE models built from now on run their experts on moe8
+    moe8.accelerate(model)   # or switch one model that already exists
+    moe8.disable()           # back to transformers' own experts implementation
+
+transformers v5 fuses each MoE layer's experts into one module with 3D parameters (`gate_up_proj`,
+`down_proj`, GPT-OSS also biases) and looks its forward up by name in `ALL_EXPERTS_FUNCTIONS`, from
+`config._experts_implementation`. moe8 registers itself there as "moe8": the router, the parameters,
+their names and the state_dict stay HF's, so hooks (router logits for the aux loss), save_pretrained /
+from_pretrained, gradient checkpointing and PEFT `target_parameters` LoRA keep working.
+
+transformers is imported lazily: importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+
+NAME = "moe8"
+# config.model_type of the families checked against transformers' own implementation (tests/python/test_hf.py)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+_state = {"families": frozenset(), "default": False, "deterministic": True, "kwargs": None, "check": None}
+_switched = {}  # id(config) -> (weakref to the config, experts implementation to restore on disable())
+_noticed = set()
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("moe8's Hugging Face integration needs transformers>=5: pip install 'transformers>=5'") from e
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ImportError(
+            f"moe8's Hugging Face integration needs transformers>=5 (fused 3D experts and ALL_EXPERTS_FUNCTIONS); "
+            f"found transformers {transformers.__version__}"
+        )
+    return transformers
+
+
+def _families(families) -> frozenset:
+    if families is None:
+        return frozenset(FAMILIES)
+    families = [families] if isinstance(families, str) else list(families)
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"moe8: unknown families {unknown}; supported: {list(FAMILIES)}")
+    return frozenset(families)
+
+
+def _spec(experts) -> dict | str:
+    """How moe8 runs this experts module: keyword arguments of layer.experts_forward, or why it can't."""
+    from torch import nn
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    family = getattr(getattr(experts, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        return f"model type {family!r} is not one of {list(FAMILIES)}"
+    if not getattr(experts, "has_gate", False):
+        return "experts without a gate projection"
+    layout = (experts.is_transposed, experts.has_bias, experts.is_concatenated)
+    apply_gate = type(experts)._apply_gate
+    if family == "gpt_oss":
+        # h = x @ gate_up + b: gate = h[..., ::2], up = h[..., 1::2], clamped, (up + 1) * gate * sigmoid(alpha gate)
+        if layout != (True, True, False) or apply_gate.__qualname__ != "GptOssExperts._apply_gate":
+            return f"unexpected GPT-OSS experts {type(experts).__name__}"
+        return dict(layout="kn", activation="swiglu_clamped", interleaved=True,
+                    alpha=float(experts.alpha), limit=float(experts.limit))
+    # h = x @ gate_up^T: gate = first I columns, up = last I; act(gate) * up
+    if layout != (False, False, True) or apply_gate is not _default_apply_gate:
+        return f"unexpected experts {type(experts).__name__}"
+    if not isinstance(experts.act_fn, (SiLUActivation, nn.SiLU)):
+        return f"activation {type(experts.act_fn).__name__} (moe8 runs SiLU-gated experts)"
+    return dict(layout="nk", activation="swiglu")
+
+
+def _layer_kwargs() -> dict:
+    if _state["kwargs"] is None:
+        from moe8 import layer
+
+        params = inspect.signature(layer.experts_forward).parameters
+        _state["kwargs"] = {"deterministic": _state["deterministic"]} if "deterministic" in params else {}
+    return _state["kwargs"]
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "moe8" entry of ALL_EXPERTS_FUNCTIONS, called as the experts module's forward.
+
+    hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H] in hidden_states' dtype.
+    """
+    spec = _spec(self)
+    if isinstance(spec, str):  # never break a model: run transformers' default instead
+        if type(self) not in _noticed:
+            _noticed.add(type(self))
+            warnings.warn(f"moe8: {type(self).__name__} runs on transformers' grouped_mm: {spec}", stacklevel=2)
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    from moe8 import layer
+
+    biases = {}
+    if self.has_bias:
+        biases = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+    return layer.experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                 **spec, **biases, **_layer_kwargs())
+
+
+def _config_supported(config) -> str | None:
+    """None when moe8 can run this config's experts, else why not (checked before the model is built)."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"model type {family!r} is not one of {list(FAMILIES)}"
+    if family != "gpt_oss" and getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return f"hidden_act {config.hidden_act!r} (moe8 runs SiLU-gated experts)"
+    return None
+
+
+def _check_and_adjust(model, requested, original):
+    """Wraps PreTrainedModel._check_and_adjust_experts_implementation, which every model's __init__ and
+    set_experts_implementation call: picks "moe8" by default after enable(), and remembers each config set to
+    "moe8" so that disable() can switch it back."""
+    config = model.config
+    previous = config._experts_implementation
+    if requested is None and _state["default"] and getattr(config, "model_type", None) in _state["families"]:
+        why = _config_supported(config)
+        if why is None:
+            requested = NAME
+        else:
+            warnings.warn(f"moe8: {type(model).__name__} left on transformers' experts: {why}", stacklevel=4)
+    chosen = original(model, requested)
+    if chosen == NAME and id(config) not in _switched:
+        if previous in (None, NAME):
+            previous = original(model, None)
+        _switched[id(config)] = (weakref.ref(config), previous)
+    return chosen
+
+
+def register():
+    """Register "moe8" in transformers' ALL_EXPERTS_FUNCTIONS, so that `experts_implementation="moe8"` and
+    `model.set_experts_implementation("moe8")` work; changes no default."""
+    _transformers()
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.modeling_utils import PreTrainedModel
+
+    ExpertsInterface.register(NAME, experts_forward)
+    if _state["check"] is None:
+        original = PreTrainedModel._check_and_adjust_experts_implementation
+
+        def _check_and_adjust_experts_implementation(self, experts_implementation):
+            return _check_and_adjust(self, experts_implementation, original)
+
+        PreTrainedModel._check_and_adjust_experts_implementation = _check_and_adjust_experts_implementation
+        _state["check"] = (original, _check_and_adjust_experts_implementation)
+
+
+def enable(families=None, deterministic: bool = True):
+    """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
+    experts on moe8, unless it asks for another `experts_implementation` explicitly.
+
+    families: config.model_type names to accelerate (default: all of FAMILIES).
+    deterministic: same inputs give bitwise the same outputs and gradients (passed on to moe8.layer).
+    """
+    families = _families(families)
+    register()
+    _state.update(families=families, default=True, deterministic=deterministic, kwargs=None)
+
+
+def accelerate(model, families=None):
+    """Run the experts of an existing model on moe8 and return the model (switched in place).
+
+    model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
+    family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
+    """
+    _transformers()
+    from transformers.modeling_utils import PreTrainedModel
+
+    families = _families(families)
+    base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    family = getattr(getattr(base, "config", None), "model_type", None)
+    experts = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+    why = None
+    if base is None:
+        why = "not a transformers model"
+    elif not experts:
+        why = "no MoE experts"
+    elif family not in families:
+        why = f"model type {family!r} is not one of {sorted(families)}"
+    else:
+        why = next((s for s in map(_spec, experts) if isinstance(s, str)), None)
+    if why is not None:
+        warnings.warn(f"moe8: {type(model).__name__} left untouched: {why}", stacklevel=2)
+        return model
+    register()
+    base.set_experts_implementation(NAME)
+    return model
+
+
+def disable():
+    """Undo enable() and accelerate(): models switched to moe8 go back to the experts implementation they had,
+    new models get transformers' default, and "moe8" leaves ALL_EXPERTS_FUNCTIONS."""
+    if _state["check"] is not None:
+        from transformers.modeling_utils import PreTrainedModel
+
+        original, ours = _state["check"]
+        if PreTrainedModel.__dict__.get("_check_and_adjust_experts_implementation") is ours:
+            PreTrainedModel._check_and_adjust_experts_implementation = original
+    for ref, previous in _switched.values():
+        config = ref()
+        if config is not None and config._experts_implementation == NAME:
+            config._experts_implementation_internal = previous
+    _switched.clear()
+    if _state["check"] is not None:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface._global_mapping.pop(NAME, None)
+    _state.update(families=frozenset(), default=False, kwargs=None, check=None)
+    _noticed.clear()
+
+
+def is_accelerated(model) -> bool:
+    """True when the model's experts run on moe8."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_experts_implementation", None) == NAME
+
+
+__all__ = ["FAMILIES", "accelerate", "disable", "enable", "experts_forward", "is_accelerated", "register"]

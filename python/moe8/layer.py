@@ -1,0 +1,143 @@
+"""moe8.layer — a whole MoE layer composed from the core ops: route -> plan -> permute -> grouped GEMM
+-> activation -> grouped GEMM -> combine. Every step is a moe8 custom op with its own backward."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+
+
+class RouteOut(NamedTuple):
+    ids: Tensor  # [T, K] int32
+    weights: Tensor  # [T, K] float32
+    prob_mean: Tensor  # [E] mean router probability per expert (differentiable)
+    token_frac: Tensor  # [E] share of (token, slot) pairs per expert
+    lse: Tensor  # [T] logsumexp of the logits (differentiable; z-loss = mean(lse^2))
+
+
+def _choice(name: str, value: str, table: dict) -> int:
+    if value not in table:
+        raise ValueError(f"{name}: expected one of {sorted(table)}, got {value!r}")
+    return table[value]
+
+
+def route(
+    logits: Tensor,
+    k: int,
+    scheme: str = "softmax",
+    renormalize: bool = False,
+    bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+) -> RouteOut:
+    """Fused router: logits [T, E] -> top-k ids and weights plus the aux-loss statistics.
+
+    scheme "softmax": softmax -> top-k (-> renormalise) [Mixtral, Qwen, OLMoE]; "sigmoid_group": sigmoid
+    + bias -> group-limited top-k -> renormalise x scaling [DeepSeek-V3]; "topk_softmax": top-k on the
+    logits -> softmax over the k [GPT-OSS].
+    """
+    s = _choice("scheme", scheme, ops.SCHEMES)
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    out = ops.route(logits.contiguous(), bias, s, int(k), bool(renormalize), int(n_group), int(topk_group),
+                    float(scaling))
+    return RouteOut(*out)
+
+
+def load_balancing_loss(r: RouteOut) -> Tensor:
+    """Switch-style aux loss E * sum_e f_e * P_e (f: token fraction, P: mean probability)."""
+    return r.prob_mean.numel() * (r.token_frac * r.prob_mean).sum()
+
+
+def z_loss(r: RouteOut) -> Tensor:
+    return (r.lse**2).mean()
+
+
+def experts_forward(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    *,
+    layout: str = "nk",
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    gate_up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
+
+    x [T, H]; ids [T, K] int; weights [T, K]; layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
+    layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
+    """
+    lay = _choice("layout", layout, ops.LAYOUTS)
+    act = _choice("activation", activation, ops.ACTIVATIONS)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}")
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, "
+                         f"{tuple(down.shape)}")
+    num_experts, k = gate_up.shape[0], ids.shape[1]
+    dtype = gate_up.dtype
+    x = x.to(dtype).contiguous()
+    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, 1)
+    xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
+    h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
+    a = ops.activation(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
+    o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
+    return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
+
+
+def _bias(b: Optional[Tensor]) -> Optional[Tensor]:
+    return None if b is None else b.contiguous()
+
+
+def moe_forward(
+    x: Tensor,
+    router_weight: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    k: int,
+    scheme: str = "softmax",
+    renormalize: bool = False,
+    router_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+    **expert_kwargs,
+) -> tuple[Tensor, RouteOut]:
+    """A whole MoE layer: x [T, H], router_weight [E, H] -> (y [T, H], RouteOut)."""
+    logits = x @ router_weight.t()  # [T, E]
+    r = route(logits, k, scheme, renormalize, router_bias, n_group, topk_group, scaling)
+    return experts_forward(x, r.ids, r.weights, gate_up, down, **expert_kwargs), r
+
+
+class MoELayer(nn.Module):
+    """A standalone MoE block with HF-layout parameters: router [E, H], gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, k: int, scheme: str = "softmax",
+                 renormalize: bool = True, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        f = dict(dtype=dtype, device=device)
+        self.k, self.scheme, self.renormalize = k, scheme, renormalize
+        self.router = nn.Parameter(torch.randn(num_experts, hidden, **f) * hidden**-0.5)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden, **f) * hidden**-0.5)
+        self.down = nn.Parameter(torch.randn(num_experts, hidden, intermediate, **f) * intermediate**-0.5)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, RouteOut]:
+        shape = x.shape
+        y, r = moe_forward(x.reshape(-1, shape[-1]), self.router, self.gate_up, self.down, self.k, self.scheme,
+                           self.renormalize)
+        return y.view(shape), r

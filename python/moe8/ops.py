@@ -1,0 +1,330 @@
+"""moe8.ops — every core op as a torch.library custom op (fake/meta implementation, autograd where it
+has a gradient), so eager code and torch.compile(fullgraph=True) both call the C++/CUDA core.
+
+Raw ops (allocate their outputs, call moe8._C):
+    route, route_backward, plan, gather_rows, combine_rows, combine_weights_grad,
+    grouped_gemm, grouped_gemm_wgrad, activation, activation_backward
+Differentiable ops (autograd registered): route, permute, combine, grouped_gemm, activation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+SCHEMES = {"softmax": 0, "sigmoid_group": 1, "topk_softmax": 2}
+ACTIVATIONS = {"swiglu": 0, "swiglu_clamped": 1, "silu": 2, "gelu": 3}
+LAYOUTS = {"nk": 0, "kn": 1}
+
+# Index validation of plan inputs (one device sync per plan on CUDA); ops fed by our own plan skip it.
+_validate = {"indices": True}
+
+
+def set_index_validation(enabled: bool) -> None:
+    """Turn the range check of expert ids in `plan` on (default) or off (no device sync on CUDA)."""
+    _validate["indices"] = bool(enabled)
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _gated(kind: int) -> bool:
+    return kind in (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- route
+@torch.library.custom_op("moe8::route", mutates_args=())
+def route(
+    logits: Tensor,
+    bias: Optional[Tensor],
+    scheme: int,
+    k: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """logits [T, E] -> ids [T, k] int32, weights [T, k] f32, prob_mean [E], token_frac [E], lse [T]."""
+    T, E = logits.shape if logits.dim() == 2 else (0, 0)
+    dev = logits.device
+    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
+    prob_mean = torch.empty(E, dtype=torch.float32, device=dev)
+    token_frac = torch.empty(E, dtype=torch.float32, device=dev)
+    lse = torch.empty(T, dtype=torch.float32, device=dev)
+    _C.route_forward(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling,
+                     ids, weights, prob_mean, token_frac, lse, _stream(logits))
+    return ids, weights, prob_mean, token_frac, lse
+
+
+@route.register_fake
+def _(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling):
+    T, E = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return (logits.new_empty(T, k, dtype=torch.int32), logits.new_empty(T, k, **f32),
+            logits.new_empty(E, **f32), logits.new_empty(E, **f32), logits.new_empty(T, **f32))
+
+
+@torch.library.custom_op("moe8::route_backward", mutates_args=())
+def route_backward(
+    logits: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    grad_weights: Tensor,
+    grad_prob_mean: Optional[Tensor],
+    grad_lse: Optional[Tensor],
+    scheme: int,
+    k: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> Tensor:
+    grad_logits = torch.empty_like(logits)
+    _C.route_backward(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling, ids,
+                      grad_weights, grad_prob_mean, grad_lse, grad_logits, _stream(logits), False)
+    return grad_logits
+
+
+@route_backward.register_fake
+def _(logits, bias, ids, grad_weights, grad_prob_mean, grad_lse, scheme, k, renormalize, n_group,
+      topk_group, scaling):
+    return torch.empty_like(logits)
+
+
+def _route_setup(ctx, inputs, output):
+    logits, bias, *params = inputs
+    ctx.params = params
+    ctx.save_for_backward(logits, bias, output[0])
+
+
+def _route_bwd(ctx, g_ids, g_weights, g_prob_mean, g_token_frac, g_lse):
+    logits, bias, ids = ctx.saved_tensors
+    if g_weights is None:
+        g_weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    as_f32 = (lambda g: None if g is None else g.float().contiguous())
+    grad = route_backward(logits, bias, ids, g_weights.float().contiguous(), as_f32(g_prob_mean),
+                          as_f32(g_lse), *ctx.params)
+    return grad, None, None, None, None, None, None, None
+
+
+route.register_autograd(_route_bwd, setup_context=_route_setup)
+
+
+# ----------------------------------------------------------------------------------------------- plan
+@torch.library.custom_op("moe8::plan", mutates_args=())
+def plan(ids: Tensor, num_experts: int, pad_multiple: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ids [T, K] int32 -> counts [E], offsets [E+1], row_to_slot [R], slot_to_row [T*K] (all int32)."""
+    slots = ids.numel()
+    dev = ids.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    rows = _C.plan_max_rows(slots, num_experts, pad_multiple)
+    counts = torch.empty(num_experts, **i32)
+    offsets = torch.empty(num_experts + 1, **i32)
+    row_to_slot = torch.empty(rows, **i32)
+    slot_to_row = torch.empty(slots, **i32)
+    ws_elems = _C.plan_workspace_elems(slots, num_experts, ids.is_cuda)
+    workspace = torch.empty(ws_elems, **i32) if ids.is_cuda else None
+    _C.build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row,
+                           workspace, _stream(ids), _validate["indices"])
+    return counts, offsets, row_to_slot, slot_to_row
+
+
+@plan.register_fake
+def _(ids, num_experts, pad_multiple):
+    slots = ids.numel()
+    rows = slots + num_experts * (pad_multiple - 1)
+    i32 = dict(dtype=torch.int32)
+    return (ids.new_empty(num_experts, **i32), ids.new_empty(num_experts + 1, **i32),
+            ids.new_empty(rows, **i32), ids.new_empty(slots, **i32))
+
+
+# ------------------------------------------------------------------------------------- row movement
+@torch.library.custom_op("moe8::gather_rows", mutates_args=())
+def gather_rows(src: Tensor, row_to_slot: Tensor, k: int, scale: Optional[Tensor]) -> Tensor:
+    """dst[r] = scale[slot] * src[slot // k] (0 where slot < 0); src [T, H] -> dst [R, H]."""
+    dst = src.new_empty(row_to_slot.shape[0], src.shape[1])
+    _C.gather_rows(src, row_to_slot, k, scale, dst, _stream(src), False)
+    return dst
+
+
+@gather_rows.register_fake
+def _(src, row_to_slot, k, scale):
+    return src.new_empty(row_to_slot.shape[0], src.shape[1])
+
+
+@torch.library.custom_op("moe8::combine_rows", mutates_args=())
+def combine_rows(rows: Tensor, slot_to_row: Tensor, weights: Optional[Tensor]) -> Tensor:
+    """out[t] = sum_k weights[t, k] * rows[slot_to_row[t, k]]; slot_to_row [T, K] -> out [T, H]."""
+    out = rows.new_empty(slot_to_row.shape[0], rows.shape[1])
+    _C.combine_rows(rows, slot_to_row, weights, out, _stream(rows), False)
+    return out
+
+
+@combine_rows.register_fake
+def _(rows, slot_to_row, weights):
+    return rows.new_empty(slot_to_row.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("moe8::combine_weights_grad", mutates_args=())
+def combine_weights_grad(dy: Tensor, rows: Tensor, slot_to_row: Tensor) -> Tensor:
+    d_weights = torch.empty(slot_to_row.shape, dtype=torch.float32, device=dy.device)
+    _C.combine_weights_grad(dy, rows, slot_to_row, d_weights, _stream(dy), False)
+    return d_weights
+
+
+@combine_weights_grad.register_fake
+def _(dy, rows, slot_to_row):
+    return dy.new_empty(slot_to_row.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("moe8::permute", mutates_args=())
+def permute(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, k: int) -> Tensor:
+    """Tokens into expert order: x [T, H] -> rows [R, H]. Backward is a gather-sum (no atomics)."""
+    return gather_rows(x, row_to_slot, k, None)
+
+
+@permute.register_fake
+def _(x, row_to_slot, slot_to_row, k):
+    return x.new_empty(row_to_slot.shape[0], x.shape[1])
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+    ctx.k = inputs[3]
+
+
+def _permute_bwd(ctx, g):
+    (slot_to_row,) = ctx.saved_tensors
+    return combine_rows(g.contiguous(), slot_to_row.view(-1, ctx.k), None), None, None, None
+
+
+permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moe8::combine", mutates_args=())
+def combine(rows: Tensor, weights: Tensor, slot_to_row: Tensor, row_to_slot: Tensor) -> Tensor:
+    """Expert rows back to tokens, weighted: rows [R, H], weights [T, K] f32 -> y [T, H]."""
+    return combine_rows(rows, slot_to_row.view(weights.shape), weights)
+
+
+@combine.register_fake
+def _(rows, weights, slot_to_row, row_to_slot):
+    return rows.new_empty(weights.shape[0], rows.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    rows, weights, slot_to_row, row_to_slot = inputs
+    ctx.save_for_backward(rows, weights, slot_to_row, row_to_slot)
+
+
+def _combine_bwd(ctx, g):
+    rows, weights, slot_to_row, row_to_slot = ctx.saved_tensors
+    g = g.contiguous()
+    k = weights.shape[1]
+    d_rows = gather_rows(g, row_to_slot, k, weights.reshape(-1)) if ctx.needs_input_grad[0] else None
+    d_weights = combine_weights_grad(g, rows, slot_to_row.view(weights.shape)) if ctx.needs_input_grad[1] else None
+    return d_rows, d_weights, None, None
+
+
+combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+# --------------------------------------------------------------------------------------- grouped GEMM
+@torch.library.custom_op("moe8::grouped_gemm", mutates_args=())
+def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optional[Tensor]) -> Tensor:
+    """c[r] = a[r] . op(b[e]) + bias[e] for rows r of expert e. layout 0: b [E, N, K]; 1: b [E, K, N]."""
+    n = b.shape[1] if layout == 0 else b.shape[2]
+    c = a.new_empty(a.shape[0], n)
+    _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False)
+    return c
+
+
+@grouped_gemm.register_fake
+def _(a, b, offsets, layout, bias):
+    return a.new_empty(a.shape[0], b.shape[1] if layout == 0 else b.shape[2])
+
+
+@torch.library.custom_op("moe8::grouped_gemm_wgrad", mutates_args=())
+def grouped_gemm_wgrad(
+    a: Tensor, dc: Tensor, offsets: Tensor, layout: int, num_experts: int, with_bias: bool
+) -> tuple[Tensor, Tensor]:
+    """d b (shape of b for `layout`) and d bias [E, N] (empty when with_bias is False)."""
+    kd, n = a.shape[1], dc.shape[1]
+    db = a.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
+    dbias = a.new_empty(num_experts, n) if with_bias else a.new_empty(0)
+    _C.grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias if with_bias else None, _stream(a), False)
+    return db, dbias
+
+
+@grouped_gemm_wgrad.register_fake
+def _(a, dc, offsets, layout, num_experts, with_bias):
+    kd, n = a.shape[1], dc.shape[1]
+    db = a.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
+    return db, (a.new_empty(num_experts, n) if with_bias else a.new_empty(0))
+
+
+def _gg_setup(ctx, inputs, output):
+    a, b, offsets, layout, bias = inputs
+    ctx.layout = layout
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(a, b, offsets)
+
+
+def _gg_bwd(ctx, g):
+    a, b, offsets = ctx.saved_tensors
+    g = g.contiguous()
+    da = grouped_gemm(g, b, offsets, 1 - ctx.layout, None) if ctx.needs_input_grad[0] else None
+    db = dbias = None
+    if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[4]):
+        db, dbias = grouped_gemm_wgrad(a, g, offsets, ctx.layout, b.shape[0], ctx.bias_dtype is not None)
+        dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+    return da, db, None, None, dbias
+
+
+grouped_gemm.register_autograd(_gg_bwd, setup_context=_gg_setup)
+
+
+# ---------------------------------------------------------------------------------------- activation
+@torch.library.custom_op("moe8::activation", mutates_args=())
+def activation(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
+    """Gated (kind 0 swiglu, 1 swiglu_clamped): h [R, 2I] -> [R, I]; ungated (2 silu, 3 gelu): same shape."""
+    out = h.new_empty(h.shape[0], h.shape[1] // 2 if _gated(kind) else h.shape[1])
+    _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
+    return out
+
+
+@activation.register_fake
+def _(h, kind, interleaved, alpha, limit):
+    return h.new_empty(h.shape[0], h.shape[1] // 2 if _gated(kind) else h.shape[1])
+
+
+@torch.library.custom_op("moe8::activation_backward", mutates_args=())
+def activation_backward(h: Tensor, dout: Tensor, kind: int, interleaved: bool, alpha: float,
+                        limit: float) -> Tensor:
+    dh = torch.empty_like(h)
+    _C.activation_backward(h, dout, kind, interleaved, alpha, limit, dh, _stream(h))
+    return dh
+
+
+@activation_backward.register_fake
+def _(h, dout, kind, interleaved, alpha, limit):
+    return torch.empty_like(h)
+
+
+def _act_setup(ctx, inputs, output):
+    ctx.params = inputs[1:]
+    ctx.save_for_backward(inputs[0])
+
+
+def _act_bwd(ctx, g):
+    (h,) = ctx.saved_tensors
+    return activation_backward(h, g.contiguous(), *ctx.params), None, None, None, None
+
+
+activation.register_autograd(_act_bwd, setup_context=_act_setup)
