@@ -4,6 +4,7 @@
 // Portable to sm_80; the Hopper wgmma/TMA kernels are a separate family.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 

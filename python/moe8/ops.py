@@ -14,7 +14,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C as _ext
+
+
+class _Core:
+    """moe8._C with tensor arguments detached (DLPack refuses tensors that require grad)."""
+
+    def __getattr__(self, name):
+        fn = getattr(_ext, name)
+
+        def call(*args):
+            return fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
+
+        return call
+
+
+_C = _Core()
 
 SCHEMES = {"softmax": 0, "sigmoid_group": 1, "topk_softmax": 2}
 ACTIVATIONS = {"swiglu": 0, "swiglu_clamped": 1, "silu": 2, "gelu": 3}

@@ -38,6 +38,19 @@ def route(logits: Tensor, k: int, scheme: str = "softmax", renormalize: bool = F
     raise ValueError(f"scheme: unknown {scheme!r}")
 
 
+def route_weights(logits: Tensor, ids: Tensor, scheme: str = "softmax", renormalize: bool = False,
+                  scaling: float = 1.0) -> Tensor:
+    """The routing weights of given expert ids (the differentiable part of `route`)."""
+    ids = ids.long()
+    if scheme == "topk_softmax":
+        return F.softmax(logits.gather(1, ids), dim=-1)
+    score = F.softmax(logits, dim=-1) if scheme == "softmax" else logits.sigmoid()
+    w = score.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if scheme == "sigmoid_group" else 0.0))
+    return w * scaling if scheme == "sigmoid_group" else w
+
+
 def act(h: Tensor, activation: str = "swiglu", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0) -> Tensor:
     if activation in ("silu", "gelu"):

@@ -1,0 +1,29 @@
+"""Shared pytest setup. NOTE for the lead: this file was rebuilt by the HF-integration helper after it
+accidentally overwrote the lead's untracked conftest.py; devices() is reconstructed from its use in
+test_layer.py. Check it against what you had."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Run the tests from a checkout without installing moe8: python/ holds the package (and the built _C).
+if importlib.util.find_spec("moe8") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+
+def _cuda() -> bool:
+    import moe8
+
+    return torch.cuda.is_available() and moe8.cuda_available()
+
+
+def devices():
+    """Devices to run a test on: always the CPU; CUDA when moe8 was built with it and a GPU is visible."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU"))]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU (deselect with -m 'not slow')")
