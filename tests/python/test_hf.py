@@ -1,0 +1,364 @@
+"""moe8.hf against transformers' own experts implementation: for every supported family a tiny random model is
+built twice with the same weights, one runs its experts on moe8; logits, loss (with the aux loss), router
+logits and every gradient must agree (fp32, CPU). Also enable/disable, save/load, gradient checkpointing,
+unsupported models, a 50-step training curve on real text, torch.compile and PEFT LoRA on the experts.
+
+MOE8_HF_STANDIN=1 runs everything with the pure-PyTorch stand-in (_standin.py) instead of moe8.layer, which
+tells an integration bug from a kernel bug."""
+
+import copy
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.0", reason="moe8.hf needs transformers>=5")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+
+import moe8  # noqa: E402, F401
+from moe8 import hf, layer  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+VOCAB = 128
+TOL = 1e-5
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def config(family, **over):
+    """A tiny random config: hidden 32, 8 experts, top-2, 2-3 layers, vocab 128, eager attention."""
+    c = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.05,
+             output_router_logits=True, router_aux_loss_coef=0.05, num_experts_per_tok=2)
+    if family == "mixtral":
+        c.update(intermediate_size=48, num_hidden_layers=2, num_local_experts=8)
+    elif family == "qwen2_moe":  # shared expert with a sigmoid gate; decoder_sparse_step 2: layer 0 is dense
+        c.update(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
+                 num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)
+    elif family == "qwen3_moe":  # mlp_only_layers: layer 1 is dense
+        c.update(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_hidden_layers=3, head_dim=8,
+                 mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
+    elif family == "olmoe":
+        c.update(intermediate_size=24, num_experts=8, num_hidden_layers=2)
+    elif family == "deepseek_v3":  # first layer dense; 4 groups of 2 experts, top-2 groups; bias; scaling; shared
+        for k in ("output_router_logits", "router_aux_loss_coef"):
+            c.pop(k)
+        c.update(num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                 n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                 routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24,
+                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    elif family == "gpt_oss":  # transposed interleaved gate_up with biases, clamped SwiGLU, router bias, sinks
+        c.update(intermediate_size=32, num_local_experts=8, num_hidden_layers=2, head_dim=8, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"],
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    c.update(over)
+    cfg = transformers.AutoConfig.for_model(family, **c)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(family, seed=0, **over):
+    """A model with transformers' default experts implementation; zero-initialised tensors (expert and router
+    biases, DeepSeek's e_score_correction_bias) get random values so that they matter."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(family, **over))
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point() and t.numel() > 1 and not t.any():
+                t.normal_(0, 0.05)
+    return model
+
+
+def twin(model, accelerate=True):
+    """A second model with the same weights (a fresh config object: the experts implementation lives there)."""
+    other = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+    other.load_state_dict(model.state_dict())
+    return hf.accelerate(other) if accelerate else other
+
+
+def tokens(batch=2, seq=16, seed=0):
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids):
+    """logits, loss, aux loss, router logits and every parameter gradient of one forward/backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def assert_same(out_a, grads_a, out_b, grads_b, tol=TOL):
+    assert rel(out_a.logits, out_b.logits) < tol
+    assert rel(out_a.loss, out_b.loss) < tol
+    if getattr(out_b, "aux_loss", None) is not None:
+        assert rel(out_a.aux_loss, out_b.aux_loss) < tol
+        assert len(out_a.router_logits) == len(out_b.router_logits) > 0
+        for ra, rb in zip(out_a.router_logits, out_b.router_logits):
+            assert rel(ra, rb) < tol
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_b.items():
+        assert (g is None) == (grads_a[name] is None), name
+        if g is not None:
+            assert rel(grads_a[name], g) < tol, name
+
+
+def experts_modules(model):
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    hf.disable()
+
+
+@pytest.fixture(autouse=True)
+def calls(monkeypatch):
+    """Counts the calls of moe8.layer.experts_forward (the stand-in's with MOE8_HF_STANDIN=1)."""
+    if os.environ.get("MOE8_HF_STANDIN") == "1":
+        import _standin
+
+        monkeypatch.setattr(layer, "experts_forward", _standin.experts_forward)
+    inner, counter = layer.experts_forward, {"n": 0}
+
+    def counted(*args, **kwargs):
+        counter["n"] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "experts_forward", counted)
+    return counter
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_family_matches_transformers(family, calls):
+    ref = build(family)
+    acc = twin(ref)
+    assert hf.is_accelerated(acc) and not hf.is_accelerated(ref)
+    assert ref.config._experts_implementation == "grouped_mm"
+    assert list(acc.state_dict()) == list(ref.state_dict())
+    n_moe = len(experts_modules(acc))
+    n_dense = {"qwen2_moe": 1, "qwen3_moe": 1, "deepseek_v3": 1}.get(family, 0)
+    assert n_moe == acc.config.num_hidden_layers - n_dense
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    assert calls["n"] == 0
+    out_a, grads_a = run(acc, ids)
+    assert calls["n"] == n_moe
+    assert_same(out_r, grads_r, out_a, grads_a)
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_experts_match_hf_eager(family, T):
+    """One experts module against HF's own eager loop at large magnitudes (GPT-OSS clamps at 7), int64 ids as
+    HF routers give, 1 token, experts with no token, and all tokens on one expert."""
+    experts = experts_modules(build(family))[0]
+    E, H = experts.num_experts, experts.gate_up_proj.shape[1 if experts.is_transposed else 2]
+    g = torch.Generator().manual_seed(T)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (H**-0.5 if p.dim() == 3 else 1.0))
+    eager = type(experts).forward.__wrapped__
+    for ids in (torch.randint(0, E // 2, (T, 2), generator=g), torch.zeros(T, 2, dtype=torch.long)):
+        x = (torch.randn(T, H, generator=g) * 4).requires_grad_()
+        w = torch.rand(T, 2, generator=g).requires_grad_()
+        ys, grads = [], []
+        for fn in (eager, hf.experts_forward):
+            y = fn(experts, x, ids, w)
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+            grads.append(torch.autograd.grad(y, [x, w, *experts.parameters()], dy))
+            ys.append(y)
+        assert ys[1].dtype == x.dtype
+        assert rel(ys[1], ys[0]) < TOL
+        for a, b in zip(grads[1], grads[0]):
+            assert rel(a, b) < TOL
+
+
+def test_enable_makes_moe8_the_default_and_disable_restores():
+    ref = build("mixtral")
+    hf.enable()
+    assert "moe8" in ALL_EXPERTS_FUNCTIONS
+    acc = twin(ref, accelerate=False)  # built after enable(): moe8 without asking
+    assert hf.is_accelerated(acc)
+    explicit = AutoModelForCausalLM.from_config(copy.deepcopy(ref.config), experts_implementation="eager")
+    assert explicit.config._experts_implementation == "eager"  # an explicit choice wins
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    out_a, grads_a = run(acc, ids)
+    assert_same(out_r, grads_r, out_a, grads_a)
+
+    hf.disable()
+    assert "moe8" not in ALL_EXPERTS_FUNCTIONS
+    assert acc.config._experts_implementation == "grouped_mm"  # switched back, still works
+    assert twin(ref, accelerate=False).config._experts_implementation == "grouped_mm"
+    assert_same(out_r, grads_r, *run(acc, ids))
+
+
+def test_enable_families():
+    hf.enable(families=["olmoe"])
+    assert hf.is_accelerated(build("olmoe"))
+    assert build("mixtral").config._experts_implementation == "grouped_mm"
+    with pytest.raises(ValueError, match="llama"):
+        hf.enable(families=["llama"])
+
+
+def test_accelerate_then_disable_restores_previous_implementation():
+    model = build("qwen3_moe")
+    model.set_experts_implementation("eager")
+    assert hf.accelerate(model) is model and hf.is_accelerated(model)
+    hf.disable()
+    assert model.config._experts_implementation == "eager"
+
+
+def test_unsupported_models_are_untouched():
+    torch.manual_seed(0)
+    llama_cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)
+    llama = AutoModelForCausalLM.from_config(llama_cfg)
+    before = llama.get_experts_implementation()
+    ids = tokens()
+    logits = llama(input_ids=ids).logits
+    with pytest.warns(UserWarning, match="left untouched: no MoE experts"):
+        assert hf.accelerate(llama) is llama
+    assert llama.get_experts_implementation() == before
+    assert torch.equal(llama(input_ids=ids).logits, logits)
+
+    gelu = build("mixtral", hidden_act="gelu")  # moe8 runs SiLU-gated experts only
+    with pytest.warns(UserWarning, match="left untouched: activation GELUActivation"):
+        hf.accelerate(gelu)
+    assert gelu.config._experts_implementation == "grouped_mm"
+    with pytest.warns(UserWarning, match="left untouched: model type 'mixtral'"):
+        hf.accelerate(build("mixtral"), families=["olmoe"])
+
+    hf.enable()
+    AutoModelForCausalLM.from_config(llama_cfg)  # not an MoE model: no notice, nothing changes
+    with pytest.warns(UserWarning, match="left on transformers' experts: hidden_act 'gelu'"):
+        assert build("mixtral", hidden_act="gelu").config._experts_implementation == "grouped_mm"
+
+
+def test_save_pretrained_round_trip(tmp_path, calls):
+    ref = build("gpt_oss")
+    acc = twin(ref)
+    ids = tokens()
+    logits = acc(input_ids=ids).logits
+    acc.save_pretrained(tmp_path)
+    assert "moe8" not in (tmp_path / "config.json").read_text()
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(ref.state_dict())
+
+    hf.enable()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert hf.is_accelerated(loaded)
+    n = calls["n"]
+    assert rel(loaded(input_ids=ids).logits, logits) < TOL and calls["n"] > n
+    hf.disable()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert plain.config._experts_implementation == "grouped_mm"
+    assert rel(plain(input_ids=ids).logits, logits) < TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_gradient_checkpointing(family, calls):
+    ref = build(family)
+    acc = twin(ref)
+    for m in (ref, acc):
+        m.gradient_checkpointing_enable()
+        m.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    out_a, grads_a = run(acc, ids)
+    assert calls["n"] == 2 * len(experts_modules(acc))  # the backward recomputes each layer on moe8
+    assert_same(out_r, grads_r, out_a, grads_a)
+
+
+def text_batches(steps, batch, seq):
+    """Real English text as bytes (ASCII < 128 = VOCAB), or generated text when the shared data is missing."""
+    path = DATA / "text" / "sentences.txt"
+    if path.exists():
+        with open(path, "rb") as f:
+            data = f.read(steps * batch * (seq + 1) * 2)
+    else:
+        rng = random.Random(0)
+        words = "the of and a to in is was that for it with as his on be at by had are but from".split()
+        data = " ".join(rng.choice(words) for _ in range(steps * batch * seq)).encode()
+    t = torch.tensor(list(data[: steps * batch * seq]), dtype=torch.long) % VOCAB
+    return t.view(steps, batch, seq)
+
+
+@pytest.mark.slow
+def test_training_curve_matches(calls):
+    """50 AdamW steps (lr 1e-3) on real text: the loss curves (LM + aux loss) agree step by step."""
+    ref = build("olmoe")
+    acc = twin(ref)
+    losses = []
+    for model in (ref, acc):
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for ids in text_batches(50, 4, 32):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        losses.append(curve)
+    assert calls["n"] == 50 * 2
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert abs(a - b) / abs(a) < 1e-4, (step, a, b)
+    assert sum(losses[1][-5:]) < 0.8 * sum(losses[1][:5])  # it learns
+
+
+@pytest.mark.slow
+def test_torch_compile(calls):
+    ref = build("mixtral")
+    acc = twin(ref)
+    compiled = torch.compile(acc)
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    out_c, grads_c = run(compiled, ids)
+    assert_same(out_r, grads_r, out_c, {n.replace("_orig_mod.", ""): g for n, g in grads_c.items()})
+
+
+def test_peft_lora_on_experts(calls):
+    """PEFT LoRA with target_parameters on the fused experts (gate_up_proj, down_proj): same loss and LoRA
+    gradients as transformers' implementation; state_dict keys unchanged."""
+    peft = pytest.importorskip("peft", minversion="0.17", reason="LoRA target_parameters needs peft>=0.17")
+    ref = build("qwen3_moe")
+    acc = twin(ref, accelerate=False)
+    lora = dict(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    models = []
+    for base in (ref, acc):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(base, peft.LoraConfig(**lora)))
+    hf.accelerate(models[1])  # a PeftModel: accelerate finds the transformers model inside
+    assert hf.is_accelerated(acc)
+    assert list(models[0].state_dict()) == list(models[1].state_dict())
+    ids = tokens()
+    (out_r, grads_r), (out_a, grads_a) = run(models[0], ids), run(models[1], ids)
+    assert calls["n"] == len(experts_modules(acc)) > 0
+    assert any("lora" in n for n in grads_a) and all("lora" in n for n in grads_a)
+    assert_same(out_r, grads_r, out_a, grads_a)
+
+
+def test_needs_transformers_5(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(ImportError, match="transformers>=5"):
+        hf.enable()
+
+
+def test_notice_lines_are_short():
+    with pytest.warns(UserWarning) as record:
+        hf.accelerate(torch.nn.Linear(2, 2))
+    assert len(record) == 1 and "\n" not in str(record[0].message)
