@@ -9,21 +9,6 @@
 namespace moe8::cpu {
 namespace {
 
-// Expert owning row r, or -1 past offsets[E].
-int expert_of_row(const int32_t* off, int E, int64_t r) {
-  if (r >= off[E]) return -1;
-  int lo = 0, hi = E;  // find the last e with off[e] <= r
-  while (hi - lo > 1) {
-    int mid = (lo + hi) / 2;
-    if (off[mid] <= r)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  while (off[lo + 1] <= r) ++lo;  // skip empty groups sharing the start
-  return lo;
-}
-
 template <typename T>
 float load(const TensorView& t, int64_t i) {
   return to_f(t.ptr<T>()[i]);
@@ -40,29 +25,30 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
     const scalar_t* A = a.ptr<scalar_t>();
     const scalar_t* B = b.ptr<scalar_t>();
     scalar_t* C = c.ptr<scalar_t>();
-    parallel_for(R, 16, [&](int64_t r) {
-      int e = expert_of_row(off, E, r);
-      std::vector<float> acc(N, 0.f);
-      if (e >= 0) {
-        std::vector<float> x(Kd);
-        for (int64_t k = 0; k < Kd; ++k) x[k] = to_f(A[r * Kd + k]);
-        const scalar_t* W = B + static_cast<int64_t>(e) * N * Kd;
-        if (layout == WeightLayout::kNK) {
-          for (int64_t n = 0; n < N; ++n) {
-            float s = 0.f;
-            for (int64_t k = 0; k < Kd; ++k) s += x[k] * to_f(W[n * Kd + k]);
-            acc[n] = s;
-          }
-        } else {
-          for (int64_t k = 0; k < Kd; ++k)
-            for (int64_t n = 0; n < N; ++n) acc[n] += x[k] * to_f(W[k * N + n]);
+    std::vector<float> w(Kd * N);  // b[e] as fp32 [Kd, N]: the inner loop becomes a vectorisable axpy over N
+    for (int e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], r1 = off[e + 1];
+      if (r0 == r1) continue;
+      const scalar_t* W = B + static_cast<int64_t>(e) * N * Kd;
+      parallel_for(Kd, 64, [&](int64_t k) {
+        for (int64_t n = 0; n < N; ++n) w[k * N + n] = to_f(layout == WeightLayout::kNK ? W[n * Kd + k] : W[k * N + n]);
+      });
+      parallel_for(r1 - r0, 8, [&](int64_t i) {
+        const int64_t r = r0 + i;
+        std::vector<float> acc(N, 0.f);
+        for (int64_t k = 0; k < Kd; ++k) {
+          const float x = to_f(A[r * Kd + k]);
+          const float* wk = w.data() + k * N;
+          for (int64_t n = 0; n < N; ++n) acc[n] += x * wk[n];
         }
         if (bias.present)
           for (int64_t n = 0; n < N; ++n)
             acc[n] += bias.dtype == DType::kF32 ? load<float>(bias, e * N + n) : load<scalar_t>(bias, e * N + n);
-      }
-      for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(acc[n]);
-    });
+        for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(acc[n]);
+      });
+    }
+    for (int64_t r = off[E]; r < R; ++r)  // rows past the last group
+      for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(0.f);
   });
 }
 

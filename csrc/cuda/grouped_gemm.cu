@@ -16,7 +16,6 @@
 namespace moe8::cuda {
 namespace gg {
 
-constexpr int kTile = 128;    // output tile edge of both main loops
 constexpr int kThreads = 256;  // threads per block of both main loops
 constexpr int kGroupM = 8;     // M tiles swept together per N tile, for L2 reuse of the expert's weights
 
@@ -28,9 +27,10 @@ struct TileJob {
   int m_tile, n_tile;          // tile within the group
 };
 
-// Forward tiles are numbered group by group (groups 0..E, each ceil(rows / kTile) * n_tiles tiles). The
+// Forward tiles are numbered group by group (groups 0..E, each ceil(rows / kBM) * n_tiles tiles). The
 // block scans the per-group tile counts from the device offsets (kThreads groups per step) and finds the
 // group holding tile `tile`. Returns false, for the whole block, when tile is past the last one.
+template <int kBM>
 __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int64_t rows,
                                           int n_tiles, int tile, TileJob& job) {
   constexpr int kWarps = kThreads / 32;
@@ -44,7 +44,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
     int t = 0;
     if (g <= num_experts) {
       const int64_t end = g < num_experts ? offsets[g + 1] : rows;
-      t = static_cast<int>((end - offsets[g] + kTile - 1) / kTile) * n_tiles;
+      t = static_cast<int>((end - offsets[g] + kBM - 1) / kBM) * n_tiles;
     }
     int incl = t;
 #pragma unroll
@@ -75,7 +75,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
   job.group = g;
   job.row_begin = offsets[g];
   job.row_end = g < num_experts ? offsets[g + 1] : rows;
-  const int m_tiles = static_cast<int>((job.row_end - job.row_begin + kTile - 1) / kTile);
+  const int m_tiles = static_cast<int>((job.row_end - job.row_begin + kBM - 1) / kBM);
   const int local = tile - s_found[1];
   // Within the group, kGroupM consecutive M tiles share each N tile before moving on.
   const int per_band = kGroupM * n_tiles;
@@ -104,10 +104,10 @@ __device__ __forceinline__ void store_pair(T* row, int64_t col, int64_t cols, fl
   }
 }
 
-template <typename T>
+template <int kBM, int kBN, typename T>
 __device__ __forceinline__ void zero_tile(T* c, int64_t m0, int64_t m_end, int64_t n0, int64_t n) {
-  for (int idx = threadIdx.x; idx < kTile * kTile; idx += kThreads) {
-    const int64_t row = m0 + idx / kTile, col = n0 + idx % kTile;
+  for (int idx = threadIdx.x; idx < kBM * kBN; idx += kThreads) {
+    const int64_t row = m0 + idx / kBN, col = n0 + idx % kBN;
     if (row < m_end && col < n) c[row * n + col] = from_float<T>(0.f);
   }
 }
@@ -132,28 +132,33 @@ struct WgradArgs {
   bool pair_ok;
 };
 
+template <typename T, bool kAKMajor, bool kBKMajor, bool kMma>
+using Mainloop =
+    std::conditional_t<kMma, MmaMainloop<T, kAKMajor, kBKMajor>, SimtMainloop<T, kAKMajor, kBKMajor>>;
+
 // kMma: tensor-core main loop (16-bit T), else SIMT. kBKMajor: b is [E, N, Kd] (kNK), else [E, Kd, N].
 template <typename T, typename TBias, bool kBKMajor, bool kMma>
-__global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) grouped_gemm_kernel(const FwdArgs p) {
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const FwdArgs p) {
+  using Loop = Mainloop<T, true, kBKMajor, kMma>;
+  static_assert(Loop::kThreads == kThreads);
+  constexpr int kBM = Loop::kBM, kBN = Loop::kBN;
   TileJob job;
-  if (!find_tile(p.offsets, p.num_experts, p.rows, p.n_tiles, blockIdx.x, job)) return;
-  const int64_t m0 = job.row_begin + static_cast<int64_t>(job.m_tile) * kTile;
-  const int64_t n0 = static_cast<int64_t>(job.n_tile) * kTile;
+  if (!find_tile<kBM>(p.offsets, p.num_experts, p.rows, p.n_tiles, blockIdx.x, job)) return;
+  const int64_t m0 = job.row_begin + static_cast<int64_t>(job.m_tile) * kBM;
+  const int64_t n0 = static_cast<int64_t>(job.n_tile) * kBN;
   T* c = static_cast<T*>(p.c);
   if (job.group == p.num_experts) {
-    zero_tile(c, m0, job.row_end, n0, p.n);
+    zero_tile<kBM, kBN>(c, m0, job.row_end, n0, p.n);
     return;
   }
   const Operand<T> a{static_cast<const T*>(p.a), p.k, job.row_end, p.k};
   const Operand<T> b{static_cast<const T*>(p.b) + job.group * p.n * p.k, kBKMajor ? p.k : p.n, p.n, p.k};
   const TBias* bias = p.bias ? static_cast<const TBias*>(p.bias) + job.group * p.n : nullptr;
-  using Mainloop = std::conditional_t<kMma, MmaMainloop<T, true, kBKMajor>, SimtMainloop<T, true, kBKMajor>>;
-  static_assert(Mainloop::kBM == kTile && Mainloop::kBN == kTile && Mainloop::kThreads == kThreads);
-  typename Mainloop::Acc acc = {};
+  typename Loop::Acc acc = {};
   if constexpr (kMma) {
     extern __shared__ __align__(128) unsigned char gg_smem[];
-    Mainloop::run(gg_smem, a, m0, b, n0, 0, p.k, acc);
-    Mainloop::for_each_acc(acc, [&](int r, int col, float v0, float v1) {
+    Loop::run(gg_smem, a, m0, b, n0, 0, p.k, acc);
+    Loop::for_each_acc(acc, [&](int r, int col, float v0, float v1) {
       const int64_t row = m0 + r, n = n0 + col;
       if (row >= job.row_end) return;  // rows of the next group are its own blocks' work
       if (bias) {
@@ -163,9 +168,9 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) grouped_gemm_kernel(co
       store_pair(c + row * p.n, n, p.n, v0, v1, p.pair_ok);
     });
   } else {
-    __shared__ __align__(16) typename Mainloop::Smem smem;
-    Mainloop::run(smem, a, m0, b, n0, 0, p.k, acc);
-    Mainloop::for_each_acc(acc, [&](int r, int col, float v) {
+    __shared__ __align__(16) typename Loop::Smem smem;
+    Loop::run(smem, a, m0, b, n0, 0, p.k, acc);
+    Loop::for_each_acc(acc, [&](int r, int col, float v) {
       const int64_t row = m0 + r, n = n0 + col;
       if (row >= job.row_end || n >= p.n) return;
       if (bias) v += to_float(bias[n]);
@@ -177,27 +182,28 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) grouped_gemm_kernel(co
 // db[e] = x[rows of e]^T · y[rows of e]: a GEMM whose reduction runs over the group's rows, so the grid is
 // (N' tiles, M' tiles, E) with no search; an empty group leaves acc zero and writes zeros.
 template <typename T, typename TOut, bool kMma>
-__global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) grouped_gemm_wgrad_kernel(const WgradArgs p) {
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_wgrad_kernel(const WgradArgs p) {
+  using Loop = Mainloop<T, false, false, kMma>;
+  static_assert(Loop::kThreads == kThreads);
   const int e = blockIdx.z;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * Loop::kBM;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * Loop::kBN;
   const int64_t r0 = p.offsets[e], r1 = p.offsets[e + 1];
   const Operand<T> x{static_cast<const T*>(p.x), p.m, p.m, r1};
   const Operand<T> y{static_cast<const T*>(p.y), p.n, p.n, r1};
   TOut* db = static_cast<TOut*>(p.db) + e * p.m * p.n;
-  using Mainloop = std::conditional_t<kMma, MmaMainloop<T, false, false>, SimtMainloop<T, false, false>>;
-  static_assert(Mainloop::kBM == kTile && Mainloop::kBN == kTile && Mainloop::kThreads == kThreads);
-  typename Mainloop::Acc acc = {};
+  typename Loop::Acc acc = {};
   if constexpr (kMma) {
     extern __shared__ __align__(128) unsigned char gg_smem[];
-    Mainloop::run(gg_smem, x, m0, y, n0, r0, r1, acc);
-    Mainloop::for_each_acc(acc, [&](int r, int col, float v0, float v1) {
+    Loop::run(gg_smem, x, m0, y, n0, r0, r1, acc);
+    Loop::for_each_acc(acc, [&](int r, int col, float v0, float v1) {
       const int64_t row = m0 + r;
       if (row < p.m) store_pair(db + row * p.n, n0 + col, p.n, v0, v1, p.pair_ok);
     });
   } else {
-    __shared__ __align__(16) typename Mainloop::Smem smem;
-    Mainloop::run(smem, x, m0, y, n0, r0, r1, acc);
-    Mainloop::for_each_acc(acc, [&](int r, int col, float v) {
+    __shared__ __align__(16) typename Loop::Smem smem;
+    Loop::run(smem, x, m0, y, n0, r0, r1, acc);
+    Loop::for_each_acc(acc, [&](int r, int col, float v) {
       const int64_t row = m0 + r, n = n0 + col;
       if (row < p.m && n < p.n) db[row * p.n + n] = from_float<TOut>(v);
     });
@@ -241,42 +247,48 @@ void allow_smem(Kernel kernel, int smem_bytes) {
                "grouped_gemm: cudaFuncSetAttribute");
 }
 
+template <typename T, typename TBias, bool kBKMajor, bool kMma>
+void launch_forward(FwdArgs p, cudaStream_t stream) {
+  using Loop = Mainloop<T, true, kBKMajor, kMma>;
+  p.n_tiles = static_cast<int>(ceil_div(p.n, Loop::kBN));
+  // Tiles per group are ceil(rows_g / kBM) * n_tiles; summed over the E + 1 groups (tail included) that
+  // is at most (ceil(R / kBM) + E + 1) * n_tiles. Blocks past the actual count exit at once.
+  const int64_t bound = (ceil_div(p.rows, Loop::kBM) + p.num_experts + 1) * static_cast<int64_t>(p.n_tiles);
+  MOE8_CHECK(bound <= INT_MAX, "grouped_gemm: too many tiles (", bound, ") for one launch");
+  auto kernel = grouped_gemm_kernel<T, TBias, kBKMajor, kMma>;
+  allow_smem(kernel, Loop::kSmemBytes);
+  kernel<<<static_cast<unsigned>(bound), kThreads, Loop::kSmemBytes, stream>>>(p);
+}
+
 template <typename T, typename TBias>
 void launch_forward(const FwdArgs& p, bool kn, bool mma_ok, cudaStream_t stream) {
-  // Tiles per group are ceil(rows_g / kTile) * n_tiles; summed over the E + 1 groups (tail included) that
-  // is at most (ceil(R / kTile) + E + 1) * n_tiles. Blocks past the actual count exit at once.
-  const int64_t bound = (ceil_div(p.rows, kTile) + p.num_experts + 1) * static_cast<int64_t>(p.n_tiles);
-  MOE8_CHECK(bound <= INT_MAX, "grouped_gemm: too many tiles (", bound, ") for one launch");
-  const dim3 grid(static_cast<unsigned>(bound)), block(kThreads);
   if constexpr (!std::is_same_v<T, float>) {
     if (mma_ok) {
-      auto kernel = kn ? grouped_gemm_kernel<T, TBias, false, true> : grouped_gemm_kernel<T, TBias, true, true>;
-      const int smem = kn ? MmaMainloop<T, true, false>::kSmemBytes : MmaMainloop<T, true, true>::kSmemBytes;
-      allow_smem(kernel, smem);
-      kernel<<<grid, block, smem, stream>>>(p);
+      kn ? launch_forward<T, TBias, false, true>(p, stream) : launch_forward<T, TBias, true, true>(p, stream);
       return;
     }
   }
-  auto kernel = kn ? grouped_gemm_kernel<T, TBias, false, false> : grouped_gemm_kernel<T, TBias, true, false>;
-  kernel<<<grid, block, 0, stream>>>(p);
+  kn ? launch_forward<T, TBias, false, false>(p, stream) : launch_forward<T, TBias, true, false>(p, stream);
+}
+
+template <typename T, typename TOut, bool kMma>
+void launch_wgrad(const WgradArgs& p, int num_experts, cudaStream_t stream) {
+  using Loop = Mainloop<T, false, false, kMma>;
+  const int64_t gx = ceil_div(p.n, Loop::kBN), gy = ceil_div(p.m, Loop::kBM);
+  MOE8_CHECK(gy <= 65535 && num_experts <= 65535, "grouped_gemm_wgrad: too many tiles (", gy, " x ", num_experts,
+             ") for one launch");
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy), num_experts);
+  auto kernel = grouped_gemm_wgrad_kernel<T, TOut, kMma>;
+  allow_smem(kernel, Loop::kSmemBytes);
+  kernel<<<grid, kThreads, Loop::kSmemBytes, stream>>>(p);
 }
 
 template <typename T, typename TOut>
 void launch_wgrad(const WgradArgs& p, int num_experts, bool mma_ok, cudaStream_t stream) {
-  const int64_t gx = ceil_div(p.n, kTile), gy = ceil_div(p.m, kTile);
-  MOE8_CHECK(gy <= 65535 && num_experts <= 65535, "grouped_gemm_wgrad: too many tiles (", gy, " x ", num_experts,
-             ") for one launch");
-  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy), num_experts), block(kThreads);
   if constexpr (!std::is_same_v<T, float>) {
-    if (mma_ok) {
-      auto kernel = grouped_gemm_wgrad_kernel<T, TOut, true>;
-      const int smem = MmaMainloop<T, false, false>::kSmemBytes;
-      allow_smem(kernel, smem);
-      kernel<<<grid, block, smem, stream>>>(p);
-      return;
-    }
+    if (mma_ok) return launch_wgrad<T, TOut, true>(p, num_experts, stream);
   }
-  grouped_gemm_wgrad_kernel<T, TOut, false><<<grid, block, 0, stream>>>(p);
+  launch_wgrad<T, TOut, false>(p, num_experts, stream);
 }
 
 }  // namespace gg
@@ -294,7 +306,6 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   p.offsets = offsets.ptr<const int>();
   p.bias = bias.present ? bias.data : nullptr;
   p.c = c.data;
-  p.n_tiles = static_cast<int>(ceil_div(p.n, gg::kTile));
   const bool kn = layout == WeightLayout::kKN;
   const int esize = dtype_size(a.dtype);
   p.pair_ok = p.n % 2 == 0 && gg::aligned(c.data, 2 * esize);

@@ -1,5 +1,6 @@
 // grouped_gemm_mma.cuh — the tensor-core main loop of the grouped GEMMs (16-bit inputs, fp32 accumulators):
-// one 128x128 output tile per 256-thread block, K in steps of 32 through a 4-stage cp.async pipeline,
+// one 128x256 output tile per 256-thread block (8 warps of 64x64), K in steps of 32 through a 4-stage
+// cp.async pipeline,
 // mma.sync m16n8k16 fed by ldmatrix (.trans where the stored tile is not K-contiguous).
 // Portable to sm_80; the Hopper wgmma/TMA kernels are a separate family.
 #pragma once
@@ -66,17 +67,19 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-// C[128,128] += A[128, k_begin:k_end] · B[128, k_begin:k_end]^T for one block.
+// C[128,256] += A[128, k_begin:k_end] · B[256, k_begin:k_end]^T for one block.
 // Requirements (the launcher checks them): ptr 16-byte aligned; the contiguous extent (k_end for a K-major
 // operand, i_end otherwise) and ld multiples of 8, so each 16-byte chunk is wholly inside or outside;
 // k_begin a multiple of 8 when the operand is K-major.
 template <typename T, bool kAKMajor, bool kBKMajor>
 struct MmaMainloop {
-  static constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
-  static constexpr int kWarpsN = 4, kWarpM = 64, kWarpN = 32;  // 2 x 4 warps of 64 x 32
+  static constexpr int kBM = 128, kBN = 256, kBK = 32, kStages = 4, kThreads = 256;
+  // NOTES: 64x64 warp tiles keep the ldmatrix traffic (bytes per mma) within shared-memory bandwidth;
+  // their 128 fp32 accumulators per thread allow one block per SM.
+  static constexpr int kWarpsN = 4, kWarpM = 64, kWarpN = 64;  // 2 x 4 warps
   static constexpr int kMI = kWarpM / 16, kNI = kWarpN / 8;
   // NOTES: 16 bytes of padding per smem row makes the 8 row addresses of every ldmatrix (and of the
-  // cp.async chunks) fall into distinct 16-byte bank groups: pitch 80 B (K-major) or 272 B.
+  // cp.async chunks) fall into distinct 16-byte bank groups: pitch 80 B (K-major), 272 B or 528 B.
   static constexpr int kPad = 8;
   static constexpr int kALd = kAKMajor ? kBK + kPad : kBM + kPad;
   static constexpr int kBLd = kBKMajor ? kBK + kPad : kBN + kPad;

@@ -22,6 +22,7 @@ struct SimtMainloop {
     float a[2][kBK][kLd];
     float b[2][kBK][kLd];
   };
+  static constexpr int kSmemBytes = 0;  // dynamic; Smem is static shared memory
   using Acc = float[8][8];
 
   template <bool kKMajor>

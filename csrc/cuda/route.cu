@@ -14,6 +14,7 @@
 //   2. route_stats_reduce: sums the partials in chunk order into prob_mean and token_frac.
 //   3. route_topk: routes every token again and writes ids, weights and lse over the partials.
 // With one chunk (few tokens), route_stats writes the statistics itself and step 2 is skipped.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -104,7 +105,7 @@ __device__ __forceinline__ void softmax_stats(const float (&l)[kVPT], int E, int
   sum = warp_sum(s);
 }
 
-inline bool grouped(const RouteParams& p) {
+__host__ __device__ inline bool grouped(const RouteParams& p) {
   return p.scheme == RouteScheme::kSigmoidGroupTopK && p.n_group > 1 && p.topk_group < p.n_group;
 }
 
@@ -112,14 +113,14 @@ inline bool grouped(const RouteParams& p) {
 // E + 2 * n_group floats of shared memory. Group g's experts sit at ws[g * (gs + 1) ...] (one float of
 // skew per group so that lanes scanning different groups hit different banks); group scores follow.
 template <int kVPT>
-__device__ uint32_t excluded_groups(const float (&c)[kVPT], const RouteParams& p, int E, int lane,
+__device__ __forceinline__ uint32_t excluded_groups(const float (&c)[kVPT], const RouteParams& p, int E, int lane,
                                     float* ws) {
   const int ng = p.n_group, gs = E / ng;
   float* score = ws + E + ng;
 #pragma unroll
   for (int j = 0; j < kVPT; ++j) {
     const int e = lane + 32 * j;
-    if (e < E) ws[e + e / gs] = c[j];
+    if (e < E && e / gs < ng) ws[e + e / gs] = c[j];
   }
   __syncwarp();
   for (int g = lane; g < ng; g += 32) {
@@ -163,7 +164,7 @@ __device__ uint32_t excluded_groups(const float (&c)[kVPT], const RouteParams& p
 #pragma unroll
   for (int j = 0; j < kVPT; ++j) {
     const int e = lane + 32 * j;
-    if (e < E && score[min(e / gs, ng - 1)] == 0.f) excluded |= 1u << j;
+    if (e < E && (e / gs >= ng || score[e / gs] == 0.f)) excluded |= 1u << j;
   }
   __syncwarp();  // ws is reused by the next token of this warp
   return excluded;
@@ -246,7 +247,7 @@ inline size_t route_smem_bytes(const RouteParams& p, int E, bool stats) {
 
 // One block per chunk of `chunk` tokens: partial sums of q[t,e] and counts of e over the chunk.
 template <typename T, int kVPT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     route_stats_kernel(const T* __restrict__ logits, const float* __restrict__ bias, RouteParams p, int num_tokens,
                        int E, int chunk, Scratch scratch, int nchunks, float* __restrict__ prob_mean,
                        float* __restrict__ token_frac) {
@@ -261,8 +262,8 @@ __global__ void __launch_bounds__(kThreads)
   float acc[kVPT];
 #pragma unroll
   for (int j = 0; j < kVPT; ++j) acc[j] = 0.f;
-  const int t_end = min(num_tokens, (blockIdx.x + 1) * chunk);
-  for (int t = blockIdx.x * chunk + warp; t < t_end; t += kWarps) {
+  const int t_begin = static_cast<int>(blockIdx.x) * chunk, t_end = min(num_tokens, t_begin + chunk);
+  for (int t = t_begin + warp; t < t_end; t += kWarps) {
     float l[kVPT], val[kVPT], m, sum, my_val;
     int my_id;
     load_row(logits + static_cast<int64_t>(t) * E, E, lane, l);
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(1024)
 
 // One warp per token: ids, weights, lse.
 template <typename T, int kVPT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     route_topk_kernel(const T* __restrict__ logits, const float* __restrict__ bias, RouteParams p, int num_tokens,
                       int E, int32_t* __restrict__ ids, float* __restrict__ weights, float* __restrict__ lse) {
   extern __shared__ float smem[];
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, int kVPT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     route_backward_kernel(const T* __restrict__ logits, RouteParams p, int num_tokens, int E,
                           const int32_t* __restrict__ ids, const float* __restrict__ grad_weights,
                           const float* __restrict__ grad_prob_mean, const float* __restrict__ grad_lse,
@@ -383,7 +384,6 @@ __global__ void __launch_bounds__(kThreads)
   const int t = blockIdx.x * kWarps + warp;
   if (t >= num_tokens) return;
   const int K = p.k;
-  const float inv_t = 1.f / static_cast<float>(num_tokens);
   float l[kVPT], m, sum;
   load_row(logits + static_cast<int64_t>(t) * E, E, lane, l);
   softmax_stats(l, E, lane, m, sum);
@@ -402,7 +402,6 @@ __global__ void __launch_bounds__(kThreads)
     const int e = lane + 32 * j;
     dp[j] = (grad_prob_mean != nullptr && e < E) ? grad_prob_mean[e] / static_cast<float>(num_tokens) : 0.f;
   }
-  (void)inv_t;
 
   if (p.scheme == RouteScheme::kSoftmaxTopK) {
     float q = 0.f;
@@ -574,6 +573,8 @@ void route_forward(const TensorView& logits, const TensorView& bias, const Route
     cuda_check(cudaMemsetAsync(token_frac.data, 0, E * sizeof(float), s), "route_forward: memset token_frac");
     return;
   }
+  if (grouped(p))
+    MOE8_CHECK(E % p.n_group == 0, "route_forward: n_group (", p.n_group, ") must divide E (", E, ")");
   MOE8_DISPATCH_FLOAT(logits.dtype, "route_forward: logits", [&] {
     dispatch_vpt(static_cast<int>(E),
                  RouteForward<scalar_t>{logits, bias, ids, weights, prob_mean, token_frac, lse, p, s});

@@ -12,5 +12,14 @@ def cuda_available() -> bool:
     return ops._C.cuda_available()
 
 
-__all__ = ["MoELayer", "RouteOut", "cuda_available", "experts_forward", "load_balancing_loss", "moe_forward",
-           "ops", "route", "z_loss"]
+__all__ = [
+    "MoELayer",
+    "RouteOut",
+    "cuda_available",
+    "experts_forward",
+    "load_balancing_loss",
+    "moe_forward",
+    "ops",
+    "route",
+    "z_loss",
+]

@@ -44,8 +44,9 @@ def route(
     s = _choice("scheme", scheme, ops.SCHEMES)
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    out = ops.route(logits.contiguous(), bias, s, int(k), bool(renormalize), int(n_group), int(topk_group),
-                    float(scaling))
+    out = ops.route(
+        logits.contiguous(), bias, s, int(k), bool(renormalize), int(n_group), int(topk_group), float(scaling)
+    )
     return RouteOut(*out)
 
 
@@ -85,10 +86,13 @@ def experts_forward(
     if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
     if weights.shape != ids.shape:
-        raise ValueError(f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}"
+        )
     if gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, "
-                         f"{tuple(down.shape)}")
+        raise ValueError(
+            f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
     num_experts, k = gate_up.shape[0], ids.shape[1]
     dtype = gate_up.dtype
     x = x.to(dtype).contiguous()
@@ -127,8 +131,17 @@ def moe_forward(
 class MoELayer(nn.Module):
     """A standalone MoE block with HF-layout parameters: router [E, H], gate_up [E, 2I, H], down [E, H, I]."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, k: int, scheme: str = "softmax",
-                 renormalize: bool = True, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        k: int,
+        scheme: str = "softmax",
+        renormalize: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__()
         f = dict(dtype=dtype, device=device)
         self.k, self.scheme, self.renormalize = k, scheme, renormalize
@@ -138,6 +151,13 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouteOut]:
         shape = x.shape
-        y, r = moe_forward(x.reshape(-1, shape[-1]), self.router, self.gate_up, self.down, self.k, self.scheme,
-                           self.renormalize)
+        y, r = moe_forward(
+            x.reshape(-1, shape[-1]),
+            self.router,
+            self.gate_up,
+            self.down,
+            self.k,
+            self.scheme,
+            self.renormalize,
+        )
         return y.view(shape), r

@@ -72,8 +72,22 @@ def route(
     prob_mean = torch.empty(E, dtype=torch.float32, device=dev)
     token_frac = torch.empty(E, dtype=torch.float32, device=dev)
     lse = torch.empty(T, dtype=torch.float32, device=dev)
-    _C.route_forward(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling,
-                     ids, weights, prob_mean, token_frac, lse, _stream(logits))
+    _C.route_forward(
+        logits,
+        bias,
+        scheme,
+        k,
+        renormalize,
+        n_group,
+        topk_group,
+        scaling,
+        ids,
+        weights,
+        prob_mean,
+        token_frac,
+        lse,
+        _stream(logits),
+    )
     return ids, weights, prob_mean, token_frac, lse
 
 
@@ -81,8 +95,13 @@ def route(
 def _(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling):
     T, E = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
-    return (logits.new_empty(T, k, dtype=torch.int32), logits.new_empty(T, k, **f32),
-            logits.new_empty(E, **f32), logits.new_empty(E, **f32), logits.new_empty(T, **f32))
+    return (
+        logits.new_empty(T, k, dtype=torch.int32),
+        logits.new_empty(T, k, **f32),
+        logits.new_empty(E, **f32),
+        logits.new_empty(E, **f32),
+        logits.new_empty(T, **f32),
+    )
 
 
 @torch.library.custom_op("moe8::route_backward", mutates_args=())
@@ -101,14 +120,41 @@ def route_backward(
     scaling: float,
 ) -> Tensor:
     grad_logits = torch.empty_like(logits)
-    _C.route_backward(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling, ids,
-                      grad_weights, grad_prob_mean, grad_lse, grad_logits, _stream(logits), False)
+    _C.route_backward(
+        logits,
+        bias,
+        scheme,
+        k,
+        renormalize,
+        n_group,
+        topk_group,
+        scaling,
+        ids,
+        grad_weights,
+        grad_prob_mean,
+        grad_lse,
+        grad_logits,
+        _stream(logits),
+        False,
+    )
     return grad_logits
 
 
 @route_backward.register_fake
-def _(logits, bias, ids, grad_weights, grad_prob_mean, grad_lse, scheme, k, renormalize, n_group,
-      topk_group, scaling):
+def _(
+    logits,
+    bias,
+    ids,
+    grad_weights,
+    grad_prob_mean,
+    grad_lse,
+    scheme,
+    k,
+    renormalize,
+    n_group,
+    topk_group,
+    scaling,
+):
     return torch.empty_like(logits)
 
 
@@ -122,9 +168,13 @@ def _route_bwd(ctx, g_ids, g_weights, g_prob_mean, g_token_frac, g_lse):
     logits, bias, ids = ctx.saved_tensors
     if g_weights is None:
         g_weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    as_f32 = (lambda g: None if g is None else g.float().contiguous())
-    grad = route_backward(logits, bias, ids, g_weights.float().contiguous(), as_f32(g_prob_mean),
-                          as_f32(g_lse), *ctx.params)
+
+    def as_f32(g):
+        return None if g is None else g.float().contiguous()
+
+    grad = route_backward(
+        logits, bias, ids, g_weights.float().contiguous(), as_f32(g_prob_mean), as_f32(g_lse), *ctx.params
+    )
     return grad, None, None, None, None, None, None, None
 
 
@@ -145,8 +195,18 @@ def plan(ids: Tensor, num_experts: int, pad_multiple: int) -> tuple[Tensor, Tens
     slot_to_row = torch.empty(slots, **i32)
     ws_elems = _C.plan_workspace_elems(slots, num_experts, ids.is_cuda)
     workspace = torch.empty(ws_elems, **i32) if ids.is_cuda else None
-    _C.build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row,
-                           workspace, _stream(ids), _validate["indices"])
+    _C.build_dispatch_plan(
+        ids,
+        num_experts,
+        pad_multiple,
+        counts,
+        offsets,
+        row_to_slot,
+        slot_to_row,
+        workspace,
+        _stream(ids),
+        _validate["indices"],
+    )
     return counts, offsets, row_to_slot, slot_to_row
 
 
@@ -155,8 +215,12 @@ def _(ids, num_experts, pad_multiple):
     slots = ids.numel()
     rows = slots + num_experts * (pad_multiple - 1)
     i32 = dict(dtype=torch.int32)
-    return (ids.new_empty(num_experts, **i32), ids.new_empty(num_experts + 1, **i32),
-            ids.new_empty(rows, **i32), ids.new_empty(slots, **i32))
+    return (
+        ids.new_empty(num_experts, **i32),
+        ids.new_empty(num_experts + 1, **i32),
+        ids.new_empty(rows, **i32),
+        ids.new_empty(slots, **i32),
+    )
 
 
 # ------------------------------------------------------------------------------------- row movement
@@ -243,7 +307,9 @@ def _combine_bwd(ctx, g):
     g = g.contiguous()
     k = weights.shape[1]
     d_rows = gather_rows(g, row_to_slot, k, weights.reshape(-1)) if ctx.needs_input_grad[0] else None
-    d_weights = combine_weights_grad(g, rows, slot_to_row.view(weights.shape)) if ctx.needs_input_grad[1] else None
+    d_weights = (
+        combine_weights_grad(g, rows, slot_to_row.view(weights.shape)) if ctx.needs_input_grad[1] else None
+    )
     return d_rows, d_weights, None, None
 
 
@@ -320,8 +386,9 @@ def _(h, kind, interleaved, alpha, limit):
 
 
 @torch.library.custom_op("moe8::activation_backward", mutates_args=())
-def activation_backward(h: Tensor, dout: Tensor, kind: int, interleaved: bool, alpha: float,
-                        limit: float) -> Tensor:
+def activation_backward(
+    h: Tensor, dout: Tensor, kind: int, interleaved: bool, alpha: float, limit: float
+) -> Tensor:
     dh = torch.empty_like(h)
     _C.activation_backward(h, dout, kind, interleaved, alpha, limit, dh, _stream(h))
     return dh

@@ -10,8 +10,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def route(logits: Tensor, k: int, scheme: str = "softmax", renormalize: bool = False,
-          bias: Optional[Tensor] = None, n_group: int = 1, topk_group: int = 1, scaling: float = 1.0):
+def route(
+    logits: Tensor,
+    k: int,
+    scheme: str = "softmax",
+    renormalize: bool = False,
+    bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+):
     """Returns (ids [T,k] int64, weights [T,k]) computed like the HF routers, in logits' dtype."""
     if scheme == "softmax":
         p = F.softmax(logits, dim=-1)
@@ -38,8 +46,9 @@ def route(logits: Tensor, k: int, scheme: str = "softmax", renormalize: bool = F
     raise ValueError(f"scheme: unknown {scheme!r}")
 
 
-def route_weights(logits: Tensor, ids: Tensor, scheme: str = "softmax", renormalize: bool = False,
-                  scaling: float = 1.0) -> Tensor:
+def route_weights(
+    logits: Tensor, ids: Tensor, scheme: str = "softmax", renormalize: bool = False, scaling: float = 1.0
+) -> Tensor:
     """The routing weights of given expert ids (the differentiable part of `route`)."""
     ids = ids.long()
     if scheme == "topk_softmax":
@@ -51,8 +60,9 @@ def route_weights(logits: Tensor, ids: Tensor, scheme: str = "softmax", renormal
     return w * scaling if scheme == "sigmoid_group" else w
 
 
-def act(h: Tensor, activation: str = "swiglu", interleaved: bool = False, alpha: float = 1.702,
-        limit: float = 7.0) -> Tensor:
+def act(
+    h: Tensor, activation: str = "swiglu", interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0
+) -> Tensor:
     if activation in ("silu", "gelu"):
         return F.silu(h) if activation == "silu" else F.gelu(h)
     if interleaved:
@@ -66,10 +76,21 @@ def act(h: Tensor, activation: str = "swiglu", interleaved: bool = False, alpha:
     return (u + 1) * g * torch.sigmoid(alpha * g)
 
 
-def experts_forward(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, *,
-                    layout: str = "nk", activation: str = "swiglu", interleaved: bool = False,
-                    gate_up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None,
-                    alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+def experts_forward(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    *,
+    layout: str = "nk",
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    gate_up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """Loop over experts: y[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t]); same contract as moe8.layer."""
     y = torch.zeros_like(x)
     ids = ids.long()

@@ -1,6 +1,4 @@
-"""Shared pytest setup. NOTE for the lead: this file was rebuilt by the HF-integration helper after it
-accidentally overwrote the lead's untracked conftest.py; devices() is reconstructed from its use in
-test_layer.py. Check it against what you had."""
+"""Shared pytest setup: import path, devices to parametrize over, markers."""
 
 import importlib.util
 import sys
@@ -22,8 +20,13 @@ def _cuda() -> bool:
 
 def devices():
     """Devices to run a test on: always the CPU; CUDA when moe8 was built with it and a GPU is visible."""
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU"))]
+    return [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")),
+    ]
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "slow: takes more than a few seconds on CPU (deselect with -m 'not slow')"
+    )

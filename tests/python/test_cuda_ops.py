@@ -2,13 +2,14 @@
 every element must be written; ids and plans must match exactly; two runs must be bitwise equal.
 Skips, saying why, where no GPU is visible."""
 
+import moe8
 import pytest
 import torch
-
-import moe8
 from moe8.ops import _C
 
-pytestmark = pytest.mark.skipif(not moe8.cuda_available(), reason="no CUDA device visible or moe8 built without CUDA")
+pytestmark = pytest.mark.skipif(
+    not moe8.cuda_available(), reason="no CUDA device visible or moe8 built without CUDA"
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -47,9 +48,14 @@ def route_inputs(T, E, scheme, dtype, seed):
 
 
 ROUTE_CASES = [  # T, E, K, scheme, renorm, n_group, topk_group, scaling
-    (4096, 128, 8, 0, True, 1, 1, 1.0), (333, 60, 4, 0, False, 1, 1, 1.0), (1, 8, 2, 0, True, 1, 1, 1.0),
-    (2048, 256, 8, 1, True, 8, 4, 2.5), (517, 64, 6, 1, False, 4, 2, 1.0), (1000, 32, 4, 2, False, 1, 1, 1.0),
-    (77, 7, 7, 2, False, 1, 1, 1.0), (0, 16, 2, 0, True, 1, 1, 1.0),
+    (4096, 128, 8, 0, True, 1, 1, 1.0),
+    (333, 60, 4, 0, False, 1, 1, 1.0),
+    (1, 8, 2, 0, True, 1, 1, 1.0),
+    (2048, 256, 8, 1, True, 8, 4, 2.5),
+    (517, 64, 6, 1, False, 4, 2, 1.0),
+    (1000, 32, 4, 2, False, 1, 1, 1.0),
+    (77, 7, 7, 2, False, 1, 1, 1.0),
+    (0, 16, 2, 0, True, 1, 1, 1.0),
 ]
 
 
@@ -80,8 +86,16 @@ def test_route_forward_backward(dtype, case):
     if T:
         close(gpu_b[0], cpu_b[0], dtype, "grad_logits")
     again = poison((T, E), dtype, "cuda")
-    bwd("cuda", logits.cuda(), None if bias is None else bias.cuda(), cpu[0].cuda(), gw.cuda(), gpm.cuda(),
-        glse.cuda(), again)
+    bwd(
+        "cuda",
+        logits.cuda(),
+        None if bias is None else bias.cuda(),
+        cpu[0].cuda(),
+        gw.cuda(),
+        gpm.cuda(),
+        glse.cuda(),
+        again,
+    )
     assert torch.equal(again, gpu_b[0]) or T == 0, "route_backward is not deterministic"
 
 
@@ -129,22 +143,41 @@ def test_row_movement(dtype, H):
     w = torch.rand(T, K, generator=g)
     s = torch.cuda.current_stream().cuda_stream
     for scale in (None, w.reshape(-1)):
-        cpu, gpu = run_both(lambda dev, x, r, sc, out: _C.gather_rows(x, r, K, sc, out, s, True),
-                            [((R, H), dtype)], x, r2s, scale)
+        cpu, gpu = run_both(
+            lambda dev, x, r, sc, out: _C.gather_rows(x, r, K, sc, out, s, True),
+            [((R, H), dtype)],
+            x,
+            r2s,
+            scale,
+        )
         assert torch.equal(gpu[0].cpu(), cpu[0]) if scale is None else True
         close(gpu[0], cpu[0], dtype, "gather_rows")
     for wt in (None, w):
-        cpu, gpu = run_both(lambda dev, r, m, wt, out: _C.combine_rows(r, m, wt, out, s, True),
-                            [((T, H), dtype)], rows, s2r.view(T, K), wt)
+        cpu, gpu = run_both(
+            lambda dev, r, m, wt, out: _C.combine_rows(r, m, wt, out, s, True),
+            [((T, H), dtype)],
+            rows,
+            s2r.view(T, K),
+            wt,
+        )
         close(gpu[0], cpu[0], dtype, "combine_rows")
-    cpu, gpu = run_both(lambda dev, dy, r, m, out: _C.combine_weights_grad(dy, r, m, out, s, True),
-                        [((T, K), torch.float32)], x, rows, s2r.view(T, K))
+    cpu, gpu = run_both(
+        lambda dev, dy, r, m, out: _C.combine_weights_grad(dy, r, m, out, s, True),
+        [((T, K), torch.float32)],
+        x,
+        rows,
+        s2r.view(T, K),
+    )
     close(gpu[0], cpu[0], torch.float32 if dtype == torch.float32 else dtype, "combine_weights_grad")
 
 
 GEMM_CASES = [  # rows per expert (list), Kd, N
-    ([100, 0, 37, 300, 1], 64, 96), ([1000, 3, 0, 500, 250, 0, 7, 41], 256, 384), ([5, 9], 7, 13),
-    ([0, 0, 0], 32, 32), ([513], 2048, 136), ([64] * 128, 128, 64),
+    ([100, 0, 37, 300, 1], 64, 96),
+    ([1000, 3, 0, 500, 250, 0, 7, 41], 256, 384),
+    ([5, 9], 7, 13),
+    ([0, 0, 0], 32, 32),
+    ([513], 2048, 136),
+    ([64] * 128, 128, 64),
 ]
 
 
@@ -162,16 +195,26 @@ def test_grouped_gemm(dtype, layout, case):
     bias = torch.randn(E, N, generator=g).to(dtype)
     s = torch.cuda.current_stream().cuda_stream
     for bi in (None, bias, bias.float()):
-        cpu, gpu = run_both(lambda dev, a, b, o, bi, c: _C.grouped_gemm(a, b, o, layout, bi, c, s, True),
-                            [((R, N), dtype)], a, b, off, bi)
+        cpu, gpu = run_both(
+            lambda dev, a, b, o, bi, c: _C.grouped_gemm(a, b, o, layout, bi, c, s, True),
+            [((R, N), dtype)],
+            a,
+            b,
+            off,
+            bi,
+        )
         close(gpu[0], cpu[0], dtype, "grouped_gemm")
-        assert (gpu[0][int(off[-1]):] == 0).all()
+        assert (gpu[0][int(off[-1]) :] == 0).all()
     dc = torch.randn(R, N, generator=g).to(dtype)
     dshape = (E, N, Kd) if layout == 0 else (E, Kd, N)
     for db_dtype in (dtype, torch.float32):
-        cpu, gpu = run_both(lambda dev, a, dc, o, db, dbias: _C.grouped_gemm_wgrad(a, dc, o, layout, db, dbias, s,
-                                                                                   True),
-                            [(dshape, db_dtype), ((E, N), db_dtype)], a, dc, off)
+        cpu, gpu = run_both(
+            lambda dev, a, dc, o, db, dbias: _C.grouped_gemm_wgrad(a, dc, o, layout, db, dbias, s, True),
+            [(dshape, db_dtype), ((E, N), db_dtype)],
+            a,
+            dc,
+            off,
+        )
         close(gpu[0], cpu[0], dtype, "wgrad db")
         close(gpu[1], cpu[1], dtype, "wgrad dbias")
         again = [poison(dshape, db_dtype, "cuda"), poison((E, N), db_dtype, "cuda")]
@@ -188,11 +231,16 @@ def test_activation(dtype, kind, inter):
     h = (torch.randn(R, W, generator=g) * 5).to(dtype)  # wide enough to hit the GPT-OSS clamps
     dout = torch.randn(R, I, generator=g).to(dtype)
     s = torch.cuda.current_stream().cuda_stream
-    cpu, gpu = run_both(lambda dev, h, out: _C.activation_forward(h, kind, inter, 1.702, 7.0, out, s),
-                        [((R, I), dtype)], h)
+    cpu, gpu = run_both(
+        lambda dev, h, out: _C.activation_forward(h, kind, inter, 1.702, 7.0, out, s), [((R, I), dtype)], h
+    )
     close(gpu[0], cpu[0], dtype, "activation")
-    cpu, gpu = run_both(lambda dev, h, d, dh: _C.activation_backward(h, d, kind, inter, 1.702, 7.0, dh, s),
-                        [((R, W), dtype)], h, dout)
+    cpu, gpu = run_both(
+        lambda dev, h, d, dh: _C.activation_backward(h, d, kind, inter, 1.702, 7.0, dh, s),
+        [((R, W), dtype)],
+        h,
+        dout,
+    )
     close(gpu[0], cpu[0], dtype, "activation_backward")
 
 

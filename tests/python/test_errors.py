@@ -1,10 +1,9 @@
 """Bad input never crashes and never yields garbage: each op raises ValueError naming the argument and
 stating what was expected and what it got."""
 
+import moe8
 import pytest
 import torch
-
-import moe8
 from moe8 import ops
 from moe8.ops import _C
 
@@ -28,8 +27,9 @@ def test_route_errors():
 
     def call(logits=lg, bias=None, scheme=0, k=2, ng=1, tg=1, **kw):
         o = {**ok, **kw}
-        _C.route_forward(logits, bias, scheme, k, True, ng, tg, 1.0, o["ids"], o["weights"], o["pm"], o["tf"],
-                         o["lse"], 0)
+        _C.route_forward(
+            logits, bias, scheme, k, True, ng, tg, 1.0, o["ids"], o["weights"], o["pm"], o["tf"], o["lse"], 0
+        )
 
     call()  # the valid call passes
     raises(r"logits: expected dtype float32 or float16 or bfloat16, got int32", call, i32(8, 6))
@@ -39,7 +39,11 @@ def test_route_errors():
     raises(r"k: expected", call, lg, None, 0, 0)
     raises(r"ids: expected shape \[8, 2\], got \[8, 3\]", call, ids=i32(8, 3))
     raises(r"ids: expected dtype int32, got int64", call, ids=torch.zeros(8, 2, dtype=torch.long))
-    raises(r"weights: expected dtype float32, got bfloat16", call, weights=torch.zeros(8, 2, dtype=torch.bfloat16))
+    raises(
+        r"weights: expected dtype float32, got bfloat16",
+        call,
+        weights=torch.zeros(8, 2, dtype=torch.bfloat16),
+    )
     raises(r"lse: expected shape \[8\]", call, lse=f32(7))
     raises(r"n_group: expected a divisor of num_experts=6, got 4", call, lg, None, 1, 2, 4, 1)
     raises(r"topk_group: expected 1..n_group=3, got 4", call, lg, None, 1, 2, 3, 4)
@@ -53,23 +57,49 @@ def test_route_errors():
 def test_route_backward_rejects_bad_ids():
     lg = torch.randn(4, 5)
     with pytest.raises(ValueError, match=r"ids: expected values in \[0, 5\), found 1 out of range"):
-        _C.route_backward(lg, None, 0, 2, False, 1, 1, 1.0, torch.tensor([[0, 1]] * 3 + [[0, 9]], dtype=torch.int32),
-                          f32(4, 2), None, None, f32(4, 5), 0, True)
+        _C.route_backward(
+            lg,
+            None,
+            0,
+            2,
+            False,
+            1,
+            1,
+            1.0,
+            torch.tensor([[0, 1]] * 3 + [[0, 9]], dtype=torch.int32),
+            f32(4, 2),
+            None,
+            None,
+            f32(4, 5),
+            0,
+            True,
+        )
 
 
 def test_plan_errors():
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
 
     def call(ids=ids, E=4, pad=1, counts=None, offsets=None, r2s=None, s2r=None):
-        _C.build_dispatch_plan(ids, E, pad, i32(E) if counts is None else counts,
-                               i32(E + 1) if offsets is None else offsets,
-                               i32(ids.numel() + E * (pad - 1)) if r2s is None else r2s,
-                               i32(ids.numel()) if s2r is None else s2r, None, 0, True)
+        _C.build_dispatch_plan(
+            ids,
+            E,
+            pad,
+            i32(E) if counts is None else counts,
+            i32(E + 1) if offsets is None else offsets,
+            i32(ids.numel() + E * (pad - 1)) if r2s is None else r2s,
+            i32(ids.numel()) if s2r is None else s2r,
+            None,
+            0,
+            True,
+        )
 
     call()
     raises(r"ids: expected values in \[0, 3\), found 1 out of range", call, ids, 3)
-    raises(r"ids: expected values in \[0, 4\), found 1 out of range", call,
-           torch.tensor([[0, -1], [2, 3]], dtype=torch.int32))
+    raises(
+        r"ids: expected values in \[0, 4\), found 1 out of range",
+        call,
+        torch.tensor([[0, -1], [2, 3]], dtype=torch.int32),
+    )
     raises(r"pad_multiple: expected >= 1, got 0", call, ids, 4, 0)
     raises(r"num_experts: expected 1..1024, got 0", call, ids, 0)
     raises(r"offsets: expected shape \[5\], got \[4\]", call, offsets=i32(4))
@@ -77,80 +107,268 @@ def test_plan_errors():
     raises(r"slot_to_row: expected dtype int32, got float32", call, s2r=f32(4))
     raises(r"ids: expected dtype int32, got int64", call, ids.long())
     with pytest.raises(ValueError, match=r"ids: expected values in \[0, 4\)"):
-        moe8.experts_forward(torch.randn(2, 8), ids + 1, torch.ones(2, 2), torch.randn(4, 6, 8), torch.randn(4, 8, 3))
+        moe8.experts_forward(
+            torch.randn(2, 8), ids + 1, torch.ones(2, 2), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+        )
 
 
 def test_row_movement_errors():
     x = torch.randn(4, 8)
     r2s = torch.arange(8, dtype=torch.int32)
-    raises(r"row_to_slot: expected values in \[-1, 8\), found 1 out of range",
-           _C.gather_rows, x, torch.tensor([0, 8], dtype=torch.int32), 2, None, f32(2, 8), 0, True)
+    raises(
+        r"row_to_slot: expected values in \[-1, 8\), found 1 out of range",
+        _C.gather_rows,
+        x,
+        torch.tensor([0, 8], dtype=torch.int32),
+        2,
+        None,
+        f32(2, 8),
+        0,
+        True,
+    )
     raises(r"dst: expected shape \[8, 8\], got \[8, 7\]", _C.gather_rows, x, r2s, 2, None, f32(8, 7), 0, True)
-    raises(r"dst: expected dtype float32 \(same as src\), got bfloat16", _C.gather_rows, x, r2s, 2, None,
-           torch.zeros(8, 8, dtype=torch.bfloat16), 0, True)
+    raises(
+        r"dst: expected dtype float32 \(same as src\), got bfloat16",
+        _C.gather_rows,
+        x,
+        r2s,
+        2,
+        None,
+        torch.zeros(8, 8, dtype=torch.bfloat16),
+        0,
+        True,
+    )
     raises(r"scale: expected 8 elements", _C.gather_rows, x, r2s, 2, f32(7), f32(8, 8), 0, True)
     rows = torch.randn(8, 8)
     s2r = torch.arange(8, dtype=torch.int32).view(4, 2)
-    raises(r"slot_to_row: expected values in \[-1, 8\)", _C.combine_rows, rows, s2r + 1, None, f32(4, 8), 0, True)
-    raises(r"weights: expected shape \[4, 2\], got \[4, 3\]", _C.combine_rows, rows, s2r, f32(4, 3), f32(4, 8), 0,
-           True)
+    raises(
+        r"slot_to_row: expected values in \[-1, 8\)", _C.combine_rows, rows, s2r + 1, None, f32(4, 8), 0, True
+    )
+    raises(
+        r"weights: expected shape \[4, 2\], got \[4, 3\]",
+        _C.combine_rows,
+        rows,
+        s2r,
+        f32(4, 3),
+        f32(4, 8),
+        0,
+        True,
+    )
     raises(r"out: expected shape \[4, 8\]", _C.combine_rows, rows, s2r, None, f32(3, 8), 0, True)
-    raises(r"d_weights: expected dtype float32", _C.combine_weights_grad, x, rows, s2r,
-           torch.zeros(4, 2, dtype=torch.float16), 0, True)
-    raises(r"rows: expected dtype float32 \(same as dy\)", _C.combine_weights_grad, x,
-           rows.half(), s2r, f32(4, 2), 0, True)
+    raises(
+        r"d_weights: expected dtype float32",
+        _C.combine_weights_grad,
+        x,
+        rows,
+        s2r,
+        torch.zeros(4, 2, dtype=torch.float16),
+        0,
+        True,
+    )
+    raises(
+        r"rows: expected dtype float32 \(same as dy\)",
+        _C.combine_weights_grad,
+        x,
+        rows.half(),
+        s2r,
+        f32(4, 2),
+        0,
+        True,
+    )
 
 
 def test_grouped_gemm_errors():
     a, b = torch.randn(10, 8), torch.randn(3, 6, 8)
     off = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
     _C.grouped_gemm(a, b, off, 0, None, f32(10, 6), 0, True)
-    raises(r"b: expected shape \[3, \*, 8\], got \[3, 6, 7\]", _C.grouped_gemm, a, torch.randn(3, 6, 7), off, 0,
-           None, f32(10, 6), 0, True)
+    raises(
+        r"b: expected shape \[3, \*, 8\], got \[3, 6, 7\]",
+        _C.grouped_gemm,
+        a,
+        torch.randn(3, 6, 7),
+        off,
+        0,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
     raises(r"b: expected shape \[3, 8, \*\]", _C.grouped_gemm, a, b, off, 1, None, f32(10, 6), 0, True)
-    raises(r"b: expected dtype float32 \(same as a\), got bfloat16", _C.grouped_gemm, a, b.bfloat16(), off, 0, None,
-           f32(10, 6), 0, True)
-    raises(r"offsets: expected nondecreasing values", _C.grouped_gemm, a, b,
-           torch.tensor([0, 5, 4, 10], dtype=torch.int32), 0, None, f32(10, 6), 0, True)
-    raises(r"offsets: expected offsets\[E\] <= 10 rows, got 11", _C.grouped_gemm, a, b,
-           torch.tensor([0, 4, 4, 11], dtype=torch.int32), 0, None, f32(10, 6), 0, True)
-    raises(r"offsets: expected offsets\[0\] == 0", _C.grouped_gemm, a, b,
-           torch.tensor([1, 4, 4, 10], dtype=torch.int32), 0, None, f32(10, 6), 0, True)
+    raises(
+        r"b: expected dtype float32 \(same as a\), got bfloat16",
+        _C.grouped_gemm,
+        a,
+        b.bfloat16(),
+        off,
+        0,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
+    raises(
+        r"offsets: expected nondecreasing values",
+        _C.grouped_gemm,
+        a,
+        b,
+        torch.tensor([0, 5, 4, 10], dtype=torch.int32),
+        0,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
+    raises(
+        r"offsets: expected offsets\[E\] <= 10 rows, got 11",
+        _C.grouped_gemm,
+        a,
+        b,
+        torch.tensor([0, 4, 4, 11], dtype=torch.int32),
+        0,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
+    raises(
+        r"offsets: expected offsets\[0\] == 0",
+        _C.grouped_gemm,
+        a,
+        b,
+        torch.tensor([1, 4, 4, 10], dtype=torch.int32),
+        0,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
     raises(r"offsets: expected shape \[4\]", _C.grouped_gemm, a, b, off[:3], 0, None, f32(10, 6), 0, True)
     raises(r"bias: expected shape \[3, 6\]", _C.grouped_gemm, a, b, off, 0, f32(3, 5), f32(10, 6), 0, True)
     raises(r"c: expected shape \[10, 6\]", _C.grouped_gemm, a, b, off, 0, None, f32(10, 5), 0, True)
-    raises(r"layout: expected 0 \(nk\) or 1 \(kn\), got 2", _C.grouped_gemm, a, b, off, 2, None, f32(10, 6), 0, True)
-    raises(r"db: expected shape \[3, 6, 8\], got \[3, 8, 6\]", _C.grouped_gemm_wgrad, a, f32(10, 6), off, 0,
-           f32(3, 8, 6), None, 0, True)
-    raises(r"dbias: expected dtype float32 \(same as db\)", _C.grouped_gemm_wgrad, a, f32(10, 6), off, 0,
-           f32(3, 6, 8), torch.zeros(3, 6, dtype=torch.bfloat16), 0, True)
-    raises(r"dc: expected shape \[10, \*\]", _C.grouped_gemm_wgrad, a, f32(9, 6), off, 0, f32(3, 6, 8), None, 0,
-           True)
+    raises(
+        r"layout: expected 0 \(nk\) or 1 \(kn\), got 2",
+        _C.grouped_gemm,
+        a,
+        b,
+        off,
+        2,
+        None,
+        f32(10, 6),
+        0,
+        True,
+    )
+    raises(
+        r"db: expected shape \[3, 6, 8\], got \[3, 8, 6\]",
+        _C.grouped_gemm_wgrad,
+        a,
+        f32(10, 6),
+        off,
+        0,
+        f32(3, 8, 6),
+        None,
+        0,
+        True,
+    )
+    raises(
+        r"dbias: expected dtype float32 \(same as db\)",
+        _C.grouped_gemm_wgrad,
+        a,
+        f32(10, 6),
+        off,
+        0,
+        f32(3, 6, 8),
+        torch.zeros(3, 6, dtype=torch.bfloat16),
+        0,
+        True,
+    )
+    raises(
+        r"dc: expected shape \[10, \*\]",
+        _C.grouped_gemm_wgrad,
+        a,
+        f32(9, 6),
+        off,
+        0,
+        f32(3, 6, 8),
+        None,
+        0,
+        True,
+    )
 
 
 def test_activation_errors():
     h = torch.randn(5, 12)
-    raises(r"h: a gated activation expects h.shape\[1\] == 2 \* out.shape\[1\] = 10, got 12",
-           _C.activation_forward, h, 0, False, 1.702, 7.0, f32(5, 5), 0)
+    raises(
+        r"h: a gated activation expects h.shape\[1\] == 2 \* out.shape\[1\] = 10, got 12",
+        _C.activation_forward,
+        h,
+        0,
+        False,
+        1.702,
+        7.0,
+        f32(5, 5),
+        0,
+    )
     raises(r"h: an ungated activation expects", _C.activation_forward, h, 2, False, 1.702, 7.0, f32(5, 6), 0)
     raises(r"activation: expected 0 \(swiglu\)", _C.activation_forward, h, 9, False, 1.702, 7.0, f32(5, 6), 0)
-    raises(r"dh: expected shape \[5, 12\]", _C.activation_backward, h, f32(5, 6), 0, False, 1.702, 7.0,
-           f32(5, 6), 0)
-    raises(r"out: expected dtype float32 \(same as h\)", _C.activation_forward, h, 0, False, 1.702, 7.0,
-           torch.zeros(5, 6, dtype=torch.float16), 0)
+    raises(
+        r"dh: expected shape \[5, 12\]",
+        _C.activation_backward,
+        h,
+        f32(5, 6),
+        0,
+        False,
+        1.702,
+        7.0,
+        f32(5, 6),
+        0,
+    )
+    raises(
+        r"out: expected dtype float32 \(same as h\)",
+        _C.activation_forward,
+        h,
+        0,
+        False,
+        1.702,
+        7.0,
+        torch.zeros(5, 6, dtype=torch.float16),
+        0,
+    )
 
 
 def test_python_front_errors():
     with pytest.raises(ValueError, match=r"layout: expected one of \['kn', 'nk'\], got 'mk'"):
-        moe8.experts_forward(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
-                             torch.randn(2, 6, 8), torch.randn(2, 8, 3), layout="mk")
+        moe8.experts_forward(
+            torch.randn(2, 8),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, 1),
+            torch.randn(2, 6, 8),
+            torch.randn(2, 8, 3),
+            layout="mk",
+        )
     with pytest.raises(ValueError, match=r"weights: expected shape \(2, 1\)"):
-        moe8.experts_forward(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 2),
-                             torch.randn(2, 6, 8), torch.randn(2, 8, 3))
+        moe8.experts_forward(
+            torch.randn(2, 8),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, 2),
+            torch.randn(2, 6, 8),
+            torch.randn(2, 8, 3),
+        )
     with pytest.raises(ValueError, match=r"x: expected a 2-d tensor"):
-        moe8.experts_forward(torch.randn(8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
-                             torch.randn(2, 6, 8), torch.randn(2, 8, 3))
-    with pytest.raises(ValueError, match=r"gate_up: expected shape \[2, \*, 8\]|b: expected shape \[2, \*, 8\]"):
-        moe8.experts_forward(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
-                             torch.randn(2, 6, 7), torch.randn(2, 8, 3))
+        moe8.experts_forward(
+            torch.randn(8),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, 1),
+            torch.randn(2, 6, 8),
+            torch.randn(2, 8, 3),
+        )
+    with pytest.raises(
+        ValueError, match=r"gate_up: expected shape \[2, \*, 8\]|b: expected shape \[2, \*, 8\]"
+    ):
+        moe8.experts_forward(
+            torch.randn(2, 8),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, 1),
+            torch.randn(2, 6, 7),
+            torch.randn(2, 8, 3),
+        )
     ops.set_index_validation(True)

@@ -16,11 +16,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0", reason="moe8.hf needs transformers>=5")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
-
 import moe8  # noqa: E402, F401
 from moe8 import hf, layer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 VOCAB = 128
@@ -39,9 +38,9 @@ def config(family, **over):
              output_router_logits=True, router_aux_loss_coef=0.05, num_experts_per_tok=2)
     if family == "mixtral":
         c.update(intermediate_size=48, num_hidden_layers=2, num_local_experts=8)
-    elif family == "qwen2_moe":  # shared expert with a sigmoid gate; decoder_sparse_step 2: layer 0 is dense
+    elif family == "qwen2_moe":  # shared expert with a sigmoid gate; decoder_sparse_step 2: layers 0, 2 dense
         c.update(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
-                 num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)
+                 num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)
     elif family == "qwen3_moe":  # mlp_only_layers: layer 1 is dense
         c.update(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_hidden_layers=3, head_dim=8,
                  mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
@@ -76,9 +75,9 @@ def build(family, seed=0, **over):
     return model
 
 
-def twin(model, accelerate=True):
-    """A second model with the same weights (a fresh config object: the experts implementation lives there)."""
-    other = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+def twin(model, accelerate=True, cfg=None):
+    """A second model with the same weights and its own config object (the experts implementation lives there)."""
+    other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config))
     other.load_state_dict(model.state_dict())
     return hf.accelerate(other) if accelerate else other
 
@@ -146,7 +145,7 @@ def test_family_matches_transformers(family, calls):
     assert ref.config._experts_implementation == "grouped_mm"
     assert list(acc.state_dict()) == list(ref.state_dict())
     n_moe = len(experts_modules(acc))
-    n_dense = {"qwen2_moe": 1, "qwen3_moe": 1, "deepseek_v3": 1}.get(family, 0)
+    n_dense = {"qwen2_moe": 2, "qwen3_moe": 1, "deepseek_v3": 1}.get(family, 0)
     assert n_moe == acc.config.num_hidden_layers - n_dense
     ref.train(), acc.train()
     ids = tokens()
@@ -188,7 +187,7 @@ def test_enable_makes_moe8_the_default_and_disable_restores():
     ref = build("mixtral")
     hf.enable()
     assert "moe8" in ALL_EXPERTS_FUNCTIONS
-    acc = twin(ref, accelerate=False)  # built after enable(): moe8 without asking
+    acc = twin(ref, accelerate=False, cfg=config("mixtral"))  # built after enable(): moe8 without asking
     assert hf.is_accelerated(acc)
     explicit = AutoModelForCausalLM.from_config(copy.deepcopy(ref.config), experts_implementation="eager")
     assert explicit.config._experts_implementation == "eager"  # an explicit choice wins
@@ -200,7 +199,7 @@ def test_enable_makes_moe8_the_default_and_disable_restores():
     hf.disable()
     assert "moe8" not in ALL_EXPERTS_FUNCTIONS
     assert acc.config._experts_implementation == "grouped_mm"  # switched back, still works
-    assert twin(ref, accelerate=False).config._experts_implementation == "grouped_mm"
+    assert twin(ref, accelerate=False, cfg=config("mixtral")).config._experts_implementation == "grouped_mm"
     assert_same(out_r, grads_r, *run(acc, ids))
 
 
@@ -353,7 +352,9 @@ def test_peft_lora_on_experts(calls):
 
 
 def test_needs_transformers_5(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    import sys
+
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")  # peft may re-import transformers
     with pytest.raises(ImportError, match="transformers>=5"):
         hf.enable()
 
@@ -362,3 +363,4 @@ def test_notice_lines_are_short():
     with pytest.warns(UserWarning) as record:
         hf.accelerate(torch.nn.Linear(2, 2))
     assert len(record) == 1 and "\n" not in str(record[0].message)
+

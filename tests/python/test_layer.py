@@ -1,11 +1,10 @@
 """The whole MoE layer and each differentiable op against the pure-PyTorch reference (float64 oracle):
 outputs and every gradient, all routing schemes, both weight layouts, every activation, awkward shapes."""
 
+import moe8
 import pytest
 import torch
 from conftest import devices
-
-import moe8
 from moe8 import reference as ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -41,11 +40,24 @@ def test_moe_layer_matches_reference(device, dtype, case):
     gu = make((E, W, H) if layout == "nk" else (E, H, W), dtype, device)
     dn = make((E, H, I) if layout == "nk" else (E, I, H), dtype, device)
     gb, db = (make((E, W), dtype, device), make((E, H), dtype, device)) if bias else (None, None)
-    rkw = dict(n_group=4, topk_group=2, scaling=2.5, bias=torch.randn(E, device=device) * 0.1) \
-        if scheme == "sigmoid_group" else {}
+    rkw = (
+        dict(n_group=4, topk_group=2, scaling=2.5, bias=torch.randn(E, device=device) * 0.1)
+        if scheme == "sigmoid_group"
+        else {}
+    )
     r = moe8.route(logits, K, scheme, True, **rkw)
-    y = moe8.experts_forward(x, r.ids, r.weights, gu, dn, layout=layout, activation=act, interleaved=inter,
-                             gate_up_bias=gb, down_bias=db)
+    y = moe8.experts_forward(
+        x,
+        r.ids,
+        r.weights,
+        gu,
+        dn,
+        layout=layout,
+        activation=act,
+        interleaved=inter,
+        gate_up_bias=gb,
+        down_bias=db,
+    )
     assert y.dtype == dtype and y.shape == (T, H)
     probe = torch.randn(T, H, dtype=torch.float64)
     loss = (y.double().cpu() * probe).sum() + moe8.load_balancing_loss(r).cpu() + moe8.z_loss(r).cpu()
@@ -61,9 +73,12 @@ def test_moe_layer_matches_reference(device, dtype, case):
         assert torch.equal(ref.route(ll, K, scheme, True, **rb)[0], r.ids.long().cpu())
     ids = r.ids.long().cpu()
     w = ref.route_weights(ll, ids, scheme, True, rb.get("scaling", 1.0))
-    yr = ref.experts_forward(xx, ids, w, gg, dd, layout=layout, activation=act, interleaved=inter,
-                             gate_up_bias=gbb, down_bias=dbb)
-    frac = torch.zeros(E, dtype=torch.float64).index_add_(0, ids.flatten(), torch.ones(T * K, dtype=torch.float64))
+    yr = ref.experts_forward(
+        xx, ids, w, gg, dd, layout=layout, activation=act, interleaved=inter, gate_up_bias=gbb, down_bias=dbb
+    )
+    frac = torch.zeros(E, dtype=torch.float64).index_add_(
+        0, ids.flatten(), torch.ones(T * K, dtype=torch.float64)
+    )
     pm = (ll.sigmoid() / ll.sigmoid().sum(-1, keepdim=True)) if scheme == "sigmoid_group" else ll.softmax(-1)
     lr = (yr * probe).sum() + E * (frac / (T * K) * pm.mean(0)).sum() + (torch.logsumexp(ll, -1) ** 2).mean()
     ref_grads = torch.autograd.grad(lr, P)

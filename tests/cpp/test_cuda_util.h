@@ -1,0 +1,106 @@
+// test_cuda_util.h — GPU side of the CUDA tests: device buffers, a Runner that calls an op through the
+// same code on the CPU or the GPU (poisoning outputs first), and the skip when no device is visible.
+// Only compiled when the CUDA backend is built (MOE8_WITH_CUDA).
+#pragma once
+#ifdef MOE8_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <stdexcept>
+
+#include "test_ref.h"
+
+namespace moe8::test {
+
+inline void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Why the CUDA tests cannot run here, or "" when a device is usable.
+inline std::string no_cuda_reason() {
+  static const std::string reason = [] {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(e);
+    if (n == 0) return std::string("cudaGetDeviceCount returned 0 devices");
+    return std::string();
+  }();
+  return reason;
+}
+
+// Every CUDA test derives from this: it skips, printing why, where no GPU is visible.
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why = no_cuda_reason();
+    if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+  }
+};
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) { cuda_ok(cudaMalloc(&ptr_, bytes ? bytes : 16), "cudaMalloc"); }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Runs an op through identical code on either device. in(): view of an input (uploaded for the GPU).
+// out(): view of an output, poisoned first (host: NaN / -12345; GPU: bytes 0xFF, i.e. NaN, for floats
+// and -12345 for integers); finish() synchronises and copies GPU outputs back into their HostTensors.
+class Runner {
+ public:
+  explicit Runner(bool gpu) : gpu_(gpu) {}
+  bool gpu() const { return gpu_; }
+
+  TensorView in(const HostTensor& t) {
+    if (!gpu_) return t.view();
+    DeviceBuffer& d = alloc(t.nbytes());
+    cuda_ok(cudaMemcpy(d.get(), t.data(), t.nbytes(), cudaMemcpyHostToDevice), "upload");
+    return view_of(d.get(), t.dtype(), t.shape(), DeviceType::kCUDA);
+  }
+  TensorView opt(const HostTensor* t) { return t ? in(*t) : absent(); }
+
+  TensorView out(HostTensor& t) {
+    t.poison();
+    if (!gpu_) return t.view();
+    DeviceBuffer& d = alloc(t.nbytes());
+    if (t.dtype() == DType::kI32 || t.dtype() == DType::kI64)
+      cuda_ok(cudaMemcpy(d.get(), t.data(), t.nbytes(), cudaMemcpyHostToDevice), "poison");
+    else
+      cuda_ok(cudaMemset(d.get(), 0xFF, t.nbytes()), "poison");
+    outs_.push_back({&t, d.get()});
+    return view_of(d.get(), t.dtype(), t.shape(), DeviceType::kCUDA);
+  }
+
+  // int32 scratch of n elements (device only; absent on the CPU).
+  TensorView workspace(int64_t n) {
+    if (!gpu_) return absent();
+    DeviceBuffer& d = alloc(static_cast<size_t>(n) * 4);
+    return view_of(d.get(), DType::kI32, {n}, DeviceType::kCUDA);
+  }
+
+  void finish() {
+    if (!gpu_) return;
+    cuda_ok(cudaDeviceSynchronize(), "synchronize after the op");
+    cuda_ok(cudaGetLastError(), "last error after the op");
+    for (auto& o : outs_) cuda_ok(cudaMemcpy(o.first->data(), o.second, o.first->nbytes(), cudaMemcpyDeviceToHost), "download");
+    outs_.clear();
+  }
+
+ private:
+  DeviceBuffer& alloc(size_t bytes) {
+    bufs_.push_back(std::make_unique<DeviceBuffer>(bytes));
+    return *bufs_.back();
+  }
+  bool gpu_;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs_;
+  std::vector<std::pair<HostTensor*, void*>> outs_;
+};
+
+}  // namespace moe8::test
+#endif  // MOE8_WITH_CUDA
