@@ -1,0 +1,190 @@
+"""Whole MoE layer forward+backward: moe8 vs transformers' `grouped_mm` experts on the same inputs, plus
+the accuracy of moe8 against a pure-PyTorch float32 reference (output and every gradient).
+
+    python bench/bench_layer.py --shapes qwen3 --tokens 16384 --json bench/results/layer.json
+
+Prints a table last: shape, baseline ms, moe8 ms, ratio, TFLOP/s, % of the bf16 ceiling, peak memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import moe8
+from moe8 import reference as ref
+
+SHAPES = {  # name: (hidden, intermediate, experts, top-k)
+    "qwen3": (2048, 768, 128, 8),
+    "mixtral": (4096, 14336, 8, 2),
+    "olmoe": (2048, 1024, 64, 8),
+    "gptoss": (2880, 2880, 32, 4),
+}
+BF16_CEILING = 780e12  # dense bf16 GEMM measured on an H200 with torch 2.11 (shared/data/baselines/h200.md)
+
+
+def hf_block(H, I, E, K):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                         norm_topk_prob=True)
+    cfg._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, H**-0.5)
+    return block
+
+
+def timed(fn, warmup=3, iters=10):
+    """Median ms of fn() over iters (CUDA events) and the peak extra memory (GiB) of one call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check_accuracy(block, x, K):
+    """moe8 bf16 vs a float32 PyTorch reference on the same bf16 inputs, routing on moe8's expert ids."""
+    params = [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+    xb = x.detach().requires_grad_()
+    probe = torch.randn_like(x, dtype=torch.float32)
+    y, r = moe8.moe_forward(xb, params[0], params[1], params[2], K, "softmax", True)
+    g = torch.autograd.grad((y.float() * probe).sum(), [xb, *params])
+    P = [t.detach().float().requires_grad_() for t in (xb, *params)]
+    logits = P[0] @ P[1].t()
+    w = ref.route_weights(logits, r.ids, "softmax", True)
+    yr = ref.experts_forward(P[0], r.ids, w, P[2], P[3])
+    gr = torch.autograd.grad((yr * probe).sum(), P)
+    names = ["x", "router_weight", "gate_up_proj", "down_proj"]
+    return {"output": rel(y, yr), **{f"grad_{n}": rel(a, b) for n, a, b in zip(names, g, gr)}}
+
+
+def bench_shape(name, T, check, dtype=torch.bfloat16):
+    H, I, E, K = SHAPES[name]
+    torch.manual_seed(0)
+    block = hf_block(H, I, E, K).cuda().to(dtype)
+    x = torch.randn(1, T, H, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(1, T, H, device="cuda", dtype=dtype)
+    gate, experts = block.gate, block.experts
+
+    def hf_step():
+        out = block(x)
+        torch.autograd.backward(out, dy)
+
+    def moe8_step():
+        y, _ = moe8.moe_forward(x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax",
+                                True)
+        torch.autograd.backward(y, dy.view(T, H))
+
+    moe8.ops.set_index_validation(False)
+    hf_ms, hf_mem = timed(hf_step)
+    m_ms, m_mem = timed(moe8_step)
+    moe8.ops.set_index_validation(True)
+    flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
+    row = {
+        "shape": name, "tokens": T, "hidden": H, "intermediate": I, "experts": E, "top_k": K,
+        "dtype": str(dtype).replace("torch.", ""), "routing": "softmax top-k, renormalised, random init",
+        "hf_grouped_mm_ms": hf_ms, "moe8_ms": m_ms, "speedup": hf_ms / m_ms,
+        "hf_peak_extra_gib": hf_mem, "moe8_peak_extra_gib": m_mem,
+        "moe8_expert_tflops": flops / (m_ms * 1e-3) / 1e12, "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
+    }
+    row["moe8_pct_of_bf16_ceiling"] = 100 * row["moe8_expert_tflops"] * 1e12 / BF16_CEILING
+    if check:
+        row["accuracy_vs_fp32_reference"] = check_accuracy(block, x.view(T, H), K)
+    return row
+
+
+def bench_gemm(T=16384):
+    """The grouped GEMMs alone at the Qwen3 shape: moe8 kernels vs torch._grouped_mm (balanced rows)."""
+    H, I, E, K = SHAPES["qwen3"]
+    R = T * K
+    off = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (R // E)
+    offs_moe8 = torch.cat([torch.zeros(1, device="cuda", dtype=torch.int32), off])
+    rows = []
+    for what, kd, n in (("gate_up", H, 2 * I), ("down", I, H)):
+        a = torch.randn(R, kd, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, n, kd, device="cuda", dtype=torch.bfloat16) * kd**-0.5
+        dc = torch.randn(R, n, device="cuda", dtype=torch.bfloat16)
+        fl = 2 * R * kd * n
+        tests = {
+            "fwd": (lambda: moe8.ops.grouped_gemm(a, w, offs_moe8, 0, None),
+                    lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=off)),
+            "dgrad": (lambda: moe8.ops.grouped_gemm(dc, w, offs_moe8, 1, None),
+                      lambda: torch._grouped_mm(dc, w, offs=off)),
+            "wgrad": (lambda: moe8.ops.grouped_gemm_wgrad(a, dc, offs_moe8, 0, E, False),
+                      lambda: torch._grouped_mm(dc.t(), a, offs=off)),
+        }
+        for kind, (mine, theirs) in tests.items():
+            m_ms, _ = timed(mine)
+            t_ms, _ = timed(theirs)
+            rows.append({"gemm": f"qwen3 {what} {kind}", "rows": R, "K": kd, "N": n, "moe8_ms": m_ms, "torch_ms": t_ms,
+                         "moe8_tflops": fl / m_ms / 1e9, "torch_tflops": fl / t_ms / 1e9, "ratio": t_ms / m_ms})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3", help=f"comma-separated, from {sorted(SHAPES)} (default qwen3)")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per layer call (default 16384)")
+    ap.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
+    ap.add_argument("--gemm", action="store_true", help="also time the grouped GEMMs alone vs torch._grouped_mm")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if not moe8.cuda_available():
+        raise SystemExit("bench_layer: needs a CUDA GPU and moe8 built with CUDA")
+    names = args.shapes.split(",")
+    for n in names:
+        if n not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {n!r}, expected from {sorted(SHAPES)}")
+    import transformers
+
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
+            "moe8": moe8.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    layers = []
+    for n in names:
+        print(f"[bench] {n} ...", flush=True)
+        layers.append(bench_shape(n, args.tokens, check=not args.no_check and n == "qwen3"))
+        print(json.dumps(layers[-1]), flush=True)
+    gemms = bench_gemm(args.tokens) if args.gemm else []
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "layers": layers, "gemms": gemms}, f, indent=1)
+    print(f"\n{meta}")
+    for g in gemms:
+        print(f"{g['gemm']:<24} torch {g['torch_ms']:7.3f} ms {g['torch_tflops']:6.0f} TF/s | moe8 {g['moe8_ms']:7.3f} ms "
+              f"{g['moe8_tflops']:6.0f} TF/s | ratio {g['ratio']:.2f}x")
+    print(f"{'shape':<8} {'tokens':>6} {'HF grouped_mm ms':>16} {'moe8 ms':>8} {'ratio':>6} {'TFLOP/s':>8} "
+          f"{'% ceil':>6} {'HF GiB':>7} {'moe8 GiB':>8}")
+    for r in layers:
+        print(f"{r['shape']:<8} {r['tokens']:>6} {r['hf_grouped_mm_ms']:>16.2f} {r['moe8_ms']:>8.2f} "
+              f"{r['speedup']:>5.2f}x {r['moe8_expert_tflops']:>8.0f} {r['moe8_pct_of_bf16_ceiling']:>5.0f}% "
+              f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f}")
+        if "accuracy_vs_fp32_reference" in r:
+            print("  accuracy vs fp32 reference (relative error):", r["accuracy_vs_fp32_reference"])
+
+
+if __name__ == "__main__":
+    main()
