@@ -13,9 +13,8 @@ import platform
 import statistics
 import time
 
-import torch
-
 import moe8
+import torch
 from moe8 import reference as ref
 
 SHAPES = {  # name: (hidden, intermediate, experts, top-k)
@@ -31,8 +30,9 @@ def hf_block(H, I, E, K):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
-                         norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True
+    )
     cfg._experts_implementation = "grouped_mm"
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
@@ -95,8 +95,9 @@ def bench_shape(name, T, check, dtype=torch.bfloat16):
         torch.autograd.backward(out, dy)
 
     def moe8_step():
-        y, _ = moe8.moe_forward(x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax",
-                                True)
+        y, _ = moe8.moe_forward(
+            x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True
+        )
         torch.autograd.backward(y, dy.view(T, H))
 
     moe8.ops.set_index_validation(False)
@@ -105,16 +106,43 @@ def bench_shape(name, T, check, dtype=torch.bfloat16):
     moe8.ops.set_index_validation(True)
     flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
     row = {
-        "shape": name, "tokens": T, "hidden": H, "intermediate": I, "experts": E, "top_k": K,
-        "dtype": str(dtype).replace("torch.", ""), "routing": "softmax top-k, renormalised, random init",
-        "hf_grouped_mm_ms": hf_ms, "moe8_ms": m_ms, "speedup": hf_ms / m_ms,
-        "hf_peak_extra_gib": hf_mem, "moe8_peak_extra_gib": m_mem,
-        "moe8_expert_tflops": flops / (m_ms * 1e-3) / 1e12, "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
+        "shape": name,
+        "tokens": T,
+        "hidden": H,
+        "intermediate": I,
+        "experts": E,
+        "top_k": K,
+        "dtype": str(dtype).replace("torch.", ""),
+        "routing": "softmax top-k, renormalised, random init",
+        "hf_grouped_mm_ms": hf_ms,
+        "moe8_ms": m_ms,
+        "speedup": hf_ms / m_ms,
+        "hf_peak_extra_gib": hf_mem,
+        "moe8_peak_extra_gib": m_mem,
+        "moe8_expert_tflops": flops / (m_ms * 1e-3) / 1e12,
+        "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
     }
     row["moe8_pct_of_bf16_ceiling"] = 100 * row["moe8_expert_tflops"] * 1e12 / BF16_CEILING
     if check:
         row["accuracy_vs_fp32_reference"] = check_accuracy(block, x.view(T, H), K)
     return row
+
+
+def _gemm_cases(a, w, dc, off, offs_moe8, E):
+    return {
+        "fwd": (
+            lambda: moe8.ops.grouped_gemm(a, w, offs_moe8, 0, None),
+            lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=off),
+        ),
+        "dgrad": (
+            lambda: moe8.ops.grouped_gemm(dc, w, offs_moe8, 1, None),
+            lambda: torch._grouped_mm(dc, w, offs=off),
+        ),
+        "wgrad": (
+            lambda: moe8.ops.grouped_gemm_wgrad(a, dc, offs_moe8, 0, E, False),
+            lambda: torch._grouped_mm(dc.t(), a, offs=off),
+        ),
+    }
 
 
 def bench_gemm(T=16384):
@@ -129,28 +157,36 @@ def bench_gemm(T=16384):
         w = torch.randn(E, n, kd, device="cuda", dtype=torch.bfloat16) * kd**-0.5
         dc = torch.randn(R, n, device="cuda", dtype=torch.bfloat16)
         fl = 2 * R * kd * n
-        tests = {
-            "fwd": (lambda: moe8.ops.grouped_gemm(a, w, offs_moe8, 0, None),
-                    lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=off)),
-            "dgrad": (lambda: moe8.ops.grouped_gemm(dc, w, offs_moe8, 1, None),
-                      lambda: torch._grouped_mm(dc, w, offs=off)),
-            "wgrad": (lambda: moe8.ops.grouped_gemm_wgrad(a, dc, offs_moe8, 0, E, False),
-                      lambda: torch._grouped_mm(dc.t(), a, offs=off)),
-        }
+        tests = _gemm_cases(a, w, dc, off, offs_moe8, E)
         for kind, (mine, theirs) in tests.items():
             m_ms, _ = timed(mine)
             t_ms, _ = timed(theirs)
-            rows.append({"gemm": f"qwen3 {what} {kind}", "rows": R, "K": kd, "N": n, "moe8_ms": m_ms, "torch_ms": t_ms,
-                         "moe8_tflops": fl / m_ms / 1e9, "torch_tflops": fl / t_ms / 1e9, "ratio": t_ms / m_ms})
+            rows.append(
+                {
+                    "gemm": f"qwen3 {what} {kind}",
+                    "rows": R,
+                    "K": kd,
+                    "N": n,
+                    "moe8_ms": m_ms,
+                    "torch_ms": t_ms,
+                    "moe8_tflops": fl / m_ms / 1e9,
+                    "torch_tflops": fl / t_ms / 1e9,
+                    "ratio": t_ms / m_ms,
+                }
+            )
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="qwen3", help=f"comma-separated, from {sorted(SHAPES)} (default qwen3)")
+    ap.add_argument(
+        "--shapes", default="qwen3", help=f"comma-separated, from {sorted(SHAPES)} (default qwen3)"
+    )
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per layer call (default 16384)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
-    ap.add_argument("--gemm", action="store_true", help="also time the grouped GEMMs alone vs torch._grouped_mm")
+    ap.add_argument(
+        "--gemm", action="store_true", help="also time the grouped GEMMs alone vs torch._grouped_mm"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if not moe8.cuda_available():
@@ -161,8 +197,14 @@ def main():
             raise SystemExit(f"--shapes: unknown shape {n!r}, expected from {sorted(SHAPES)}")
     import transformers
 
-    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
-            "moe8": moe8.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "moe8": moe8.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     layers = []
     for n in names:
         print(f"[bench] {n} ...", flush=True)
@@ -174,14 +216,20 @@ def main():
             json.dump({"meta": meta, "layers": layers, "gemms": gemms}, f, indent=1)
     print(f"\n{meta}")
     for g in gemms:
-        print(f"{g['gemm']:<24} torch {g['torch_ms']:7.3f} ms {g['torch_tflops']:6.0f} TF/s | moe8 {g['moe8_ms']:7.3f} ms "
-              f"{g['moe8_tflops']:6.0f} TF/s | ratio {g['ratio']:.2f}x")
-    print(f"{'shape':<8} {'tokens':>6} {'HF grouped_mm ms':>16} {'moe8 ms':>8} {'ratio':>6} {'TFLOP/s':>8} "
-          f"{'% ceil':>6} {'HF GiB':>7} {'moe8 GiB':>8}")
+        print(
+            f"{g['gemm']:<24} torch {g['torch_ms']:7.3f} ms {g['torch_tflops']:6.0f} TF/s | moe8 {g['moe8_ms']:7.3f} ms "
+            f"{g['moe8_tflops']:6.0f} TF/s | ratio {g['ratio']:.2f}x"
+        )
+    print(
+        f"{'shape':<8} {'tokens':>6} {'HF grouped_mm ms':>16} {'moe8 ms':>8} {'ratio':>6} {'TFLOP/s':>8} "
+        f"{'% ceil':>6} {'HF GiB':>7} {'moe8 GiB':>8}"
+    )
     for r in layers:
-        print(f"{r['shape']:<8} {r['tokens']:>6} {r['hf_grouped_mm_ms']:>16.2f} {r['moe8_ms']:>8.2f} "
-              f"{r['speedup']:>5.2f}x {r['moe8_expert_tflops']:>8.0f} {r['moe8_pct_of_bf16_ceiling']:>5.0f}% "
-              f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f}")
+        print(
+            f"{r['shape']:<8} {r['tokens']:>6} {r['hf_grouped_mm_ms']:>16.2f} {r['moe8_ms']:>8.2f} "
+            f"{r['speedup']:>5.2f}x {r['moe8_expert_tflops']:>8.0f} {r['moe8_pct_of_bf16_ceiling']:>5.0f}% "
+            f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f}"
+        )
         if "accuracy_vs_fp32_reference" in r:
             print("  accuracy vs fp32 reference (relative error):", r["accuracy_vs_fp32_reference"])
 
