@@ -16,8 +16,8 @@
 namespace moe8::api {
 namespace {
 
-constexpr int kMaxExperts = 1024;
-constexpr int kMaxTopK = 64;
+constexpr int kMaxExperts = 512;  // the CUDA router keeps a token's scores in one warp's registers
+constexpr int kMaxTopK = 32;
 
 void* as_ptr(intptr_t s) { return reinterpret_cast<void*>(s); }
 

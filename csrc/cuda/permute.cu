@@ -19,7 +19,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kGradGroup = 8;  // slots whose dot products share one pass over dy[t]
+constexpr int kGradGroup = 4;  // slots whose dot products share one pass over dy[t]
 constexpr unsigned kFull = 0xffffffffu;
 
 template <typename T, int V>
@@ -71,8 +71,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     combine_rows_kernel(const T* __restrict__ rows, const int32_t* __restrict__ slot_to_row,
-                        const float* __restrict__ weights, T* __restrict__ out, int64_t num_tokens, int K,
-                        int64_t H) {
+                        const float* __restrict__ weights, T* __restrict__ out, int64_t num_tokens, int K, int64_t H) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -168,8 +167,8 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
       gather_rows_kernel<T, 16 / sizeof(T)><<<warps_grid(num_rows), kThreads, 0, s>>>(
           src.ptr<T>(), row_to_slot.ptr<int32_t>(), k, sc, dst.ptr<T>(), num_rows, H);
     else
-      gather_rows_kernel<T, 1><<<warps_grid(num_rows), kThreads, 0, s>>>(src.ptr<T>(), row_to_slot.ptr<int32_t>(),
-                                                                          k, sc, dst.ptr<T>(), num_rows, H);
+      gather_rows_kernel<T, 1><<<warps_grid(num_rows), kThreads, 0, s>>>(src.ptr<T>(), row_to_slot.ptr<int32_t>(), k,
+                                                                         sc, dst.ptr<T>(), num_rows, H);
     check_launch("gather_rows_kernel");
   });
 }
@@ -187,8 +186,8 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
       combine_rows_kernel<T, 16 / sizeof(T)><<<warps_grid(num_tokens), kThreads, 0, s>>>(
           rows.ptr<T>(), slot_to_row.ptr<int32_t>(), w, out.ptr<T>(), num_tokens, K, H);
     else
-      combine_rows_kernel<T, 1><<<warps_grid(num_tokens), kThreads, 0, s>>>(
-          rows.ptr<T>(), slot_to_row.ptr<int32_t>(), w, out.ptr<T>(), num_tokens, K, H);
+      combine_rows_kernel<T, 1><<<warps_grid(num_tokens), kThreads, 0, s>>>(rows.ptr<T>(), slot_to_row.ptr<int32_t>(),
+                                                                            w, out.ptr<T>(), num_tokens, K, H);
     check_launch("combine_rows_kernel");
   });
 }
@@ -198,7 +197,7 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
   const int64_t num_tokens = dy.shape[0], H = dy.shape[1];
   if (num_tokens == 0) return;
   const int K = static_cast<int>(slot_to_row.numel() / num_tokens);  // [T,K] or flat [T*K]
-  if (K == 0) return;  // (H == 0 still writes zeros)
+  if (K == 0) return;  // H == 0 still runs: the dot products are zeros to write
   cudaStream_t s = as_stream(stream);
   MOE8_DISPATCH_FLOAT(dy.dtype, "combine_weights_grad: dy", [&] {
     using T = scalar_t;

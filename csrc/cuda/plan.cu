@@ -3,8 +3,8 @@
 //
 // Design. The slots are cut into nchunks fixed chunks of 256 * steps slots (steps grows with T*K so that
 // there are about kTargetChunks chunks); three launches:
-//   1. plan_histogram: one block per chunk counts its slots per expert (shared-memory integer atomics:
-//      a count does not depend on order) into workspace[e * nchunks + c].
+//   1. plan_histogram: one block per chunk counts its slots per expert (shared-memory integer atomics,
+//      one per expert per warp step: a count does not depend on order) into workspace[e * nchunks + c].
 //   2. plan_scan: one block turns each expert's row of the workspace into exclusive prefixes in chunk
 //      order, and writes counts and the padded offsets.
 //   3. plan_scatter: one block per chunk again. Each warp owns a contiguous run of the chunk's slots and
@@ -24,7 +24,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxExperts = 512;
+constexpr int kMaxExperts = 1024;  // as the API allows; next_row below is then 32 KiB
 constexpr int64_t kTargetChunks = 128;
 constexpr int kMinSteps = 4;
 constexpr int kBatch = 4;  // steps whose ids are loaded together, to keep several loads in flight
@@ -57,15 +57,22 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = threadIdx.x; e < E; e += kThreads) hist[e] = 0;
   __syncthreads();
   const int64_t begin = blockIdx.x * chunk, end = std::min(num_slots, begin + chunk);
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) atomicAdd(&hist[ids[i]], 1);
+  const unsigned below = (1u << (threadIdx.x & 31)) - 1u;
+  // One atomic per distinct expert per warp step: skewed routing would otherwise queue on one counter.
+  // The trip count is the same for every thread, so the full-mask match is legal.
+  for (int64_t i0 = begin; i0 < end; i0 += kThreads) {
+    const int64_t i = i0 + threadIdx.x;
+    const int x = i < end ? ids[i] : -1;
+    const unsigned peers = __match_any_sync(kFull, x);
+    if (x >= 0 && (peers & below) == 0) atomicAdd(&hist[x], __popc(peers));
+  }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) ws[static_cast<int64_t>(e) * nchunks + blockIdx.x] = hist[e];
 }
 
 // One warp per expert (in turn): exclusive scan of its chunk counts, 4 x 32 chunks per load batch.
-__global__ void __launch_bounds__(1024)
-    plan_scan_kernel(int32_t* __restrict__ ws, int nchunks, int E, int pad, int32_t* __restrict__ counts,
-                     int32_t* __restrict__ offsets) {
+__global__ void __launch_bounds__(1024) plan_scan_kernel(int32_t* __restrict__ ws, int nchunks, int E, int pad,
+                                                         int32_t* __restrict__ counts, int32_t* __restrict__ offsets) {
   __shared__ int total[kMaxExperts];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int e = warp; e < E; e += 32) {
@@ -207,15 +214,13 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
   const int nchunks = static_cast<int>(ch.nchunks);
   int32_t* ws = workspace.ptr<int32_t>();
 
-  plan_histogram_kernel<<<nchunks, kThreads, 0, s>>>(ids.ptr<int32_t>(), num_slots, num_experts, ch.chunk, nchunks,
-                                                    ws);
+  plan_histogram_kernel<<<nchunks, kThreads, 0, s>>>(ids.ptr<int32_t>(), num_slots, num_experts, ch.chunk, nchunks, ws);
   check_launch("build_dispatch_plan: plan_histogram_kernel");
   plan_scan_kernel<<<1, 1024, 0, s>>>(ws, nchunks, num_experts, pad, counts.ptr<int32_t>(), offsets.ptr<int32_t>());
   check_launch("build_dispatch_plan: plan_scan_kernel");
-  plan_scatter_kernel<<<nchunks, kThreads, 0, s>>>(ids.ptr<int32_t>(), num_slots, num_experts, ch.steps, nchunks, ws,
-                                                  counts.ptr<int32_t>(), offsets.ptr<int32_t>(), pad,
-                                                  row_to_slot.ptr<int32_t>(), row_to_slot.shape[0],
-                                                  slot_to_row.ptr<int32_t>());
+  plan_scatter_kernel<<<nchunks, kThreads, 0, s>>>(
+      ids.ptr<int32_t>(), num_slots, num_experts, ch.steps, nchunks, ws, counts.ptr<int32_t>(), offsets.ptr<int32_t>(),
+      pad, row_to_slot.ptr<int32_t>(), row_to_slot.shape[0], slot_to_row.ptr<int32_t>());
   check_launch("build_dispatch_plan: plan_scatter_kernel");
 }
 

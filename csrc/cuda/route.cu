@@ -3,10 +3,11 @@
 //
 // Design. One warp per token; lane l holds experts l, l+32, ... (kVPT values, E <= 32 * kVPT) in registers,
 // so row loads are coalesced and every reduction over experts is a warp shuffle. Top-k is k rounds of a
-// warp argmax over a 64-bit key (order-preserving float bits << 32 | ~expert): a total order, so ties go
-// to the lower expert and every lane agrees on the winner. Lane r keeps the r-th choice; sums over the k
-// choices run in slot order (sequential shuffles), as the CPU reference sums them. The sigmoid scheme's
-// group scores go through a per-warp shared-memory copy of the row, one lane per group.
+// warp argmax on order-preserving integer images of the floats (__reduce_max_sync, then __reduce_min_sync
+// of the expert among the lanes holding the max): ties go to the lower expert and every lane agrees on the
+// winner. Lane r keeps the r-th choice; sums over the k choices run in slot order (sequential shuffles),
+// as the CPU reference sums them. The sigmoid scheme's group scores go through a per-warp shared-memory
+// copy of the row, one lane per group.
 //
 // Statistics without float atomics and without workspace, in three launches:
 //   1. route_stats: each block routes a fixed chunk of tokens and sums q[t,e] and the expert counts over
@@ -24,10 +25,13 @@
 namespace moe8::cuda {
 namespace {
 
+// NOTES: the per-token kernels declare __launch_bounds__(kThreads, 1): under the default heuristic ptxas
+// caps them near 48-128 registers and spills the kVPT = 8 and 16 instances.
 constexpr int kWarps = 4;  // tokens in flight per block; 4 keeps the sigmoid scheme's smem under 48 KiB
 constexpr int kThreads = kWarps * 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kTokensPerChunk = 32;  // statistics chunk target: 8 tokens per warp
+constexpr int kMaxVPT = 16;          // experts per lane: E <= 512
 
 __device__ __forceinline__ float warp_sum(float v) {
   // Butterfly: every lane ends with the bitwise-same sum (addition is commutative at each step).
@@ -49,17 +53,13 @@ __device__ __forceinline__ float lanes_sum(float v, int n) {
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
-// Larger key = larger value, then lower expert. -0 and +0 map to one key so that they tie, as they
-// compare equal. Valid keys are never 0 (the low word is >= 2^32 - 512), so 0 means "nothing".
-__device__ __forceinline__ uint64_t pack_key(float v, int e) {
+// Order-preserving 32-bit image of a float: larger value, larger key; -0 and +0 share one key, as they
+// compare equal. 0 is the key of no ordinary float (only of the negative NaN with every payload bit set),
+// so it marks "not a candidate".
+__device__ __forceinline__ uint32_t order_key(float v) {
   uint32_t u = __float_as_uint(v);
   if ((u << 1) == 0u) u = 0u;
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<uint64_t>(u) << 32) | static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(e));
-}
-
-__device__ __forceinline__ int key_expert(uint64_t key) {
-  return key == 0 ? -1 : static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 // v[e >> 5] on the lane that holds expert e, on every lane; e must be the same on all lanes.
@@ -90,9 +90,10 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int E, int l
   }
 }
 
-// Softmax max and denominator over the E valid logits, on every lane.
+// Softmax max and denominator over the E valid logits, on every lane; ex[j] = exp(l[j] - m) (0 past E).
 template <int kVPT>
-__device__ __forceinline__ void softmax_stats(const float (&l)[kVPT], int E, int lane, float& m, float& sum) {
+__device__ __forceinline__ void softmax_stats(const float (&l)[kVPT], int E, int lane, float& m, float& sum,
+                                              float (&ex)[kVPT]) {
   float mm = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kVPT; ++j)
@@ -100,8 +101,10 @@ __device__ __forceinline__ void softmax_stats(const float (&l)[kVPT], int E, int
   m = warp_max(mm);
   float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < kVPT; ++j)
-    if (lane + 32 * j < E) s += expf(l[j] - m);
+  for (int j = 0; j < kVPT; ++j) {
+    ex[j] = lane + 32 * j < E ? expf(l[j] - m) : 0.f;
+    s += ex[j];
+  }
   sum = warp_sum(s);
 }
 
@@ -114,7 +117,7 @@ __host__ __device__ inline bool grouped(const RouteParams& p) {
 // skew per group so that lanes scanning different groups hit different banks); group scores follow.
 template <int kVPT>
 __device__ __forceinline__ uint32_t excluded_groups(const float (&c)[kVPT], const RouteParams& p, int E, int lane,
-                                    float* ws) {
+                                                    float* ws) {
   const int ng = p.n_group, gs = E / ng;
   float* score = ws + E + ng;
 #pragma unroll
@@ -170,57 +173,65 @@ __device__ __forceinline__ uint32_t excluded_groups(const float (&c)[kVPT], cons
   return excluded;
 }
 
-// Routes one token. In: l (logits), m/sum (softmax stats). Out: val[j] (softmax: p, sigmoid: s,
-// topk-softmax: l), and on lane r < K the r-th choice: my_id (-1 if none is eligible) and val at it.
+// The k largest keys of the row, descending, ties to the lower expert: k rounds of a warp argmax over
+// order keys (a max of keys, then a min of expert among the lanes that hold it). On lane r < k: the r-th
+// choice and the val carried with it; -1 and 0 where nothing eligible is left.
 template <int kVPT>
-__device__ __forceinline__ void route_token(const float (&l)[kVPT], float m, float sum,
-                                            const float* __restrict__ bias, const RouteParams& p, int E,
-                                            int lane, float* ws, float (&val)[kVPT], int& my_id,
-                                            float& my_val) {
-  float key[kVPT];
-  uint32_t excluded = 0;
-  if (p.scheme == RouteScheme::kSoftmaxTopK) {
+__device__ __forceinline__ void warp_topk(const float (&key)[kVPT], const float (&val)[kVPT], uint32_t excluded, int E,
+                                          int k, int lane, int& my_id, float& my_val) {
+  uint32_t ok[kVPT];
 #pragma unroll
-    for (int j = 0; j < kVPT; ++j) key[j] = val[j] = expf(l[j] - m) / sum;
-  } else if (p.scheme == RouteScheme::kSigmoidGroupTopK) {
-#pragma unroll
-    for (int j = 0; j < kVPT; ++j) {
-      const int e = lane + 32 * j;
-      val[j] = sigmoidf(l[j]);
-      key[j] = val[j] + ((bias != nullptr && e < E) ? bias[e] : 0.f);
-    }
-    if (grouped(p)) excluded = excluded_groups(key, p, E, lane, ws);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVPT; ++j) key[j] = val[j] = l[j];
-  }
+  for (int j = 0; j < kVPT; ++j) ok[j] = (lane + 32 * j < E && !((excluded >> j) & 1u)) ? order_key(key[j]) : 0u;
   my_id = -1;
   my_val = 0.f;
-  for (int r = 0; r < p.k; ++r) {
-    uint64_t best = 0;
+  for (int r = 0; r < k; ++r) {
+    uint32_t bk = 0u;  // this lane's best: strict > keeps the lower j, i.e. the lower expert
+    int bj = 0;
+    float bv = 0.f;
 #pragma unroll
     for (int j = 0; j < kVPT; ++j) {
-      const int e = lane + 32 * j;
-      if (e < E && !((excluded >> j) & 1u)) {
-        const uint64_t kj = pack_key(key[j], e);
-        best = kj > best ? kj : best;
+      if (ok[j] > bk) {
+        bk = ok[j];
+        bj = j;
+        bv = val[j];
       }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      const uint64_t other = __shfl_xor_sync(kFull, best, o);
-      best = other > best ? other : best;
-    }
-    const int e = key_expert(best);  // same on every lane
-    float v = 0.f;
-    if (e >= 0) {
-      v = warp_gather(val, e);
-      if ((e & 31) == lane) excluded |= 1u << (e >> 5);
+    const uint32_t top = __reduce_max_sync(kFull, bk);
+    if (top == 0u) break;  // the same on every lane
+    const int e = __reduce_min_sync(kFull, bk == top ? lane + 32 * bj : 0x7fffffff);
+    const float v = __shfl_sync(kFull, bv, e & 31);
+    if (lane == (e & 31)) {
+#pragma unroll
+      for (int j = 0; j < kVPT; ++j)
+        if (j == bj) ok[j] = 0u;
     }
     if (lane == r) {
       my_id = e;
       my_val = v;
     }
   }
+}
+
+// Chooses the experts of one token. Softmax schemes select on the logits (softmax is monotone: the same
+// experts as selecting on p) and carry l; the sigmoid scheme selects on s + bias within the best groups and
+// carries s, which it also leaves in s[] for the statistics.
+template <int kVPT>
+__device__ __forceinline__ void choose_experts(const float (&l)[kVPT], const float* __restrict__ bias,
+                                               const RouteParams& p, int E, int lane, float* ws, float (&s)[kVPT],
+                                               int& my_id, float& my_val) {
+  if (p.scheme != RouteScheme::kSigmoidGroupTopK) {
+    warp_topk(l, l, 0u, E, p.k, lane, my_id, my_val);
+    return;
+  }
+  float c[kVPT];
+#pragma unroll
+  for (int j = 0; j < kVPT; ++j) {
+    const int e = lane + 32 * j;
+    s[j] = e < E ? sigmoidf(l[j]) : 0.f;
+    c[j] = s[j] + ((bias != nullptr && e < E) ? bias[e] : 0.f);
+  }
+  const uint32_t excluded = grouped(p) ? excluded_groups(c, p, E, lane, ws) : 0u;
+  warp_topk(c, s, excluded, E, p.k, lane, my_id, my_val);
 }
 
 // Per-chunk partials live in weights (T*K floats) then ids (T*K ints), as raw 32-bit words.
@@ -264,26 +275,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < kVPT; ++j) acc[j] = 0.f;
   const int t_begin = static_cast<int>(blockIdx.x) * chunk, t_end = min(num_tokens, t_begin + chunk);
   for (int t = t_begin + warp; t < t_end; t += kWarps) {
-    float l[kVPT], val[kVPT], m, sum, my_val;
+    float l[kVPT], ex[kVPT], s[kVPT], m, sum, my_val;
     int my_id;
     load_row(logits + static_cast<int64_t>(t) * E, E, lane, l);
-    softmax_stats(l, E, lane, m, sum);
-    route_token(l, m, sum, bias, p, E, lane, ws, val, my_id, my_val);
+    softmax_stats(l, E, lane, m, sum, ex);
+    choose_experts(l, bias, p, E, lane, ws, s, my_id, my_val);
     if (lane < p.k && my_id >= 0) atomicAdd(&hist[my_id], 1);  // integer: order-independent
     if (p.scheme == RouteScheme::kSigmoidGroupTopK) {
-      float s = 0.f;
+      float ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < kVPT; ++j)
-        if (lane + 32 * j < E) s += val[j];
-      const float ssum = warp_sum(s);
+      for (int j = 0; j < kVPT; ++j) ss += s[j];
+      const float inv = 1.f / warp_sum(ss);
 #pragma unroll
-      for (int j = 0; j < kVPT; ++j) acc[j] += val[j] / ssum;
-    } else if (p.scheme == RouteScheme::kSoftmaxTopK) {
-#pragma unroll
-      for (int j = 0; j < kVPT; ++j) acc[j] += val[j];
+      for (int j = 0; j < kVPT; ++j) acc[j] += s[j] * inv;
     } else {
+      const float inv = 1.f / sum;
 #pragma unroll
-      for (int j = 0; j < kVPT; ++j) acc[j] += expf(l[j] - m) / sum;
+      for (int j = 0; j < kVPT; ++j) acc[j] += ex[j] * inv;
     }
   }
 #pragma unroll
@@ -295,9 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = threadIdx.x; e < E; e += kThreads) {
     float q = 0.f;
     for (int w = 0; w < kWarps; ++w) q += qsum[w * E + e];  // warps in a fixed order
-    if (nchunks == 1) {
-      prob_mean[e] = q / static_cast<float>(num_tokens);
-      token_frac[e] = static_cast<float>(hist[e]) / static_cast<float>(static_cast<int64_t>(num_tokens) * p.k);
+    if (nchunks == 1) {                                     // the same arithmetic as route_stats_reduce_kernel
+      prob_mean[e] = static_cast<float>(static_cast<double>(q) / num_tokens);
+      token_frac[e] = static_cast<float>(static_cast<double>(hist[e]) / (static_cast<double>(num_tokens) * p.k));
     } else {
       const int64_t base = static_cast<int64_t>(blockIdx.x) * E + e;
       scratch.put(base, __float_as_uint(q));
@@ -308,17 +316,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // Block of 32 experts x 32 warps; warp w sums chunks w, w+32, ...; then the 32 warp sums in order.
 __global__ void __launch_bounds__(1024)
-    route_stats_reduce_kernel(Scratch scratch, int nchunks, int E, int num_tokens, int k,
-                              float* __restrict__ prob_mean, float* __restrict__ token_frac) {
-  __shared__ float sq[32][33];
+    route_stats_reduce_kernel(Scratch scratch, int nchunks, int E, int num_tokens, int k, float* __restrict__ prob_mean,
+                              float* __restrict__ token_frac) {
+  __shared__ double sq[32][33];
   __shared__ int sc[32][33];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = blockIdx.x * 32 + lane;
-  float q = 0.f;
+  double q = 0.0;  // double: the chunk partials are fp32, their sum need not lose more
   int c = 0;
   if (e < E) {
     for (int b = warp; b < nchunks; b += 32) {
       const int64_t i = static_cast<int64_t>(b) * E + e;
-      q += __uint_as_float(scratch.get(i));
+      q += static_cast<double>(__uint_as_float(scratch.get(i)));
       c += static_cast<int>(scratch.get(static_cast<int64_t>(nchunks) * E + i));
     }
   }
@@ -326,14 +334,14 @@ __global__ void __launch_bounds__(1024)
   sc[warp][lane] = c;
   __syncthreads();
   if (warp == 0 && e < E) {
-    float tq = 0.f;
+    double tq = 0.0;
     int tc = 0;
     for (int w = 0; w < 32; ++w) {
       tq += sq[w][lane];
       tc += sc[w][lane];
     }
-    prob_mean[e] = tq / static_cast<float>(num_tokens);
-    token_frac[e] = static_cast<float>(tc) / static_cast<float>(static_cast<int64_t>(num_tokens) * k);
+    prob_mean[e] = static_cast<float>(tq / num_tokens);
+    token_frac[e] = static_cast<float>(static_cast<double>(tc) / (static_cast<double>(num_tokens) * k));
   }
 }
 
@@ -347,17 +355,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t = blockIdx.x * kWarps + warp;
   if (t >= num_tokens) return;  // whole warp leaves together
   float* ws = smem + (grouped(p) ? static_cast<size_t>(warp) * (E + 2 * p.n_group) : 0);
-  float l[kVPT], val[kVPT], m, sum, my_val;
+  float l[kVPT], ex[kVPT], s[kVPT], m, sum, my_val;
   int my_id;
   load_row(logits + static_cast<int64_t>(t) * E, E, lane, l);
-  softmax_stats(l, E, lane, m, sum);
-  route_token(l, m, sum, bias, p, E, lane, ws, val, my_id, my_val);
+  softmax_stats(l, E, lane, m, sum, ex);
+  choose_experts(l, bias, p, E, lane, ws, s, my_id, my_val);
 
   const int K = p.k;
   float w;
   if (p.scheme == RouteScheme::kSoftmaxTopK) {
-    w = my_val;
-    if (p.renormalize) w = my_val / lanes_sum(my_val, K);
+    const float prob = lane < K ? expf(my_val - m) / sum : 0.f;  // my_val: the chosen logit
+    w = p.renormalize ? prob / lanes_sum(prob, K) : prob;
   } else if (p.scheme == RouteScheme::kSigmoidGroupTopK) {
     w = my_val;
     if (p.renormalize) w = my_val / (lanes_sum(my_val, K) + 1e-20f);
@@ -384,13 +392,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t = blockIdx.x * kWarps + warp;
   if (t >= num_tokens) return;
   const int K = p.k;
-  float l[kVPT], m, sum;
+  float l[kVPT], prob[kVPT], dl[kVPT], m, sum;
   load_row(logits + static_cast<int64_t>(t) * E, E, lane, l);
-  softmax_stats(l, E, lane, m, sum);
-  float prob[kVPT], dl[kVPT];
+  softmax_stats(l, E, lane, m, sum, prob);
 #pragma unroll
   for (int j = 0; j < kVPT; ++j) {
-    prob[j] = lane + 32 * j < E ? expf(l[j] - m) / sum : 0.f;
+    prob[j] = prob[j] / sum;
     dl[j] = 0.f;
   }
   const int my_id = lane < K ? ids[static_cast<int64_t>(t) * K + lane] : 0;
@@ -414,8 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float S = lanes_sum(q, K), G = lanes_sum(g * q, K);
       dq = (g - G / S) / S;
     }
-    for (int k = 0; k < K; ++k)
-      lane_scatter_add(dp, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dq, k), lane);
+    for (int k = 0; k < K; ++k) lane_scatter_add(dp, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dq, k), lane);
     float d = 0.f;
 #pragma unroll
     for (int j = 0; j < kVPT; ++j) d += prob[j] * dp[j];
@@ -451,8 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < kVPT; ++j) ds[j] = (dp[j] - A / ssum) / ssum;
     }
-    for (int k = 0; k < K; ++k)
-      lane_scatter_add(ds, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dq, k), lane);
+    for (int k = 0; k < K; ++k) lane_scatter_add(ds, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dq, k), lane);
 #pragma unroll
     for (int j = 0; j < kVPT; ++j) dl[j] = ds[j] * s[j] * (1.f - s[j]);
   } else {
@@ -467,8 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float w = ex / lanes_sum(ex, K);
     const float gw = lanes_sum(g * w, K);
     const float dlk = w * (g - gw);
-    for (int k = 0; k < K; ++k)
-      lane_scatter_add(dl, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dlk, k), lane);
+    for (int k = 0; k < K; ++k) lane_scatter_add(dl, __shfl_sync(kFull, my_id, k), __shfl_sync(kFull, dlk, k), lane);
     if (grad_prob_mean != nullptr) {
       float d = 0.f;
 #pragma unroll
@@ -491,6 +495,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// What the kernels assume beyond the API's checks: a warp holds a row (E <= 512) and the k choices (one
+// per lane).
+void check_limits(const RouteParams& p, int64_t E, const char* op) {
+  MOE8_CHECK(E >= 1 && E <= 32 * kMaxVPT, op, ": at most ", 32 * kMaxVPT, " experts on CUDA, got ", E);
+  MOE8_CHECK(p.k >= 1 && p.k <= 32, op, ": k must be in [1, 32] on CUDA, got ", p.k);
+  if (grouped(p)) MOE8_CHECK(E % p.n_group == 0, op, ": n_group (", p.n_group, ") must divide E (", E, ")");
+}
+
 // Calls f.template operator()<kVPT>() with the smallest kVPT such that E <= 32 * kVPT (E <= 512).
 template <typename F>
 void dispatch_vpt(int E, F&& f) {
@@ -502,10 +514,8 @@ void dispatch_vpt(int E, F&& f) {
     f.template operator()<4>();
   else if (E <= 256)
     f.template operator()<8>();
-  else if (E <= 512)
-    f.template operator()<16>();
   else
-    fail("route: at most 512 experts are supported on CUDA, got ", E);
+    f.template operator()<kMaxVPT>();
 }
 
 template <typename T>
@@ -529,17 +539,17 @@ struct RouteForward {
 
     const size_t stats_smem = route_smem_bytes(p, E, true);
     route_stats_kernel<T, kVPT><<<static_cast<unsigned>(nchunks), kThreads, stats_smem, s>>>(
-        x, b, p, num_tokens, E, static_cast<int>(chunk), scratch, static_cast<int>(nchunks),
-        prob_mean.ptr<float>(), token_frac.ptr<float>());
+        x, b, p, num_tokens, E, static_cast<int>(chunk), scratch, static_cast<int>(nchunks), prob_mean.ptr<float>(),
+        token_frac.ptr<float>());
     check_launch("route_forward: route_stats_kernel");
     if (nchunks > 1) {
       route_stats_reduce_kernel<<<static_cast<unsigned>(ceil_div(E, 32)), 1024, 0, s>>>(
           scratch, static_cast<int>(nchunks), E, num_tokens, p.k, prob_mean.ptr<float>(), token_frac.ptr<float>());
       check_launch("route_forward: route_stats_reduce_kernel");
     }
-    route_topk_kernel<T, kVPT><<<static_cast<unsigned>(ceil_div(num_tokens, kWarps)), kThreads,
-                                 route_smem_bytes(p, E, false), s>>>(x, b, p, num_tokens, E, ids.ptr<int32_t>(),
-                                                                     weights.ptr<float>(), lse.ptr<float>());
+    route_topk_kernel<T, kVPT>
+        <<<static_cast<unsigned>(ceil_div(num_tokens, kWarps)), kThreads, route_smem_bytes(p, E, false), s>>>(
+            x, b, p, num_tokens, E, ids.ptr<int32_t>(), weights.ptr<float>(), lse.ptr<float>());
     check_launch("route_forward: route_topk_kernel");
   }
 };
@@ -568,13 +578,12 @@ void route_forward(const TensorView& logits, const TensorView& bias, const Route
                    const TensorView& lse, void* stream) {
   cudaStream_t s = as_stream(stream);
   const int64_t num_tokens = logits.shape[0], E = logits.shape[1];
+  check_limits(p, E, "route_forward");
   if (num_tokens == 0) {
     cuda_check(cudaMemsetAsync(prob_mean.data, 0, E * sizeof(float), s), "route_forward: memset prob_mean");
     cuda_check(cudaMemsetAsync(token_frac.data, 0, E * sizeof(float), s), "route_forward: memset token_frac");
     return;
   }
-  if (grouped(p))
-    MOE8_CHECK(E % p.n_group == 0, "route_forward: n_group (", p.n_group, ") must divide E (", E, ")");
   MOE8_DISPATCH_FLOAT(logits.dtype, "route_forward: logits", [&] {
     dispatch_vpt(static_cast<int>(E),
                  RouteForward<scalar_t>{logits, bias, ids, weights, prob_mean, token_frac, lse, p, s});
@@ -585,6 +594,7 @@ void route_backward(const TensorView& logits, const TensorView& bias, const Rout
                     const TensorView& grad_weights, const TensorView& grad_prob_mean, const TensorView& grad_lse,
                     const TensorView& grad_logits, void* stream) {
   (void)bias;  // the selection gets no gradient
+  check_limits(p, logits.shape[1], "route_backward");
   if (logits.shape[0] == 0) return;
   cudaStream_t s = as_stream(stream);
   MOE8_DISPATCH_FLOAT(logits.dtype, "route_backward: logits", [&] {

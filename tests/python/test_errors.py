@@ -101,7 +101,7 @@ def test_plan_errors():
         torch.tensor([[0, -1], [2, 3]], dtype=torch.int32),
     )
     raises(r"pad_multiple: expected >= 1, got 0", call, ids, 4, 0)
-    raises(r"num_experts: expected 1..1024, got 0", call, ids, 0)
+    raises(r"num_experts: expected 1..512, got 0", call, ids, 0)
     raises(r"offsets: expected shape \[5\], got \[4\]", call, offsets=i32(4))
     raises(r"row_to_slot: expected at least 4 rows", call, r2s=i32(3))
     raises(r"slot_to_row: expected dtype int32, got float32", call, s2r=f32(4))

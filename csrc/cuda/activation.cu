@@ -1,0 +1,253 @@
+// activation.cu — the expert activation between the two grouped GEMMs, forward and backward: SwiGLU,
+// GPT-OSS clamped SwiGLU (gate/up as two halves or interleaved), and the ungated SiLU and exact GELU.
+//
+// Design. Elementwise and memory-bound. A block is blockDim.y rows (from blockIdx.x) by blockDim.x packs
+// of columns (tile blockIdx.y), narrow rows stacking several to a block; each thread computes V consecutive
+// outputs, moving 16-byte packs (V = 8 for bf16/f16, 4 for
+// f32) when I and the pointers allow it, single elements otherwise. Math in fp32, one formula per kind in
+// act_forward / act_backward, written in the CPU reference's order of operations; the layout of gate and
+// up is resolved once per pack in load_inputs.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+
+namespace moe8::cuda {
+namespace {
+
+constexpr int kMaxThreads = 256;
+constexpr float kSqrtHalf = 0.70710678118654752f;
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Clamps as torch.clamp does: NaN passes through.
+__device__ __forceinline__ float clamp_max(float x, float hi) { return x > hi ? hi : x; }
+__device__ __forceinline__ float clamp_both(float x, float lo, float hi) { return x > hi ? hi : (x < lo ? lo : x); }
+
+// g: gate (or the input of an ungated kind), u: up (unused when ungated).
+__device__ __forceinline__ float act_forward(const ActParams& p, float g, float u) {
+  switch (p.kind) {
+    case ActKind::kSwiGLU:
+      return g * sigmoidf(g) * u;
+    case ActKind::kSwiGLUClamped: {
+      const float gc = clamp_max(g, p.limit), uc = clamp_both(u, -p.limit, p.limit);
+      return (uc + 1.f) * gc * sigmoidf(p.alpha * gc);
+    }
+    case ActKind::kSiLU:
+      return g * sigmoidf(g);
+    default:  // kGELU, exact
+      return 0.5f * g * (1.f + erff(g * kSqrtHalf));
+  }
+}
+
+// d: upstream gradient of the output -> dg, du (du is 0 when ungated).
+__device__ __forceinline__ void act_backward(const ActParams& p, float g, float u, float d, float& dg, float& du) {
+  switch (p.kind) {
+    case ActKind::kSwiGLU: {
+      const float s = sigmoidf(g);
+      dg = d * u * s * (1.f + g * (1.f - s));
+      du = d * g * s;
+      break;
+    }
+    case ActKind::kSwiGLUClamped: {
+      // The clamps pass gradient where the input lay inside the bounds, bounds included (torch.clamp).
+      const float gc = clamp_max(g, p.limit), uc = clamp_both(u, -p.limit, p.limit);
+      const float s = sigmoidf(p.alpha * gc);
+      dg = g <= p.limit ? d * (uc + 1.f) * s * (1.f + p.alpha * gc * (1.f - s)) : 0.f;
+      du = (u >= -p.limit && u <= p.limit) ? d * (gc * s) : 0.f;
+      break;
+    }
+    case ActKind::kSiLU: {
+      const float s = sigmoidf(g);
+      dg = d * s * (1.f + g * (1.f - s));
+      du = 0.f;
+      break;
+    }
+    default: {  // kGELU: d/dg [g Phi(g)] = Phi(g) + g phi(g)
+      const float cdf = 0.5f * (1.f + erff(g * kSqrtHalf));
+      const float pdf = 0.39894228040143268f * expf(-0.5f * g * g);  // 1 / sqrt(2 pi)
+      dg = d * (cdf + g * pdf);
+      du = 0.f;
+      break;
+    }
+  }
+}
+
+// Element offsets, within row r of h, of the gate and up packs for outputs i0 .. i0+V-1. Interleaved:
+// the 2V inputs [g, u, g, u, ...] start at 2 * i0 and are read as two packs.
+struct Layout {
+  bool gated, interleaved;
+  int64_t I;
+  __device__ __forceinline__ int64_t row_elems() const { return gated ? 2 * I : I; }
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void load_inputs(const T* row, const Layout& lay, int64_t i0, float (&g)[V], float (&u)[V]) {
+  using P = Pack<T, V>;
+  if (!lay.gated) {
+    const P a = *reinterpret_cast<const P*>(row + i0);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      g[j] = to_float(a.v[j]);
+      u[j] = 0.f;
+    }
+  } else if (!lay.interleaved) {
+    const P a = *reinterpret_cast<const P*>(row + i0);
+    const P b = *reinterpret_cast<const P*>(row + lay.I + i0);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      g[j] = to_float(a.v[j]);
+      u[j] = to_float(b.v[j]);
+    }
+  } else {
+    const P a = *reinterpret_cast<const P*>(row + 2 * i0);
+    const P b = *reinterpret_cast<const P*>(row + 2 * i0 + V);
+    float x[2 * V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      x[j] = to_float(a.v[j]);
+      x[V + j] = to_float(b.v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      g[j] = x[2 * j];
+      u[j] = x[2 * j + 1];
+    }
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_grads(T* row, const Layout& lay, int64_t i0, const float (&dg)[V],
+                                            const float (&du)[V]) {
+  using P = Pack<T, V>;
+  if (!lay.gated) {
+    P a;
+#pragma unroll
+    for (int j = 0; j < V; ++j) a.v[j] = from_float<T>(dg[j]);
+    *reinterpret_cast<P*>(row + i0) = a;
+  } else if (!lay.interleaved) {
+    P a, b;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      a.v[j] = from_float<T>(dg[j]);
+      b.v[j] = from_float<T>(du[j]);
+    }
+    *reinterpret_cast<P*>(row + i0) = a;
+    *reinterpret_cast<P*>(row + lay.I + i0) = b;
+  } else {
+    float x[2 * V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      x[2 * j] = dg[j];
+      x[2 * j + 1] = du[j];
+    }
+    P a, b;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      a.v[j] = from_float<T>(x[j]);
+      b.v[j] = from_float<T>(x[V + j]);
+    }
+    *reinterpret_cast<P*>(row + 2 * i0) = a;
+    *reinterpret_cast<P*>(row + 2 * i0 + V) = b;
+  }
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kMaxThreads)
+    activation_forward_kernel(const T* __restrict__ h, ActParams p, Layout lay, int64_t rows, T* __restrict__ out) {
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (i0 >= lay.I || r >= rows) return;
+  float g[V], u[V];
+  load_inputs<T, V>(h + r * lay.row_elems(), lay, i0, g, u);
+  Pack<T, V> o;
+#pragma unroll
+  for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(act_forward(p, g[j], u[j]));
+  *reinterpret_cast<Pack<T, V>*>(out + r * lay.I + i0) = o;
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kMaxThreads)
+    activation_backward_kernel(const T* __restrict__ h, const T* __restrict__ dout, ActParams p, Layout lay,
+                               int64_t rows, T* __restrict__ dh) {
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (i0 >= lay.I || r >= rows) return;
+  float g[V], u[V], dg[V], du[V];
+  load_inputs<T, V>(h + r * lay.row_elems(), lay, i0, g, u);
+  const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dout + r * lay.I + i0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) act_backward(p, g[j], u[j], to_float(d.v[j]), dg[j], du[j]);
+  store_grads<T, V>(dh + r * lay.row_elems(), lay, i0, dg, du);
+}
+
+template <typename T>
+bool use_packs(int64_t I, std::initializer_list<const void*> ptrs) {
+  constexpr int V = 16 / sizeof(T);
+  if (I % V != 0) return false;
+  for (const void* q : ptrs)
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
+  return true;
+}
+
+// x: packs of a row (whole warps, at most kMaxThreads); y: rows filling the rest of kMaxThreads.
+struct Grid {
+  dim3 grid, block;
+};
+
+Grid grid_for(int64_t rows, int64_t packs) {
+  const int64_t tx = std::min<int64_t>(kMaxThreads, ceil_div(packs, 32) * 32), ty = kMaxThreads / tx;
+  return {dim3(static_cast<unsigned>(ceil_div(rows, ty)), static_cast<unsigned>(ceil_div(packs, tx))),
+          dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
+}
+
+}  // namespace
+
+void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, void* stream) {
+  const int64_t rows = out.shape[0], I = out.shape[1];
+  if (rows == 0 || I == 0) return;
+  cudaStream_t s = as_stream(stream);
+  const Layout lay{is_gated(p.kind), p.interleaved, I};
+  MOE8_DISPATCH_FLOAT(h.dtype, "activation_forward: h", [&] {
+    using T = scalar_t;
+    constexpr int V = 16 / sizeof(T);
+    if (use_packs<T>(I, {h.data, out.data})) {
+      const Grid g = grid_for(rows, I / V);
+      activation_forward_kernel<T, V><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), p, lay, rows, out.ptr<T>());
+    } else {
+      const Grid g = grid_for(rows, I);
+      activation_forward_kernel<T, 1><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), p, lay, rows, out.ptr<T>());
+    }
+    check_launch("activation_forward_kernel");
+  });
+}
+
+void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
+                         void* stream) {
+  const int64_t rows = dout.shape[0], I = dout.shape[1];
+  if (rows == 0 || I == 0) return;
+  cudaStream_t s = as_stream(stream);
+  const Layout lay{is_gated(p.kind), p.interleaved, I};
+  MOE8_DISPATCH_FLOAT(h.dtype, "activation_backward: h", [&] {
+    using T = scalar_t;
+    constexpr int V = 16 / sizeof(T);
+    if (use_packs<T>(I, {h.data, dout.data, dh.data})) {
+      const Grid g = grid_for(rows, I / V);
+      activation_backward_kernel<T, V><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), p, lay, rows, dh.ptr<T>());
+    } else {
+      const Grid g = grid_for(rows, I);
+      activation_backward_kernel<T, 1><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), p, lay, rows, dh.ptr<T>());
+    }
+    check_launch("activation_backward_kernel");
+  });
+}
+
+}  // namespace moe8::cuda
