@@ -16,10 +16,11 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
 echo "== build" | tee "$OUT/build.log"
 cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
-  >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || {
-  tail -60 "$OUT/build.log"
+  >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" --target _C >>"$OUT/build.log" 2>&1 || {
+  grep -B2 -A12 -E "error|FAILED" "$OUT/build.log" | head -80
   exit 1
 }
+cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
 echo "build took $(($(date +%s) - t0)) s"
 ln -sf "$PWD"/build/gpu/_C*.so python/moe8/
 echo "== ctest"

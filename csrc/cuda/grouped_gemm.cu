@@ -31,8 +31,8 @@ struct TileJob {
 // block scans the per-group tile counts from the device offsets (kThreads groups per step) and finds the
 // group holding tile `tile`. Returns false, for the whole block, when tile is past the last one.
 template <int kBM>
-__device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int64_t rows,
-                                          int n_tiles, int tile, TileJob& job) {
+__device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int64_t rows, int n_tiles,
+                                          int tile, TileJob& job) {
   constexpr int kWarps = kThreads / 32;
   __shared__ int s_warp[kWarps];
   __shared__ int s_found[2];  // group, its first tile
@@ -133,12 +133,12 @@ struct WgradArgs {
 };
 
 template <typename T, bool kAKMajor, bool kBKMajor, bool kMma>
-using Mainloop =
-    std::conditional_t<kMma, MmaMainloop<T, kAKMajor, kBKMajor>, SimtMainloop<T, kAKMajor, kBKMajor>>;
+using Mainloop = std::conditional_t<kMma, MmaMainloop<T, kAKMajor, kBKMajor>, SimtMainloop<T, kAKMajor, kBKMajor>>;
 
 // kMma: tensor-core main loop (16-bit T), else SIMT. kBKMajor: b is [E, N, Kd] (kNK), else [E, Kd, N].
 template <typename T, typename TBias, bool kBKMajor, bool kMma>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const FwdArgs p) {
+__global__ void __launch_bounds__(kThreads, (Mainloop<T, true, kBKMajor, kMma>::kMinBlocks))
+    grouped_gemm_kernel(const FwdArgs p) {
   using Loop = Mainloop<T, true, kBKMajor, kMma>;
   static_assert(Loop::kThreads == kThreads);
   constexpr int kBM = Loop::kBM, kBN = Loop::kBN;
@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const FwdArgs
 // db[e] = x[rows of e]^T · y[rows of e]: a GEMM whose reduction runs over the group's rows, so the grid is
 // (N' tiles, M' tiles, E) with no search; an empty group leaves acc zero and writes zeros.
 template <typename T, typename TOut, bool kMma>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_wgrad_kernel(const WgradArgs p) {
+__global__ void __launch_bounds__(kThreads, (Mainloop<T, false, false, kMma>::kMinBlocks))
+    grouped_gemm_wgrad_kernel(const WgradArgs p) {
   using Loop = Mainloop<T, false, false, kMma>;
   static_assert(Loop::kThreads == kThreads);
   const int e = blockIdx.z;
@@ -242,9 +243,13 @@ inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintp
 // Every call, not once: the limit is per device, and the call is cheap and allowed during graph capture.
 template <typename Kernel>
 void allow_smem(Kernel kernel, int smem_bytes) {
-  if (smem_bytes > 48 * 1024)
-    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-               "grouped_gemm: cudaFuncSetAttribute");
+  if (smem_bytes <= 48 * 1024) return;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+             "grouped_gemm: cudaFuncSetAttribute");
+  // Two blocks per SM need the largest shared-memory carveout; it is a hint, so the driver may still pick.
+  cuda_check(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+      "grouped_gemm: cudaFuncSetAttribute");
 }
 
 template <typename T, typename TBias, bool kBKMajor, bool kMma>
@@ -310,8 +315,8 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   const int esize = dtype_size(a.dtype);
   p.pair_ok = p.n % 2 == 0 && gg::aligned(c.data, 2 * esize);
   // 16-byte cp.async chunks: rows of a and of b must start on 16 bytes and end on a chunk boundary.
-  const bool mma_ok = esize == 2 && p.k % 8 == 0 && (!kn || p.n % 8 == 0) && gg::aligned(a.data, 16) &&
-                      gg::aligned(b.data, 16);
+  const bool mma_ok =
+      esize == 2 && p.k % 8 == 0 && (!kn || p.n % 8 == 0) && gg::aligned(a.data, 16) && gg::aligned(b.data, 16);
   MOE8_DISPATCH_FLOAT(a.dtype, "grouped_gemm", [&] {
     if (bias.present && bias.dtype != a.dtype)
       gg::launch_forward<scalar_t, float>(p, kn, mma_ok, as_stream(stream));
@@ -339,8 +344,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   p.m = kn ? kd : n;
   p.n = kn ? n : kd;
   p.pair_ok = p.n % 2 == 0 && gg::aligned(db.data, 2 * dtype_size(db.dtype));
-  const bool mma_ok =
-      esize == 2 && kd % 8 == 0 && n % 8 == 0 && gg::aligned(a.data, 16) && gg::aligned(dc.data, 16);
+  const bool mma_ok = esize == 2 && kd % 8 == 0 && n % 8 == 0 && gg::aligned(a.data, 16) && gg::aligned(dc.data, 16);
   if (p.m > 0 && p.n > 0) {
     MOE8_DISPATCH_FLOAT(a.dtype, "grouped_gemm_wgrad", [&] {
       if (out_f32)

@@ -1,8 +1,7 @@
 // grouped_gemm_mma.cuh — the tensor-core main loop of the grouped GEMMs (16-bit inputs, fp32 accumulators):
-// one 128x256 output tile per 256-thread block (8 warps of 64x64), K in steps of 32 through a 4-stage
-// cp.async pipeline,
-// mma.sync m16n8k16 fed by ldmatrix (.trans where the stored tile is not K-contiguous).
-// Portable to sm_80; the Hopper wgmma/TMA kernels are a separate family.
+// one 128x128 output tile per 256-thread block (8 warps of 64x32), K in steps of 64 through a 3-stage
+// cp.async pipeline, mma.sync m16n8k16 fed by ldmatrix (.trans where the stored tile is not K-contiguous).
+// Two blocks per SM. Portable to sm_80; the Hopper wgmma/TMA kernels are a separate family.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -27,8 +26,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // NOTES: src-size 0 makes cp.async write zeros without reading src; src still points into the tensor.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -67,49 +65,54 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-// C[128,256] += A[128, k_begin:k_end] · B[256, k_begin:k_end]^T for one block.
+// C[kBM, kBN] += A[kBM, k_begin:k_end] · B[kBN, k_begin:k_end]^T for one block.
 // Requirements (the launcher checks them): ptr 16-byte aligned; the contiguous extent (k_end for a K-major
 // operand, i_end otherwise) and ld multiples of 8, so each 16-byte chunk is wholly inside or outside;
 // k_begin a multiple of 8 when the operand is K-major.
 template <typename T, bool kAKMajor, bool kBKMajor>
 struct MmaMainloop {
-  static constexpr int kBM = 128, kBN = 256, kBK = 32, kStages = 4, kThreads = 256;
-  // NOTES: 64x64 warp tiles keep the ldmatrix traffic (bytes per mma) within shared-memory bandwidth;
-  // their 128 fp32 accumulators per thread allow one block per SM.
-  static constexpr int kWarpsN = 4, kWarpM = 64, kWarpN = 64;  // 2 x 4 warps
+  static constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
+  static constexpr int kWarpsN = 4, kWarpM = 64, kWarpN = kBN / kWarpsN;  // 2 x 4 warps
+  // 64 accumulators per thread (64x32 warp tiles) fit in the 128 registers that two blocks per SM allow.
+  static constexpr int kMinBlocks = kWarpN <= 32 ? 2 : 1;
   static constexpr int kMI = kWarpM / 16, kNI = kWarpN / 8;
   // NOTES: 16 bytes of padding per smem row makes the 8 row addresses of every ldmatrix (and of the
-  // cp.async chunks) fall into distinct 16-byte bank groups: pitch 80 B (K-major), 272 B or 528 B.
+  // cp.async chunks) fall into distinct 16-byte bank groups (pitch 144 B for K-major tiles, 272 B otherwise).
   static constexpr int kPad = 8;
   static constexpr int kALd = kAKMajor ? kBK + kPad : kBM + kPad;
   static constexpr int kBLd = kBKMajor ? kBK + kPad : kBN + kPad;
   static constexpr int kAStage = (kAKMajor ? kBM : kBK) * kALd;
   static constexpr int kBStage = (kBKMajor ? kBN : kBK) * kBLd;
   static constexpr int kSmemBytes = kStages * (kAStage + kBStage) * static_cast<int>(sizeof(T));
+  static_assert(kMinBlocks * kSmemBytes <= 220 * 1024, "MmaMainloop: shared memory per SM");
   using Acc = float[kMI][kNI][4];
 
   // Stages the [kI, kBK] tile at (i0, k0) of op into smem s (as [kI][kBK + pad] or [kBK][kI + pad]).
+  // Thread t copies the 16-byte chunks (row0 + j * kRowStep, col) of the stored tile, so its column, and
+  // hence the contiguous-dimension bound check, is the same for all its chunks.
   template <bool kKMajor, int kI>
   static __device__ __forceinline__ void load_tile(T* s, const Operand<T>& op, int64_t i0, int64_t k0) {
     constexpr int kCols = kKMajor ? kBK : kI;  // contiguous extent of the stored tile
+    constexpr int kRows = kKMajor ? kI : kBK;
     constexpr int kLd = kCols + kPad;
     constexpr int kChunksPerRow = kCols / 8;
-    constexpr int kChunks = (kKMajor ? kI : kBK) * kChunksPerRow;
-    static_assert(kChunks % kThreads == 0, "load_tile: chunks must split evenly over the threads");
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowStep == 0, "load_tile: uneven split");
+    const int row0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
+    const int64_t g_col = (kKMajor ? k0 : i0) + col, g_row0 = (kKMajor ? i0 : k0) + row0;
+    const int64_t row_end = kKMajor ? op.i_end : op.k_end;
+    const bool col_ok = g_col < (kKMajor ? op.k_end : op.i_end);
+    const T* src = op.ptr + g_row0 * op.ld + g_col;
+    T* dst = s + row0 * kLd + col;
 #pragma unroll
-    for (int it = 0; it < kChunks / kThreads; ++it) {
-      const int c = threadIdx.x + it * kThreads;
-      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      const int64_t gi = i0 + (kKMajor ? row : col);
-      const int64_t gk = k0 + (kKMajor ? col : row);
-      const bool valid = gi < op.i_end && gk < op.k_end;
-      const T* src = valid ? op.ptr + (kKMajor ? gi * op.ld + gk : gk * op.ld + gi) : op.ptr;
-      cp_async_16(s + row * kLd + col, src, valid);
+    for (int j = 0; j < kRows / kRowStep; ++j) {
+      const bool valid = col_ok && g_row0 + j * kRowStep < row_end;
+      cp_async_16(dst + j * kRowStep * kLd, valid ? src + j * kRowStep * op.ld : op.ptr, valid);
     }
   }
 
-  static __device__ __forceinline__ void load_stage(T* sa, T* sb, const Operand<T>& a, int64_t m0,
-                                                    const Operand<T>& b, int64_t n0, int64_t k0) {
+  static __device__ __forceinline__ void load_stage(T* sa, T* sb, const Operand<T>& a, int64_t m0, const Operand<T>& b,
+                                                    int64_t n0, int64_t k0) {
     load_tile<kAKMajor, kBM>(sa, a, m0, k0);
     load_tile<kBKMajor, kBN>(sb, b, n0, k0);
   }
@@ -156,9 +159,8 @@ struct MmaMainloop {
   }
 
   // acc must be zeroed by the caller. All threads of the block must call this (it synchronises).
-  static __device__ __forceinline__ void run(unsigned char* smem, const Operand<T>& a, int64_t m0,
-                                             const Operand<T>& b, int64_t n0, int64_t k_begin, int64_t k_end,
-                                             Acc& acc) {
+  static __device__ __forceinline__ void run(unsigned char* smem, const Operand<T>& a, int64_t m0, const Operand<T>& b,
+                                             int64_t n0, int64_t k_begin, int64_t k_end, Acc& acc) {
     T* sa = reinterpret_cast<T*>(smem);
     T* sb = sa + kStages * kAStage;
     const int num_k = static_cast<int>((k_end - k_begin + kBK - 1) / kBK);

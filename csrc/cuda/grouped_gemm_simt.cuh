@@ -23,19 +23,18 @@ struct SimtMainloop {
     float b[2][kBK][kLd];
   };
   static constexpr int kSmemBytes = 0;  // dynamic; Smem is static shared memory
+  static constexpr int kMinBlocks = 1;  // 64 accumulators + 16 prefetch registers do not fit in 128
   using Acc = float[8][8];
 
   template <bool kKMajor>
-  static __device__ __forceinline__ void load_regs(float (&r)[kLoads], const Operand<T>& op, int64_t i0,
-                                                   int64_t k0) {
+  static __device__ __forceinline__ void load_regs(float (&r)[kLoads], const Operand<T>& op, int64_t i0, int64_t k0) {
 #pragma unroll
     for (int it = 0; it < kLoads; ++it) {
       const int e = threadIdx.x + it * kThreads;
       // Consecutive threads walk the contiguous dimension, so global reads coalesce.
       const int i = kKMajor ? e / kBK : e % kBM, k = kKMajor ? e % kBK : e / kBM;
       const int64_t gi = i0 + i, gk = k0 + k;
-      r[it] = (gi < op.i_end && gk < op.k_end) ? to_float(op.ptr[kKMajor ? gi * op.ld + gk : gk * op.ld + gi])
-                                               : 0.f;
+      r[it] = (gi < op.i_end && gk < op.k_end) ? to_float(op.ptr[kKMajor ? gi * op.ld + gk : gk * op.ld + gi]) : 0.f;
     }
   }
 
@@ -50,8 +49,8 @@ struct SimtMainloop {
   }
 
   // acc must be zeroed by the caller. All threads of the block must call this (it synchronises).
-  static __device__ __forceinline__ void run(Smem& s, const Operand<T>& a, int64_t m0, const Operand<T>& b,
-                                             int64_t n0, int64_t k_begin, int64_t k_end, Acc& acc) {
+  static __device__ __forceinline__ void run(Smem& s, const Operand<T>& a, int64_t m0, const Operand<T>& b, int64_t n0,
+                                             int64_t k_begin, int64_t k_end, Acc& acc) {
     const int num_k = static_cast<int>((k_end - k_begin + kBK - 1) / kBK);
     if (num_k <= 0) return;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;

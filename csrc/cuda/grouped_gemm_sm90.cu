@@ -1,0 +1,514 @@
+// grouped_gemm_sm90.cu — the MoE expert GEMMs on Hopper: CUTLASS 3.x ptr-array grouped GEMM kernels
+// (TMA loads, wgmma, warp-specialised persistent CTAs) with the group offsets read on the device.
+//   forward  (rows ragged): c[rows of e] = a[rows of e] · b[e]^T      b [E, N, Kd]  (B K-major, "TN")
+//   dgrad    (rows ragged): c[rows of e] = a[rows of e] · b[e]        b [E, Kd, N]  (B N-major)
+//   wgrad    (K ragged):    db[e] = dc[rows of e]^T · a[rows of e]    db [E, N, Kd]
+// A prep kernel (one thread per group) writes each group's problem shape, A/B/D pointers and strides
+// into the caller's workspace and zeroes what CUTLASS will not write (forward: rows past offsets[E];
+// wgrad: db of empty groups). CUTLASS then reads the shapes on the device (host_problem_shapes = nullptr,
+// so its persistent grid is one CTA per SM), which keeps every launch sync-free and graph-capturable.
+//
+// Build: nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG
+//        -DMOE8_WITH_CUTLASS=1 -I<cutlass>/include (cmake/cutlass.cmake does this). Without
+//        MOE8_WITH_CUTLASS the file compiles to stubs that report the path unsupported.
+#include "cuda/grouped_gemm_sm90.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/error.h"
+
+#if defined(MOE8_WITH_CUTLASS)
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "grouped_gemm_sm90.cu needs CUDA 12.3+ (CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)"
+#endif
+#endif
+
+namespace moe8::cuda {
+
+#if defined(MOE8_WITH_CUTLASS)
+namespace sm90 {
+
+using namespace cute;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+// Tile configurations. Large: two consumer warpgroups share a 128x256 tile (cooperative); small: each
+// consumer warpgroup owns a 64x128 tile and the two alternate mainloop and epilogue (ping-pong), for
+// experts with few rows. Both pair CTAs along N in a cluster, so the A tile (activation rows) is
+// multicast to both; N is a fixed model width, so the cluster rounding rarely wastes a tile, while
+// pairing along the ragged M would.
+struct TileLarge {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct TileSmall {
+  using Tile = Shape<_64, _128, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc.
+// NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C
+// and beta = 0 it would still compute 0 * (unloaded C registers).
+template <class T, class LayoutA, class LayoutB, class Config>
+struct GroupedGemm {
+  using Element = T;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
+      void, LayoutD*, kAlign,                                         // C: none
+      T, LayoutD*, kAlign,                                            // D
+      typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<T, float, void>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
+      T, LayoutA*, kAlign,                                  //
+      T, LayoutB*, kAlign,                                  //
+      float, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// The three kinds, in CUTLASS's (M, N, K) terms.
+template <class T, class Config>  // a [M, K] row-major · (b[e] [N, K] row-major)^T
+using FwdGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config>;
+template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
+using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
+template <class T>  // M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd)
+using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, TileLarge>;
+
+// Every grouped stride has one dynamic extent (the leading dimension); the others are static 1 and 0.
+template <class Stride>
+__host__ __device__ Stride stride_with_ld(int64_t ld) {
+  Stride s{};
+  if constexpr (is_static<std::remove_reference_t<decltype(get<0>(s))>>::value)
+    get<1>(s) = ld;
+  else
+    get<0>(s) = ld;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Workspace: per-group arrays (fixed slot sizes, so one layout serves every kernel) then CUTLASS's own.
+
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kAlignWs = 256;
+static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
+
+inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+inline size_t group_arrays_bytes(int groups) {
+  const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
+  return align_up(g * kSlotShape, kAlignWs) + 3 * align_up(g * kSlotPtr, kAlignWs) +
+         3 * align_up(g * kSlotStride, kAlignWs);
+}
+
+struct GroupArrays {
+  GroupShape* shapes;
+  void** ptr_a;
+  void** ptr_b;
+  void** ptr_d;
+  void* stride_a;
+  void* stride_b;
+  void* stride_d;
+  void* cutlass_ws;  // kAlignWs-aligned
+};
+
+inline GroupArrays carve(void* workspace, int groups) {
+  const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
+  auto base = reinterpret_cast<uintptr_t>(workspace);
+  uintptr_t p = align_up(base, kAlignWs);
+  auto take = [&](size_t bytes) {
+    void* r = reinterpret_cast<void*>(p);
+    p += align_up(bytes, kAlignWs);
+    return r;
+  };
+  GroupArrays w;
+  w.shapes = static_cast<GroupShape*>(take(g * kSlotShape));
+  w.ptr_a = static_cast<void**>(take(g * kSlotPtr));
+  w.ptr_b = static_cast<void**>(take(g * kSlotPtr));
+  w.ptr_d = static_cast<void**>(take(g * kSlotPtr));
+  w.stride_a = take(g * kSlotStride);
+  w.stride_b = take(g * kSlotStride);
+  w.stride_d = take(g * kSlotStride);
+  w.cutlass_ws = reinterpret_cast<void*>(p);
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Device facts, cached per device: multiprocessor count, compute capability, and per kernel the number
+// of clusters that fit at once (the persistent grid size).
+
+constexpr int kMaxDevices = 64;
+
+struct DeviceFacts {
+  int sms = 0, major = 0, minor = 0;
+};
+
+inline DeviceFacts device_facts(int device) {
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<DeviceFacts, kMaxDevices> facts;
+  if (device < 0 || device >= kMaxDevices) return {};
+  std::call_once(once[device], [device] {
+    DeviceFacts f;
+    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      f = DeviceFacts{};
+    }
+    facts[device] = f;
+  });
+  return facts[device];
+}
+
+inline int current_device() {
+  int d = 0;
+  cuda_check(cudaGetDevice(&d), "grouped_gemm_sm90: cudaGetDevice");
+  return d;
+}
+
+// Raises the kernel's dynamic shared-memory limit (needed before any launch or occupancy query) and
+// returns how many clusters of it fit on `device` at once (0 if the query fails: CUTLASS then sizes the
+// grid by its own heuristic).
+template <class G>
+int max_active_clusters(int device) {
+  using Kernel = typename G::Kernel;
+  static std::array<std::atomic<int>, kMaxDevices> cache{};  // -1 - value once known
+  int cached = cache[device].load(std::memory_order_relaxed);
+  if (cached < 0) return -1 - cached;
+  const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
+  cuda_check(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize),
+             "grouped_gemm_sm90: cudaFuncSetAttribute");
+  using Cluster = typename G::Kernel::ClusterShape;
+  const dim3 cluster(size<0>(Cluster{}), size<1>(Cluster{}), size<2>(Cluster{}));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = cluster;
+  cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+  cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fn, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  cache[device].store(-1 - n, std::memory_order_relaxed);
+  return n;
+}
+
+template <class G>
+size_t cutlass_workspace_bytes(int groups, int sms) {
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {groups, nullptr, nullptr};
+  args.hw_info.sm_count = sms;
+  return G::Gemm::get_workspace_size(args);
+}
+
+// Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
+template <class G>
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStream_t stream) {
+  using Gemm = typename G::Gemm;
+  using T = typename G::Element;
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sms;
+  hw.max_active_clusters = max_active_clusters<G>(device);
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, w.shapes, nullptr},  // shapes only on the device
+      {const_cast<const T**>(reinterpret_cast<T**>(w.ptr_a)), static_cast<typename G::StrideA*>(w.stride_a),
+       const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b)), static_cast<typename G::StrideB*>(w.stride_b)},
+      {{}, nullptr, nullptr, reinterpret_cast<T**>(w.ptr_d), static_cast<typename G::StrideD*>(w.stride_d)},
+      hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string("grouped_gemm_sm90: CUTLASS cannot implement: ") + cutlassGetStatusString(st));
+  st = gemm.initialize(args, w.cutlass_ws, stream);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string("grouped_gemm_sm90: CUTLASS initialize: ") + cutlassGetStatusString(st));
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string("grouped_gemm_sm90: CUTLASS run: ") + cutlassGetStatusString(st));
+  check_launch("grouped_gemm_sm90: CUTLASS kernel");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prep kernels. Offsets are clamped to [0, rows] and made nondecreasing, so bad offsets (if validation
+// was skipped) give wrong results but never out-of-bounds accesses.
+
+constexpr int kPrepThreads = 256;
+
+__device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets, int e, int64_t rows, int64_t& begin,
+                                            int64_t& end) {
+  begin = min(max<int64_t>(offsets[e], 0), rows);
+  end = min(max<int64_t>(offsets[e + 1], begin), rows);
+}
+
+// Forward / dgrad: group e is (M = its rows, N, K = Kd); rows [offsets[E], R) of c are zeroed.
+template <class G>
+__global__ void __launch_bounds__(kPrepThreads) prep_rows_kernel(const int32_t* __restrict__ offsets, int groups,
+                                                                 int64_t rows, int64_t n, int64_t kd, int64_t ldb,
+                                                                 const void* a, const void* b, void* c, GroupArrays w) {
+  using T = typename G::Element;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = tid; e < groups; e += nthreads) {
+    int64_t begin, end;
+    group_range(offsets, static_cast<int>(e), rows, begin, end);
+    w.shapes[e] = GroupShape(static_cast<int>(end - begin), static_cast<int>(n), static_cast<int>(kd));
+    w.ptr_a[e] = const_cast<T*>(static_cast<const T*>(a) + begin * kd);
+    w.ptr_b[e] = const_cast<T*>(static_cast<const T*>(b) + e * n * kd);
+    w.ptr_d[e] = static_cast<T*>(c) + begin * n;
+    static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(kd);
+    static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(ldb);
+    static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(n);
+  }
+  // n % 8 == 0, so rows start on 16-byte boundaries.
+  const int64_t used = min(max<int64_t>(offsets[groups], 0), rows);
+  uint4* c16 = static_cast<uint4*>(c);
+  for (int64_t i = used * n / 8 + tid; i < rows * n / 8; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Wgrad: group e is (M = N, N = Kd, K = its rows); empty groups get shape (0, 0, 0), which the group
+// scheduler gives no tiles, and their db[e] is zeroed here.
+// NOTES: a group with K = 0 must not reach CUTLASS: its mainloop would run no MMA and the epilogue
+// would store the never-initialised accumulators.
+template <class G>
+__global__ void __launch_bounds__(kPrepThreads) prep_wgrad_kernel(const int32_t* __restrict__ offsets, int groups,
+                                                                  int64_t rows, int64_t n, int64_t kd, const void* a,
+                                                                  const void* dc, void* db, GroupArrays w) {
+  using T = typename G::Element;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = tid; e < groups; e += nthreads) {
+    int64_t begin, end;
+    group_range(offsets, static_cast<int>(e), rows, begin, end);
+    const bool empty = end == begin;
+    w.shapes[e] = empty ? GroupShape(0, 0, 0)
+                        : GroupShape(static_cast<int>(n), static_cast<int>(kd), static_cast<int>(end - begin));
+    w.ptr_a[e] = const_cast<T*>(static_cast<const T*>(dc) + begin * n);
+    w.ptr_b[e] = const_cast<T*>(static_cast<const T*>(a) + begin * kd);
+    w.ptr_d[e] = static_cast<T*>(db) + e * n * kd;
+    static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(n);
+    static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(kd);
+    static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(kd);
+  }
+  const int64_t per_group = n * kd / 8;  // 16-byte vectors of one db[e]
+  uint4* db16 = static_cast<uint4*>(db);
+  for (int e = 0; e < groups; ++e) {
+    int64_t begin, end;
+    group_range(offsets, e, rows, begin, end);
+    if (end != begin) continue;
+    for (int64_t i = tid; i < per_group; i += nthreads) db16[e * per_group + i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
+  int64_t blocks = ceil_div(groups, kPrepThreads);
+  blocks = std::max<int64_t>(blocks, std::min<int64_t>(ceil_div(zero_vectors, kPrepThreads), 2 * int64_t(sms)));
+  return static_cast<int>(std::max<int64_t>(blocks, 1));
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+template <class T>
+struct CutlassType;
+template <>
+struct CutlassType<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassType<__half> {
+  using type = cutlass::half_t;
+};
+
+// The element types instantiated here (each costs a few minutes of compile time per kind and tile).
+inline bool dtype_built(DType d) {
+#if defined(MOE8_SM90_F16)
+  return d == DType::kBF16 || d == DType::kF16;
+#else
+  return d == DType::kBF16;
+#endif
+}
+
+template <class F>
+void dispatch_dtype(DType d, const char* what, F&& f) {
+  if (d == DType::kBF16) {
+    f(cutlass::bfloat16_t{});
+#if defined(MOE8_SM90_F16)
+  } else if (d == DType::kF16) {
+    f(cutlass::half_t{});
+#endif
+  } else {
+    fail(what, ": the sm90 grouped GEMM is not built for dtype ", dtype_name(d));
+  }
+}
+
+// Average rows per expert under which the 64x128 ping-pong tile beats the 128x256 cooperative one.
+constexpr int64_t kSmallRowsPerGroup = 128;
+
+struct Checked {
+  int device, sms;
+  GroupArrays w;
+};
+
+inline Checked check_call(const char* what, const TensorView& ref, int groups, void* workspace, size_t bytes) {
+  MOE8_CHECK(groups >= 0, what, ": expected at least 0 groups, got ", groups);
+  const int device = ref.device_index;
+  const DeviceFacts f = device_facts(device);
+  MOE8_CHECK(f.major == 9 && f.minor == 0, what, ": needs a compute capability 9.0 device, device ", device, " is ",
+             f.major, ".", f.minor);
+  int current = current_device();
+  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
+  const size_t need = grouped_gemm_sm90_workspace_bytes(groups, 0, 0, 0);
+  MOE8_CHECK(workspace != nullptr && bytes >= need, what, ": expected a workspace of at least ", need,
+             " bytes, got ", bytes, workspace ? "" : " (null)");
+  return {device, f.sms, carve(workspace, groups)};
+}
+
+}  // namespace sm90
+
+size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int64_t) {
+  using namespace sm90;
+  const DeviceFacts f = device_facts(current_device());
+  const int sms = f.sms > 0 ? f.sms : 1;
+  size_t cut = 0;
+  auto take_max = [&](auto t) {
+    using T = decltype(t);
+    cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<T, TileLarge>>(num_experts, sms),
+                    cutlass_workspace_bytes<FwdGemm<T, TileSmall>>(num_experts, sms),
+                    cutlass_workspace_bytes<DgradGemm<T, TileLarge>>(num_experts, sms),
+                    cutlass_workspace_bytes<DgradGemm<T, TileSmall>>(num_experts, sms),
+                    cutlass_workspace_bytes<WgradGemm<T>>(num_experts, sms)});
+  };
+  take_max(cutlass::bfloat16_t{});
+#if defined(MOE8_SM90_F16)
+  take_max(cutlass::half_t{});
+#endif
+  return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
+}
+
+bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, WeightLayout layout, int64_t n) {
+  using namespace sm90;
+  if (!a.present || !b.present || !a.is_cuda() || !b.is_cuda() || a.device_index != b.device_index) return false;
+  if (!dtype_built(a.dtype) || b.dtype != a.dtype) return false;
+  if (a.ndim != 2 || b.ndim != 3 || !a.is_contiguous() || !b.is_contiguous()) return false;
+  const int64_t rows = a.shape[0], kd = a.shape[1], experts = b.shape[0];
+  const int64_t bn = layout == WeightLayout::kNK ? b.shape[1] : b.shape[2];
+  const int64_t bk = layout == WeightLayout::kNK ? b.shape[2] : b.shape[1];
+  if (bn != n || bk != kd || n <= 0 || kd <= 0 || n % 8 != 0 || kd % 8 != 0) return false;
+  constexpr int64_t kMaxInt = 2147483647;
+  if (rows > kMaxInt || n > kMaxInt || kd > kMaxInt || experts > kMaxInt || experts < 1) return false;
+  if (reinterpret_cast<uintptr_t>(a.data) % 16 != 0 || reinterpret_cast<uintptr_t>(b.data) % 16 != 0) return false;
+  const DeviceFacts f = device_facts(a.device_index);
+  return f.major == 9 && f.minor == 0;
+}
+
+void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                       const TensorView& c, void* workspace, size_t workspace_bytes, void* stream) {
+  using namespace sm90;
+  const char* what = "grouped_gemm_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = a.shape[0], kd = a.shape[1], n = c.shape[1];
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(c.data) % 16 == 0, what, ": c must be 16-byte aligned");
+  const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
+  cudaStream_t s = as_stream(stream);
+  const bool small = groups > 0 && rows <= kSmallRowsPerGroup * groups;
+  const int64_t ldb = layout == WeightLayout::kNK ? kd : n;
+  dispatch_dtype(a.dtype, what, [&](auto t) {
+    using T = decltype(t);
+    auto launch = [&](auto g) {
+      using G = decltype(g);
+      prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
+          offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
+      check_launch("grouped_gemm_sm90: prep_rows_kernel");
+      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+    };
+    if (layout == WeightLayout::kNK)
+      small ? launch(FwdGemm<T, TileSmall>{}) : launch(FwdGemm<T, TileLarge>{});
+    else
+      small ? launch(DgradGemm<T, TileSmall>{}) : launch(DgradGemm<T, TileLarge>{});
+  });
+}
+
+void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets,
+                             const TensorView& db, void* workspace, size_t workspace_bytes, void* stream) {
+  using namespace sm90;
+  const char* what = "grouped_gemm_wgrad_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = a.shape[0], kd = a.shape[1], n = dc.shape[1];
+  MOE8_CHECK(dc.dtype == a.dtype && db.dtype == a.dtype, what, ": expected dc and db of dtype ",
+             dtype_name(a.dtype), " (same as a), got ", dtype_name(dc.dtype), " and ", dtype_name(db.dtype));
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(dc.data) % 16 == 0 && reinterpret_cast<uintptr_t>(db.data) % 16 == 0,
+             what, ": dc and db must be 16-byte aligned");
+  const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
+  cudaStream_t s = as_stream(stream);
+  dispatch_dtype(a.dtype, what, [&](auto t) {
+    using G = WgradGemm<decltype(t)>;
+    prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
+    check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
+    if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+  });
+}
+
+#else  // !MOE8_WITH_CUTLASS: stubs
+
+size_t grouped_gemm_sm90_workspace_bytes(int, int64_t, int64_t, int64_t) { return 0; }
+
+bool grouped_gemm_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
+
+void grouped_gemm_sm90(const TensorView&, const TensorView&, const TensorView&, WeightLayout, const TensorView&,
+                       void*, size_t, void*) {
+  fail("grouped_gemm_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS); use grouped_gemm");
+}
+
+void grouped_gemm_wgrad_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&, void*,
+                             size_t, void*) {
+  fail("grouped_gemm_wgrad_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS); use grouped_gemm_wgrad");
+}
+
+#endif  // MOE8_WITH_CUTLASS
+
+}  // namespace moe8::cuda

@@ -1,0 +1,40 @@
+// cuda/grouped_gemm_sm90.h — the Hopper (sm_90a) grouped GEMMs of the MoE experts, built on CUTLASS 3.x
+// ptr-array kernels (grouped_gemm_sm90.cu). Group offsets stay on the device: a small prep kernel turns
+// them into per-group problem shapes, pointers and strides in the caller's workspace, so nothing
+// synchronises or allocates and the launches can be captured in a CUDA graph.
+// Arguments are validated by the caller (api/); these functions only check what the fast path needs.
+// Built without CUTLASS (MOE8_WITH_CUTLASS undefined) they are stubs: supported() is false, the rest throw.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/params.h"
+#include "core/tensor.h"
+
+namespace moe8::cuda {
+
+// Bytes of device scratch every entry point below needs for num_experts groups on the current device
+// (per-group shapes, pointers and strides, plus CUTLASS's own workspace, which grows with the device's
+// multiprocessor count). It does not depend on the offsets; max_rows, n and kd are accepted for future
+// tile choices and do not change the result today.
+size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t max_rows, int64_t n, int64_t kd);
+
+// Whether the sm_90a path can run: built with CUTLASS, a and b bf16 on a CUDA device of compute
+// capability 9.0, same dtype, a [R, Kd], b [E, N, Kd] (kNK) or [E, Kd, N] (kKN) with N == n, Kd and N
+// multiples of 8 (16-byte rows for TMA), base pointers 16-byte aligned, sizes within int32.
+// For the weight gradient pass db as b with layout kNK.
+bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, WeightLayout layout, int64_t n);
+
+// c[r] = a[r] · op(b[e]) for offsets[e] <= r < offsets[e+1]; rows of c past offsets[E] are zeroed.
+// a [R, Kd], b [E, N, Kd] (kNK: c = a · b[e]^T, forward) or [E, Kd, N] (kKN: c = a · b[e], e.g. dgrad
+// of a kNK weight), offsets [E+1] int32 on the device, c [R, N]; fp32 accumulation, no bias.
+void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                       const TensorView& c, void* workspace, size_t workspace_bytes, void* stream);
+
+// db[e] = dc[rows of e]^T · a[rows of e] -> [E, N, Kd] (the kNK weight gradient); a [R, Kd], dc [R, N],
+// db dtype = a's. Empty groups give zeros. The kKN gradient ([E, Kd, N] = a^T · dc) is the same call
+// with a and dc swapped: grouped_gemm_wgrad_sm90(dc, a, offsets, db, ...).
+void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets,
+                             const TensorView& db, void* workspace, size_t workspace_bytes, void* stream);
+
+}  // namespace moe8::cuda
