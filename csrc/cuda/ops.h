@@ -29,12 +29,13 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
                          const TensorView& offsets, const TensorView& row_to_slot, const TensorView& slot_to_row,
                          const TensorView& workspace, void* stream);
 
-// dst[r] = scale[slot] * src[slot / K] where slot = row_to_slot[r], or 0 where slot < 0.
+// dst[r] = scale[slot] * src[slot / K] where slot = row_to_slot[r], or 0 where slot == -1 (padding).
 // src [T,H], scale [T*K] f32 (optional), dst [R,H].
 void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
                  const TensorView& dst, void* stream);
 
-// out[t] = sum_k weights[t,k] * rows[slot_to_row[t,k]] (weights optional: 1), fp32 accumulation.
+// out[t] = sum_k weights[t,k] * rows[slot_to_row[t,k]] (weights optional: 1), fp32 accumulation;
+// slot_to_row == -1 marks a dropped slot, which adds nothing (and gets d_weights 0).
 // rows [R,H], slot_to_row [T,K] i32, weights [T,K] f32, out [T,H].
 void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
                   const TensorView& out, void* stream);
