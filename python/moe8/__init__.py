@@ -2,6 +2,7 @@
 plugged into PyTorch and Hugging Face transformers with one line (`import moe8; moe8.enable()`)."""
 
 from . import ops
+from .hf import accelerate, disable, enable, is_accelerated
 from .layer import MoELayer, RouteOut, experts_forward, load_balancing_loss, moe_forward, route, z_loss
 
 __version__ = "0.1.0"
@@ -13,6 +14,10 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "accelerate",
+    "disable",
+    "enable",
+    "is_accelerated",
     "MoELayer",
     "RouteOut",
     "cuda_available",

@@ -20,12 +20,36 @@ import inspect
 import warnings
 import weakref
 
+import torch
+import torch.nn.functional as F
+
 NAME = "moe8"
 # config.model_type of the families checked against transformers' own implementation (tests/python/test_hf.py)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
-_state = {"families": frozenset(), "default": False, "deterministic": True, "kwargs": None, "check": None}
+_state = {
+    "families": frozenset(),
+    "default": False,
+    "deterministic": True,
+    "fuse_router": False,
+    "kwargs": {},
+    "check": None,
+    "post_init": None,
+}
 _switched = {}  # id(config) -> (weakref to the config, experts implementation to restore on disable())
+_fused = weakref.WeakSet()  # router modules that route with moe8.layer.route (they carry `_moe8_config`)
+_router_classes = (
+    set()
+)  # router classes whose forward is router_forward (their own is kept as `_moe8_forward`)
+# the router class of each family (the MoE block's `gate`, GPT-OSS: `router`)
+ROUTERS = {
+    "mixtral": "MixtralTopKRouter",
+    "qwen2_moe": "Qwen2MoeTopKRouter",
+    "qwen3_moe": "Qwen3MoeTopKRouter",
+    "olmoe": "OlmoeTopKRouter",
+    "deepseek_v3": "DeepseekV3TopkRouter",
+    "gpt_oss": "GptOssTopKRouter",
+}
 _noticed = set()
 
 
@@ -33,7 +57,9 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("moe8's Hugging Face integration needs transformers>=5: pip install 'transformers>=5'") from e
+        raise ImportError(
+            "moe8's Hugging Face integration needs transformers>=5: pip install 'transformers>=5'"
+        ) from e
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ImportError(
             f"moe8's Hugging Face integration needs transformers>=5 (fused 3D experts and ALL_EXPERTS_FUNCTIONS); "
@@ -66,11 +92,18 @@ def _spec(experts) -> dict | str:
     layout = (experts.is_transposed, experts.has_bias, experts.is_concatenated)
     apply_gate = type(experts)._apply_gate
     if family == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
         # h = x @ gate_up + b: gate = h[..., ::2], up = h[..., 1::2], clamped, (up + 1) * gate * sigmoid(alpha gate)
-        if layout != (True, True, False) or apply_gate.__qualname__ != "GptOssExperts._apply_gate":
+        if layout != (True, True, False) or apply_gate is not GptOssExperts._apply_gate:
             return f"unexpected GPT-OSS experts {type(experts).__name__}"
-        return dict(layout="kn", activation="swiglu_clamped", interleaved=True,
-                    alpha=float(experts.alpha), limit=float(experts.limit))
+        return dict(
+            layout="kn",
+            activation="swiglu_clamped",
+            interleaved=True,
+            alpha=float(experts.alpha),
+            limit=float(experts.limit),
+        )
     # h = x @ gate_up^T: gate = first I columns, up = last I; act(gate) * up
     if layout != (False, False, True) or apply_gate is not _default_apply_gate:
         return f"unexpected experts {type(experts).__name__}"
@@ -80,12 +113,10 @@ def _spec(experts) -> dict | str:
 
 
 def _layer_kwargs() -> dict:
-    if _state["kwargs"] is None:
-        from moe8 import layer
+    from moe8 import layer
 
-        params = inspect.signature(layer.experts_forward).parameters
-        _state["kwargs"] = {"deterministic": _state["deterministic"]} if "deterministic" in params else {}
-    return _state["kwargs"]
+    params = inspect.signature(layer.experts_forward).parameters
+    return {"deterministic": _state["deterministic"]} if "deterministic" in params else {}
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -95,9 +126,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """
     spec = _spec(self)
     if isinstance(spec, str):  # never break a model: run transformers' default instead
-        if type(self) not in _noticed:
+        if not torch.compiler.is_compiling() and type(self) not in _noticed:
             _noticed.add(type(self))
-            warnings.warn(f"moe8: {type(self).__name__} runs on transformers' grouped_mm: {spec}", stacklevel=2)
+            warnings.warn(
+                f"moe8: {type(self).__name__} runs on transformers' grouped_mm: {spec}", stacklevel=2
+            )
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -106,8 +139,74 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     biases = {}
     if self.has_bias:
         biases = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
-    return layer.experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                 **spec, **biases, **_layer_kwargs())
+    return layer.experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        **spec,
+        **biases,
+        **_state["kwargs"],
+    ).to(hidden_states.dtype)
+
+
+def router_forward(self, hidden_states):
+    """The forward of a family's router class while routing is fused (fuse_router=True). Routers of fused
+    models route with moe8.layer.route, the others run their own forward. The router module is still called,
+    so hooks on it (router logits recorded for the aux loss) keep working, and its outputs keep their meaning:
+    (router_logits [T, E], top_k_weights [T, K], top_k_index [T, K] int32)."""
+    config = getattr(self, "_moe8_config", None)
+    if config is None or config._experts_implementation != NAME:
+        return type(self)._moe8_forward(self, hidden_states)
+    from moe8 import layer
+
+    family = config.model_type
+    if family == "deepseek_v3":  # fp32 logits; sigmoid + bias, group-limited top-k, renormalise, x scaling
+        logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())  # [T, E]
+        r = layer.route(
+            logits,
+            self.top_k,
+            "sigmoid_group",
+            renormalize=self.norm_topk_prob,
+            bias=self.e_score_correction_bias,
+            n_group=self.num_group,
+            topk_group=self.topk_group,
+            scaling=self.routed_scaling_factor,
+        )
+        return logits, r.weights, r.ids
+    if family == "gpt_oss":  # top-k on the logits, softmax over the k
+        logits = F.linear(hidden_states, self.weight, self.bias)  # [T, E]
+        r = layer.route(logits, self.top_k, "topk_softmax")
+        return logits, r.weights.to(logits.dtype), r.ids
+    # Mixtral always renormalises the top-k and keeps fp32 weights; Qwen / OLMoE per norm_topk_prob, in logits' dtype
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [T, E]
+    mixtral = family == "mixtral"
+    r = layer.route(logits, self.top_k, "softmax", renormalize=mixtral or self.norm_topk_prob)
+    return logits, r.weights if mixtral else r.weights.to(logits.dtype), r.ids
+
+
+def _fuse_routers(model) -> None:
+    config = model.config
+    name = ROUTERS.get(getattr(config, "model_type", None))
+    for block in model.modules():
+        router = getattr(block, "router", getattr(block, "gate", None))
+        cls = type(router)
+        if not hasattr(block, "experts") or cls.__name__ != name:
+            continue
+        if cls not in _router_classes:
+            cls._moe8_forward, cls.forward = cls.forward, router_forward
+            _router_classes.add(cls)
+        router._moe8_config = (
+            config  # a plain attribute: not in state_dict; deepcopy and pickle keep it right
+        )
+        _fused.add(router)
+
+
+def _post_init(model, original) -> None:
+    original(model)
+    if _state["fuse_router"] and is_accelerated(model):
+        _fuse_routers(model)
 
 
 def _config_supported(config) -> str | None:
@@ -133,7 +232,8 @@ def _check_and_adjust(model, requested, original):
         else:
             warnings.warn(f"moe8: {type(model).__name__} left on transformers' experts: {why}", stacklevel=4)
     chosen = original(model, requested)
-    if chosen == NAME and id(config) not in _switched:
+    entry = _switched.get(id(config))
+    if chosen == NAME and (entry is None or entry[0]() is not config):
         if previous in (None, NAME):
             previous = original(model, None)
         _switched[id(config)] = (weakref.ref(config), previous)
@@ -156,25 +256,38 @@ def register():
 
         PreTrainedModel._check_and_adjust_experts_implementation = _check_and_adjust_experts_implementation
         _state["check"] = (original, _check_and_adjust_experts_implementation)
+    if _state["post_init"] is None:
+        original_post_init = PreTrainedModel.post_init
+
+        def post_init(self):
+            _post_init(self, original_post_init)
+
+        PreTrainedModel.post_init = post_init
+        _state["post_init"] = (original_post_init, post_init)
+    _state["kwargs"] = _layer_kwargs()
 
 
-def enable(families=None, deterministic: bool = True):
+def enable(families=None, deterministic: bool = True, fuse_router: bool = False):
     """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
     experts on moe8, unless it asks for another `experts_implementation` explicitly.
 
     families: config.model_type names to accelerate (default: all of FAMILIES).
-    deterministic: same inputs give bitwise the same outputs and gradients (passed on to moe8.layer).
+    deterministic: same inputs give bitwise the same outputs and gradients (passed on to moe8.layer when it
+        takes the option; moe8 is deterministic by default).
+    fuse_router: also compute the routing (softmax/sigmoid, top-k, weights) with moe8.layer.route; the router
+        module is still called and still returns its logits.
     """
     families = _families(families)
+    _state.update(families=families, default=True, deterministic=deterministic, fuse_router=fuse_router)
     register()
-    _state.update(families=families, default=True, deterministic=deterministic, kwargs=None)
 
 
-def accelerate(model, families=None):
+def accelerate(model, families=None, fuse_router: bool = False):
     """Run the experts of an existing model on moe8 and return the model (switched in place).
 
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
+    fuse_router: also route with moe8.layer.route (see enable).
     """
     _transformers()
     from transformers.modeling_utils import PreTrainedModel
@@ -197,28 +310,38 @@ def accelerate(model, families=None):
         return model
     register()
     base.set_experts_implementation(NAME)
+    if fuse_router:
+        _fuse_routers(base)
     return model
 
 
 def disable():
-    """Undo enable() and accelerate(): models switched to moe8 go back to the experts implementation they had,
-    new models get transformers' default, and "moe8" leaves ALL_EXPERTS_FUNCTIONS."""
-    if _state["check"] is not None:
-        from transformers.modeling_utils import PreTrainedModel
+    """Undo enable() and accelerate(): models switched to moe8 go back to the experts implementation (and
+    routers) they had, new models get transformers' default, and "moe8" leaves ALL_EXPERTS_FUNCTIONS."""
+    if _state["check"] is None:  # never registered: nothing to undo (and transformers may be absent)
+        return
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.modeling_utils import PreTrainedModel
 
-        original, ours = _state["check"]
-        if PreTrainedModel.__dict__.get("_check_and_adjust_experts_implementation") is ours:
-            PreTrainedModel._check_and_adjust_experts_implementation = original
+    for key, attr in (("check", "_check_and_adjust_experts_implementation"), ("post_init", "post_init")):
+        if _state[key] is not None and PreTrainedModel.__dict__.get(attr) is _state[key][1]:
+            setattr(PreTrainedModel, attr, _state[key][0])
     for ref, previous in _switched.values():
         config = ref()
         if config is not None and config._experts_implementation == NAME:
             config._experts_implementation_internal = previous
     _switched.clear()
-    if _state["check"] is not None:
-        from transformers.integrations.moe import ExpertsInterface
-
-        ExpertsInterface._global_mapping.pop(NAME, None)
-    _state.update(families=frozenset(), default=False, kwargs=None, check=None)
+    for router in list(_fused):
+        del router._moe8_config
+    _fused.clear()
+    for cls in _router_classes:
+        cls.forward = cls._moe8_forward
+        del cls._moe8_forward
+    _router_classes.clear()
+    ExpertsInterface._global_mapping.pop(NAME, None)
+    _state.update(
+        families=frozenset(), default=False, fuse_router=False, kwargs={}, check=None, post_init=None
+    )
     _noticed.clear()
 
 
@@ -228,4 +351,13 @@ def is_accelerated(model) -> bool:
     return getattr(config, "_experts_implementation", None) == NAME
 
 
-__all__ = ["FAMILIES", "accelerate", "disable", "enable", "experts_forward", "is_accelerated", "register"]
+__all__ = [
+    "FAMILIES",
+    "accelerate",
+    "disable",
+    "enable",
+    "experts_forward",
+    "is_accelerated",
+    "register",
+    "router_forward",
+]

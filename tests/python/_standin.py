@@ -22,8 +22,21 @@ def _act(h, activation, interleaved, alpha, limit):
     raise ValueError(f"stand-in: activation {activation!r} not supported")
 
 
-def experts_forward(x, ids, weights, gate_up, down, *, layout="nk", activation="swiglu", interleaved=False,
-                    gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0):
+def experts_forward(
+    x,
+    ids,
+    weights,
+    gate_up,
+    down,
+    *,
+    layout="nk",
+    activation="swiglu",
+    interleaved=False,
+    gate_up_bias=None,
+    down_bias=None,
+    alpha=1.702,
+    limit=7.0,
+):
     # x: [T, H]; ids, weights: [T, K]; nk: gate_up [E, 2I, H], down [E, H, I]; kn: [E, H, 2I], [E, I, H]
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in range(gate_up.shape[0]):

@@ -30,3 +30,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: takes more than a few seconds on CPU (deselect with -m 'not slow')"
     )
+
+
+def pytest_report_header(config):
+    import moe8
+
+    gpu = torch.cuda.get_device_name(0) if _cuda() else "none"
+    return f"moe8 {moe8.__version__}, torch {torch.__version__}, CUDA device: {gpu}"

@@ -24,6 +24,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 VOCAB = 128
 TOL = 1e-5
+STANDIN = os.environ.get("MOE8_HF_STANDIN") == "1"
+fullgraph = pytest.mark.skipif(STANDIN, reason="the stand-in loops over experts: no fullgraph compile")
 
 
 def rel(a, b) -> float:
@@ -32,31 +34,83 @@ def rel(a, b) -> float:
 
 
 def config(family, **over):
-    """A tiny random config: hidden 32, 8 experts, top-2, 2-3 layers, vocab 128, eager attention."""
-    c = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.05,
-             output_router_logits=True, router_aux_loss_coef=0.05, num_experts_per_tok=2)
+    """A tiny random config: hidden 32, 8 experts, top-2, 2-4 layers, vocab 128, eager attention."""
+    c = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+        num_experts_per_tok=2,
+    )
     if family == "mixtral":
         c.update(intermediate_size=48, num_hidden_layers=2, num_local_experts=8)
     elif family == "qwen2_moe":  # shared expert with a sigmoid gate; decoder_sparse_step 2: layers 0, 2 dense
-        c.update(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
-                 num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)
+        c.update(
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_hidden_layers=4,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        )
     elif family == "qwen3_moe":  # mlp_only_layers: layer 1 is dense
-        c.update(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_hidden_layers=3, head_dim=8,
-                 mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
+        c.update(
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_experts=8,
+            num_hidden_layers=3,
+            head_dim=8,
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
     elif family == "olmoe":
         c.update(intermediate_size=24, num_experts=8, num_hidden_layers=2)
-    elif family == "deepseek_v3":  # first layer dense; 4 groups of 2 experts, top-2 groups; bias; scaling; shared
+    elif (
+        family == "deepseek_v3"
+    ):  # first layer dense; 4 groups of 2 experts, top-2 groups; bias; scaling; shared
         for k in ("output_router_logits", "router_aux_loss_coef"):
             c.pop(k)
-        c.update(num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-                 n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
-                 routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24,
-                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-    elif family == "gpt_oss":  # transposed interleaved gate_up with biases, clamped SwiGLU, router bias, sinks
-        c.update(intermediate_size=32, num_local_experts=8, num_hidden_layers=2, head_dim=8, sliding_window=8,
-                 layer_types=["sliding_attention", "full_attention"],
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        c.update(
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
+    elif (
+        family == "gpt_oss"
+    ):  # transposed interleaved gate_up with biases, clamped SwiGLU, router bias, sinks
+        c.update(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_hidden_layers=2,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     c.update(over)
     cfg = transformers.AutoConfig.for_model(family, **c)
     cfg._attn_implementation = "eager"
@@ -77,7 +131,7 @@ def build(family, seed=0, **over):
 
 def twin(model, accelerate=True, cfg=None):
     """A second model with the same weights and its own config object (the experts implementation lives there)."""
-    other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config))
+    other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config)).to(model.dtype)
     other.load_state_dict(model.state_dict())
     return hf.accelerate(other) if accelerate else other
 
@@ -122,18 +176,22 @@ def _restore():
 
 @pytest.fixture(autouse=True)
 def calls(monkeypatch):
-    """Counts the calls of moe8.layer.experts_forward (the stand-in's with MOE8_HF_STANDIN=1)."""
-    if os.environ.get("MOE8_HF_STANDIN") == "1":
+    """Counts the calls of moe8.layer.experts_forward ("n") and moe8.layer.route ("route"); with
+    MOE8_HF_STANDIN=1 those of the pure-PyTorch stand-in instead."""
+    if STANDIN:
         import _standin
 
         monkeypatch.setattr(layer, "experts_forward", _standin.experts_forward)
-    inner, counter = layer.experts_forward, {"n": 0}
+        monkeypatch.setattr(layer, "route", _standin.route)
+    counter = {"n": 0, "route": 0}
+    for name, key in (("experts_forward", "n"), ("route", "route")):
+        inner = getattr(layer, name)
 
-    def counted(*args, **kwargs):
-        counter["n"] += 1
-        return inner(*args, **kwargs)
+        def counted(*args, _inner=inner, _key=key, **kwargs):
+            counter[_key] += 1
+            return _inner(*args, **kwargs)
 
-    monkeypatch.setattr(layer, "experts_forward", counted)
+        monkeypatch.setattr(layer, name, counted)
     return counter
 
 
@@ -183,6 +241,68 @@ def test_experts_match_hf_eager(family, T):
             assert rel(a, b) < TOL
 
 
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_fused_router_matches_transformers(family, calls):
+    """fuse_router=True: the routing runs on moe8.layer.route inside the HF router module (its hooks still
+    record the router logits for the aux loss); everything still matches, and disable() restores the routers."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    routers = [m for m in acc.modules() if hasattr(m, "_moe8_config")]
+    assert len(routers) == len(experts_modules(acc)) > 0
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    out_a, grads_a = run(acc, ids)
+    assert calls["route"] == calls["n"] == len(routers)  # the reference's routers kept their own forward
+    assert_same(out_r, grads_r, out_a, grads_a)
+    assert_same(out_r, grads_r, *run(copy.deepcopy(acc), ids))  # e.g. a frozen reference model for DPO
+    assert calls["route"] == 2 * len(routers)
+    hf.disable()
+    assert not any(hasattr(m, "_moe8_config") or type(m).forward is hf.router_forward for m in routers)
+    assert_same(out_r, grads_r, *run(acc, ids))
+    assert calls["route"] == 2 * len(routers)
+
+
+def test_enable_fuse_router(calls):
+    hf.enable(fuse_router=True)
+    model = build("deepseek_v3")
+    model(input_ids=tokens())
+    assert calls["route"] == calls["n"] == len(experts_modules(model))
+    model.set_experts_implementation("grouped_mm")  # the fused routers follow the experts implementation
+    model(input_ids=tokens())
+    assert calls["route"] == calls["n"] == len(experts_modules(model))
+
+
+@fullgraph
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_model_compile_fullgraph(family, calls):
+    """The base model of every family (experts and fused routers on moe8) compiles to one graph."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    ids = tokens()
+    acc.model(
+        input_ids=ids
+    )  # transformers installs its output-capturing hooks on the first call, under a lock
+    hidden = torch.compile(acc.model, fullgraph=True, backend="aot_eager")(input_ids=ids).last_hidden_state
+    assert calls["route"] == calls["n"] == 2 * len(experts_modules(acc))
+    assert rel(hidden, ref.model(input_ids=ids).last_hidden_state) < TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_bf16(family, calls):
+    """bf16 weights and activations: close to transformers' bf16 result, gradients in bf16."""
+    ref = build(family).to(torch.bfloat16)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    ids = tokens()
+    (out_r, grads_r), (out_a, grads_a) = run(ref, ids), run(acc, ids)
+    assert out_a.logits.dtype == out_r.logits.dtype and calls["n"] > 0
+    assert rel(out_a.logits, out_r.logits) < 2e-2
+    flat = [torch.cat([g[n].flatten().double() for n in sorted(grads_r)]) for g in (grads_a, grads_r)]
+    assert rel(*flat) < 2e-2
+    for name, g in grads_r.items():  # small tensors (router biases) cancel more: a looser bound each
+        assert grads_a[name].dtype == torch.bfloat16 and rel(grads_a[name], g) < 0.15, name
+
+
 def test_enable_makes_moe8_the_default_and_disable_restores():
     ref = build("mixtral")
     hf.enable()
@@ -221,8 +341,14 @@ def test_accelerate_then_disable_restores_previous_implementation():
 
 def test_unsupported_models_are_untouched():
     torch.manual_seed(0)
-    llama_cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)
+    llama_cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     llama = AutoModelForCausalLM.from_config(llama_cfg)
     before = llama.get_experts_implementation()
     ids = tokens()
@@ -305,7 +431,7 @@ def test_training_curve_matches(calls):
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         curve = []
-        for ids in text_batches(50, 4, 32):
+        for ids in text_batches(50, 2, 32):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -320,13 +446,32 @@ def test_training_curve_matches(calls):
 
 @pytest.mark.slow
 def test_torch_compile(calls):
+    """The whole model under torch.compile (inductor): same loss and gradients; the only graph break is in
+    transformers' aux loss (bincount), none in the experts."""
     ref = build("mixtral")
     acc = twin(ref)
-    compiled = torch.compile(acc)
     ids = tokens()
     out_r, grads_r = run(ref, ids)
-    out_c, grads_c = run(compiled, ids)
+    out_c, grads_c = run(torch.compile(acc), ids)
+    assert calls["n"] == len(experts_modules(acc))
     assert_same(out_r, grads_r, out_c, {n.replace("_orig_mod.", ""): g for n, g in grads_c.items()})
+
+
+@fullgraph
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_experts_compile_fullgraph(family, calls):
+    """Each family's experts compile to one graph (moe8's ops are torch.library custom ops)."""
+    experts = experts_modules(twin(build(family)))[0]
+    H = experts.gate_up_proj.shape[1 if experts.is_transposed else 2]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, H, generator=g).requires_grad_()
+    ids, w = torch.randint(0, experts.num_experts, (9, 2), generator=g), torch.rand(9, 2, generator=g)
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    ys = [fn(x, ids, w) for fn in (type(experts).forward.__wrapped__.__get__(experts), compiled)]
+    assert calls["n"] == 1
+    assert rel(ys[1], ys[0]) < TOL
+    gx = [torch.autograd.grad(y.square().sum(), x)[0] for y in ys]
+    assert rel(gx[1], gx[0]) < TOL
 
 
 def test_peft_lora_on_experts(calls):
@@ -335,8 +480,13 @@ def test_peft_lora_on_experts(calls):
     peft = pytest.importorskip("peft", minversion="0.17", reason="LoRA target_parameters needs peft>=0.17")
     ref = build("qwen3_moe")
     acc = twin(ref, accelerate=False)
-    lora = dict(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
-                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora = dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     models = []
     for base in (ref, acc):
         torch.manual_seed(1)
@@ -354,7 +504,9 @@ def test_peft_lora_on_experts(calls):
 def test_needs_transformers_5(monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")  # peft may re-import transformers
+    monkeypatch.setattr(
+        sys.modules["transformers"], "__version__", "4.57.1"
+    )  # peft may re-import transformers
     with pytest.raises(ImportError, match="transformers>=5"):
         hf.enable()
 
@@ -364,3 +516,29 @@ def test_notice_lines_are_short():
         hf.accelerate(torch.nn.Linear(2, 2))
     assert len(record) == 1 and "\n" not in str(record[0].message)
 
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and moe8.cuda_available()), reason="needs a CUDA GPU and moe8 CUDA"
+)
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_cuda_bf16_matches_transformers(family, calls):
+    """On the GPU in bf16: moe8 vs transformers' default experts on the same bf16 model, and both against the
+    same model in fp32. Logits and loss agree within 1e-2; every gradient agrees within 1e-2, or else moe8's
+    error against fp32 is no larger than transformers' own bf16 error (+10%)."""
+    base = build(family, hidden_size=64).cuda()
+    ref32 = twin(base, accelerate=False)
+    ref = twin(base, accelerate=False).to(torch.bfloat16)
+    acc = hf.accelerate(twin(ref, accelerate=False))
+    ids = tokens(batch=4, seq=32).cuda()
+    (_, g32), (o_r, g_r), (o_a, g_a) = run(ref32, ids), run(ref, ids), run(acc, ids)
+    assert calls["n"] > 0 and o_a.logits.dtype == torch.bfloat16
+    assert rel(o_a.logits, o_r.logits) < 1e-2
+    assert rel(o_a.loss, o_r.loss) < 1e-2
+    for name, g in g_r.items():
+        if g is None:
+            continue
+        e_vs_hf = rel(g_a[name], g)
+        ok = e_vs_hf < 1e-2 or rel(g_a[name], g32[name]) <= 1.1 * rel(g, g32[name]) + 1e-3
+        assert ok, (
+            f"{name}: moe8 vs HF bf16 {e_vs_hf:.3g}, vs fp32 {rel(g_a[name], g32[name]):.3g}, HF vs fp32 {rel(g, g32[name]):.3g}"
+        )
