@@ -79,13 +79,13 @@ bool on_cuda(const TensorView& t, const char* op) {
 
 void check_route_params(const RouteParams& p, int64_t E) {
   MOE8_CHECK(E >= 1 && E <= kMaxExperts, "logits: expected 1..", kMaxExperts, " experts (dim 1), got ", E);
-  MOE8_CHECK(p.k >= 1 && p.k <= E && p.k <= kMaxTopK, "k: expected 1 <= k <= min(num_experts=", E, ", ",
-             kMaxTopK, "), got ", p.k);
+  MOE8_CHECK(p.k >= 1 && p.k <= E && p.k <= kMaxTopK, "k: expected 1 <= k <= min(num_experts=", E, ", ", kMaxTopK,
+             "), got ", p.k);
   if (p.scheme == RouteScheme::kSigmoidGroupTopK) {
     MOE8_CHECK(p.n_group >= 1 && E % p.n_group == 0, "n_group: expected a divisor of num_experts=", E, ", got ",
                p.n_group);
-    MOE8_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group, "topk_group: expected 1..n_group=", p.n_group,
-               ", got ", p.topk_group);
+    MOE8_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group, "topk_group: expected 1..n_group=", p.n_group, ", got ",
+               p.topk_group);
     MOE8_CHECK(p.topk_group * (E / p.n_group) >= p.k, "topk_group: the ", p.topk_group, " chosen groups hold ",
                p.topk_group * (E / p.n_group), " experts, fewer than k=", p.k);
   }
@@ -252,8 +252,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
   check_optional("scale", scale, "src", src);
   if (scale.present) {
     check_dtype("scale", scale, {DType::kF32});
-    MOE8_CHECK(scale.numel() == T * k, "scale: expected ", T * k, " elements (T*k), got shape ",
-               scale.shape_str());
+    MOE8_CHECK(scale.numel() == T * k, "scale: expected ", T * k, " elements (T*k), got shape ", scale.shape_str());
   }
   check_tensor("dst", dst, "src", src);
   check_same_dtype("dst", dst, "src", src);
@@ -408,11 +407,11 @@ void check_activation(const TensorView& h, const ActParams& p, const TensorView&
   const int64_t I = out.size(1);
   check_shape(out_name, out, {h.size(0), -1});
   if (is_gated(p.kind))
-    MOE8_CHECK(h.size(1) == 2 * I, "h: a gated activation expects h.shape[1] == 2 * ", out_name,
-               ".shape[1] = ", 2 * I, ", got ", h.size(1));
-  else
-    MOE8_CHECK(h.size(1) == I, "h: an ungated activation expects h.shape[1] == ", out_name, ".shape[1] = ", I,
+    MOE8_CHECK(h.size(1) == 2 * I, "h: a gated activation expects h.shape[1] == 2 * ", out_name, ".shape[1] = ", 2 * I,
                ", got ", h.size(1));
+  else
+    MOE8_CHECK(h.size(1) == I, "h: an ungated activation expects h.shape[1] == ", out_name, ".shape[1] = ", I, ", got ",
+               h.size(1));
   MOE8_CHECK(p.kind >= ActKind::kSwiGLU && p.kind <= ActKind::kGELU, "kind: unknown activation ",
              static_cast<int>(p.kind));
 }

@@ -97,83 +97,91 @@ NB_MODULE(_C, m) {
     }
   });
   m.def("cuda_available", &moe8::api::cuda_available);
-  m.def("route_forward",
-        [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group,
-           float scaling, Array ids, Array weights, Array prob_mean, Array token_frac, Array lse, intptr_t stream) {
-          moe8::api::route_forward(V(logits), V(bias), route_params(scheme, k, renormalize, n_group, topk_group, scaling),
-                                   V(ids), V(weights), V(prob_mean), V(token_frac), V(lse), stream);
-        },
-        nb::arg("logits"), nb::arg("bias").none(), nb::arg("scheme"), nb::arg("k"), nb::arg("renormalize"),
-        nb::arg("n_group"), nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("weights"),
-        nb::arg("prob_mean"), nb::arg("token_frac"), nb::arg("lse"), nb::arg("stream") = 0);
-  m.def("route_backward",
-        [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group,
-           float scaling, Array ids, Array grad_weights, OptArray grad_prob_mean, OptArray grad_lse, Array grad_logits,
-           intptr_t stream, bool check_indices) {
-          moe8::api::route_backward(V(logits), V(bias),
-                                    route_params(scheme, k, renormalize, n_group, topk_group, scaling), V(ids),
-                                    V(grad_weights), V(grad_prob_mean), V(grad_lse), V(grad_logits), stream,
-                                    check_indices);
-        },
-        nb::arg("logits"), nb::arg("bias").none(), nb::arg("scheme"), nb::arg("k"), nb::arg("renormalize"),
-        nb::arg("n_group"), nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("grad_weights"),
-        nb::arg("grad_prob_mean").none(), nb::arg("grad_lse").none(), nb::arg("grad_logits"), nb::arg("stream") = 0,
-        nb::arg("check_indices") = true);
+  m.def(
+      "route_forward",
+      [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group, float scaling,
+         Array ids, Array weights, Array prob_mean, Array token_frac, Array lse, intptr_t stream) {
+        moe8::api::route_forward(V(logits), V(bias), route_params(scheme, k, renormalize, n_group, topk_group, scaling),
+                                 V(ids), V(weights), V(prob_mean), V(token_frac), V(lse), stream);
+      },
+      nb::arg("logits"), nb::arg("bias").none(), nb::arg("scheme"), nb::arg("k"), nb::arg("renormalize"),
+      nb::arg("n_group"), nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("weights"),
+      nb::arg("prob_mean"), nb::arg("token_frac"), nb::arg("lse"), nb::arg("stream") = 0);
+  m.def(
+      "route_backward",
+      [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group, float scaling,
+         Array ids, Array grad_weights, OptArray grad_prob_mean, OptArray grad_lse, Array grad_logits, intptr_t stream,
+         bool check_indices) {
+        moe8::api::route_backward(
+            V(logits), V(bias), route_params(scheme, k, renormalize, n_group, topk_group, scaling), V(ids),
+            V(grad_weights), V(grad_prob_mean), V(grad_lse), V(grad_logits), stream, check_indices);
+      },
+      nb::arg("logits"), nb::arg("bias").none(), nb::arg("scheme"), nb::arg("k"), nb::arg("renormalize"),
+      nb::arg("n_group"), nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("grad_weights"),
+      nb::arg("grad_prob_mean").none(), nb::arg("grad_lse").none(), nb::arg("grad_logits"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
   m.def("plan_workspace_elems", &moe8::api::plan_workspace_elems, nb::arg("num_slots"), nb::arg("num_experts"),
         nb::arg("on_cuda"));
   m.def("plan_max_rows", &moe8::api::plan_max_rows, nb::arg("num_slots"), nb::arg("num_experts"),
         nb::arg("pad_multiple"));
-  m.def("build_dispatch_plan",
-        [](Array ids, int num_experts, int pad_multiple, Array counts, Array offsets, Array row_to_slot,
-           Array slot_to_row, OptArray workspace, intptr_t stream, bool check_indices) {
-          moe8::api::build_dispatch_plan(V(ids), num_experts, pad_multiple, V(counts), V(offsets), V(row_to_slot),
-                                         V(slot_to_row), V(workspace), stream, check_indices);
-        },
-        nb::arg("ids"), nb::arg("num_experts"), nb::arg("pad_multiple"), nb::arg("counts"), nb::arg("offsets"),
-        nb::arg("row_to_slot"), nb::arg("slot_to_row"), nb::arg("workspace").none(), nb::arg("stream") = 0,
-        nb::arg("check_indices") = true);
-  m.def("gather_rows",
-        [](Array src, Array row_to_slot, int k, OptArray scale, Array dst, intptr_t stream, bool check_indices) {
-          moe8::api::gather_rows(V(src), V(row_to_slot), k, V(scale), V(dst), stream, check_indices);
-        },
-        nb::arg("src"), nb::arg("row_to_slot"), nb::arg("k"), nb::arg("scale").none(), nb::arg("dst"),
-        nb::arg("stream") = 0, nb::arg("check_indices") = true);
-  m.def("combine_rows",
-        [](Array rows, Array slot_to_row, OptArray weights, Array out, intptr_t stream, bool check_indices) {
-          moe8::api::combine_rows(V(rows), V(slot_to_row), V(weights), V(out), stream, check_indices);
-        },
-        nb::arg("rows"), nb::arg("slot_to_row"), nb::arg("weights").none(), nb::arg("out"), nb::arg("stream") = 0,
-        nb::arg("check_indices") = true);
-  m.def("combine_weights_grad",
-        [](Array dy, Array rows, Array slot_to_row, Array d_weights, intptr_t stream, bool check_indices) {
-          moe8::api::combine_weights_grad(V(dy), V(rows), V(slot_to_row), V(d_weights), stream, check_indices);
-        },
-        nb::arg("dy"), nb::arg("rows"), nb::arg("slot_to_row"), nb::arg("d_weights"), nb::arg("stream") = 0,
-        nb::arg("check_indices") = true);
-  m.def("grouped_gemm",
-        [](Array a, Array b, Array offsets, int layout, OptArray bias, Array c, intptr_t stream, bool check_indices) {
-          moe8::api::grouped_gemm(V(a), V(b), V(offsets), layout_of(layout), V(bias), V(c), stream, check_indices);
-        },
-        nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("bias").none(), nb::arg("c"),
-        nb::arg("stream") = 0, nb::arg("check_indices") = true);
-  m.def("grouped_gemm_wgrad",
-        [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream,
-           bool check_indices) {
-          moe8::api::grouped_gemm_wgrad(V(a), V(dc), V(offsets), layout_of(layout), V(db), V(dbias), stream,
-                                        check_indices);
-        },
-        nb::arg("a"), nb::arg("dc"), nb::arg("offsets"), nb::arg("layout"), nb::arg("db"), nb::arg("dbias").none(),
-        nb::arg("stream") = 0, nb::arg("check_indices") = true);
-  m.def("activation_forward",
-        [](Array h, int kind, bool interleaved, float alpha, float limit, Array out, intptr_t stream) {
-          moe8::api::activation_forward(V(h), act_params(kind, interleaved, alpha, limit), V(out), stream);
-        },
-        nb::arg("h"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("out"),
-        nb::arg("stream") = 0);
-  m.def("activation_backward",
-        [](Array h, Array dout, int kind, bool interleaved, float alpha, float limit, Array dh, intptr_t stream) {
-          moe8::api::activation_backward(V(h), V(dout), act_params(kind, interleaved, alpha, limit), V(dh), stream);
-        },
-        nb::arg("h"), nb::arg("dout"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
-        nb::arg("dh"), nb::arg("stream") = 0);
+  m.def(
+      "build_dispatch_plan",
+      [](Array ids, int num_experts, int pad_multiple, Array counts, Array offsets, Array row_to_slot,
+         Array slot_to_row, OptArray workspace, intptr_t stream, bool check_indices) {
+        moe8::api::build_dispatch_plan(V(ids), num_experts, pad_multiple, V(counts), V(offsets), V(row_to_slot),
+                                       V(slot_to_row), V(workspace), stream, check_indices);
+      },
+      nb::arg("ids"), nb::arg("num_experts"), nb::arg("pad_multiple"), nb::arg("counts"), nb::arg("offsets"),
+      nb::arg("row_to_slot"), nb::arg("slot_to_row"), nb::arg("workspace").none(), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
+  m.def(
+      "gather_rows",
+      [](Array src, Array row_to_slot, int k, OptArray scale, Array dst, intptr_t stream, bool check_indices) {
+        moe8::api::gather_rows(V(src), V(row_to_slot), k, V(scale), V(dst), stream, check_indices);
+      },
+      nb::arg("src"), nb::arg("row_to_slot"), nb::arg("k"), nb::arg("scale").none(), nb::arg("dst"),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+  m.def(
+      "combine_rows",
+      [](Array rows, Array slot_to_row, OptArray weights, Array out, intptr_t stream, bool check_indices) {
+        moe8::api::combine_rows(V(rows), V(slot_to_row), V(weights), V(out), stream, check_indices);
+      },
+      nb::arg("rows"), nb::arg("slot_to_row"), nb::arg("weights").none(), nb::arg("out"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
+  m.def(
+      "combine_weights_grad",
+      [](Array dy, Array rows, Array slot_to_row, Array d_weights, intptr_t stream, bool check_indices) {
+        moe8::api::combine_weights_grad(V(dy), V(rows), V(slot_to_row), V(d_weights), stream, check_indices);
+      },
+      nb::arg("dy"), nb::arg("rows"), nb::arg("slot_to_row"), nb::arg("d_weights"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
+  m.def(
+      "grouped_gemm",
+      [](Array a, Array b, Array offsets, int layout, OptArray bias, Array c, intptr_t stream, bool check_indices) {
+        moe8::api::grouped_gemm(V(a), V(b), V(offsets), layout_of(layout), V(bias), V(c), stream, check_indices);
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("bias").none(), nb::arg("c"),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+  m.def(
+      "grouped_gemm_wgrad",
+      [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream, bool check_indices) {
+        moe8::api::grouped_gemm_wgrad(V(a), V(dc), V(offsets), layout_of(layout), V(db), V(dbias), stream,
+                                      check_indices);
+      },
+      nb::arg("a"), nb::arg("dc"), nb::arg("offsets"), nb::arg("layout"), nb::arg("db"), nb::arg("dbias").none(),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+  m.def(
+      "activation_forward",
+      [](Array h, int kind, bool interleaved, float alpha, float limit, Array out, intptr_t stream) {
+        moe8::api::activation_forward(V(h), act_params(kind, interleaved, alpha, limit), V(out), stream);
+      },
+      nb::arg("h"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("out"),
+      nb::arg("stream") = 0);
+  m.def(
+      "activation_backward",
+      [](Array h, Array dout, int kind, bool interleaved, float alpha, float limit, Array dh, intptr_t stream) {
+        moe8::api::activation_backward(V(h), V(dout), act_params(kind, interleaved, alpha, limit), V(dh), stream);
+      },
+      nb::arg("h"), nb::arg("dout"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
+      nb::arg("dh"), nb::arg("stream") = 0);
 }

@@ -28,10 +28,9 @@ inline void check_dtype(const char* name, const TensorView& t, std::initializer_
   fail(name, ": expected dtype ", os.str(), ", got ", dtype_name(t.dtype));
 }
 
-inline void check_same_dtype(const char* name, const TensorView& t, const char* ref_name,
-                             const TensorView& ref) {
-  MOE8_CHECK(t.dtype == ref.dtype, name, ": expected dtype ", dtype_name(ref.dtype), " (same as ",
-             ref_name, "), got ", dtype_name(t.dtype));
+inline void check_same_dtype(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
+  MOE8_CHECK(t.dtype == ref.dtype, name, ": expected dtype ", dtype_name(ref.dtype), " (same as ", ref_name, "), got ",
+             dtype_name(t.dtype));
 }
 
 // -1 in `expected` matches any extent.
@@ -58,8 +57,7 @@ inline void check_shape(const char* name, const TensorView& t, std::initializer_
 }
 
 inline void check_ndim(const char* name, const TensorView& t, int ndim) {
-  MOE8_CHECK(t.ndim == ndim, name, ": expected a ", ndim, "-d tensor, got ", t.ndim, "-d with shape ",
-             t.shape_str());
+  MOE8_CHECK(t.ndim == ndim, name, ": expected a ", ndim, "-d tensor, got ", t.ndim, "-d with shape ", t.shape_str());
 }
 
 inline void check_contiguous(const char* name, const TensorView& t) {
@@ -69,8 +67,8 @@ inline void check_contiguous(const char* name, const TensorView& t) {
 
 inline void check_device(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
   MOE8_CHECK(t.device == ref.device && t.device_index == ref.device_index, name, ": expected device ",
-             device_name(ref.device), ":", ref.device_index, " (same as ", ref_name, "), got ",
-             device_name(t.device), ":", t.device_index);
+             device_name(ref.device), ":", ref.device_index, " (same as ", ref_name, "), got ", device_name(t.device),
+             ":", t.device_index);
 }
 
 // present + contiguous + same device as ref: what every tensor argument needs.

@@ -15,15 +15,24 @@ enum class DType : int { kF32 = 0, kF16, kBF16, kF64, kI32, kI64, kU8, kF8E4M3, 
 
 inline const char* dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF64: return "float64";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
-    case DType::kU8: return "uint8";
-    case DType::kF8E4M3: return "float8_e4m3fn";
-    case DType::kF8E5M2: return "float8_e5m2";
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF64:
+      return "float64";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
+    case DType::kU8:
+      return "uint8";
+    case DType::kF8E4M3:
+      return "float8_e4m3fn";
+    case DType::kF8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }
@@ -31,12 +40,16 @@ inline const char* dtype_name(DType t) {
 inline int dtype_size(DType t) {
   switch (t) {
     case DType::kF64:
-    case DType::kI64: return 8;
+    case DType::kI64:
+      return 8;
     case DType::kF32:
-    case DType::kI32: return 4;
+    case DType::kI32:
+      return 4;
     case DType::kF16:
-    case DType::kBF16: return 2;
-    default: return 1;
+    case DType::kBF16:
+      return 2;
+    default:
+      return 1;
   }
 }
 
@@ -93,7 +106,7 @@ inline f16_t float_to_f16(float f) {  // round to nearest even
   uint32_t au = u & 0x7fffffffu;
   if (au > 0x7f800000u) return f16_t{static_cast<uint16_t>(sign | 0x7e00u)};
   if (au >= 0x477ff000u) return f16_t{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow -> inf
-  if (au < 0x38800000u) {  // subnormal or zero in half
+  if (au < 0x38800000u) {                                                      // subnormal or zero in half
     float af;
     std::memcpy(&af, &au, 4);
     // 2^-24 is the smallest half subnormal; scale and round to nearest even via float arithmetic.

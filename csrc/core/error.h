@@ -35,7 +35,7 @@ template <typename... A>
 
 }  // namespace moe8
 
-#define MOE8_CHECK(cond, ...)                 \
-  do {                                        \
-    if (!(cond)) ::moe8::fail(__VA_ARGS__);   \
+#define MOE8_CHECK(cond, ...)               \
+  do {                                      \
+    if (!(cond)) ::moe8::fail(__VA_ARGS__); \
   } while (0)

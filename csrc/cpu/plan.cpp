@@ -14,8 +14,7 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
   for (int e = 0; e < num_experts; ++e) cnt[e] = 0;
   for (int64_t s = 0; s < slots; ++s) ++cnt[id[s]];
   off[0] = 0;
-  for (int e = 0; e < num_experts; ++e)
-    off[e + 1] = off[e] + (cnt[e] + pad_multiple - 1) / pad_multiple * pad_multiple;
+  for (int e = 0; e < num_experts; ++e) off[e + 1] = off[e] + (cnt[e] + pad_multiple - 1) / pad_multiple * pad_multiple;
   int32_t* r2s = row_to_slot.ptr<int32_t>();
   for (int64_t r = 0; r < row_to_slot.numel(); ++r) r2s[r] = -1;
   std::vector<int32_t> next(off, off + num_experts);

@@ -53,8 +53,10 @@ TokenScores token_scores(const T* row, int E, RouteScheme scheme) {
 std::vector<int> choose(const TokenScores& ts, const float* bias, const RouteParams& p) {
   const int E = static_cast<int>(ts.l.size());
   switch (p.scheme) {
-    case RouteScheme::kSoftmaxTopK: return topk_desc(ts.probs, p.k);
-    case RouteScheme::kTopKSoftmax: return topk_desc(ts.l, p.k);
+    case RouteScheme::kSoftmaxTopK:
+      return topk_desc(ts.probs, p.k);
+    case RouteScheme::kTopKSoftmax:
+      return topk_desc(ts.l, p.k);
     case RouteScheme::kSigmoidGroupTopK: {
       std::vector<float> c(E);
       for (int e = 0; e < E; ++e) c[e] = ts.s[e] + (bias ? bias[e] : 0.f);

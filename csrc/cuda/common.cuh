@@ -49,22 +49,22 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace moe8::cuda
 
 // Calls F.template operator()<T>() with T the CUDA storage type of a float dtype (f32, f16, bf16).
-#define MOE8_DISPATCH_FLOAT(dtype, NAME, ...)                                      \
-  [&] {                                                                             \
-    switch (dtype) {                                                                \
-      case ::moe8::DType::kF32: {                                                   \
-        using scalar_t = float;                                                     \
-        return __VA_ARGS__();                                                       \
-      }                                                                             \
-      case ::moe8::DType::kF16: {                                                   \
-        using scalar_t = __half;                                                    \
-        return __VA_ARGS__();                                                       \
-      }                                                                             \
-      case ::moe8::DType::kBF16: {                                                  \
-        using scalar_t = __nv_bfloat16;                                             \
-        return __VA_ARGS__();                                                       \
-      }                                                                             \
-      default:                                                                      \
-        ::moe8::fail(NAME, ": unsupported dtype ", ::moe8::dtype_name(dtype));      \
-    }                                                                               \
+#define MOE8_DISPATCH_FLOAT(dtype, NAME, ...)                                  \
+  [&] {                                                                        \
+    switch (dtype) {                                                           \
+      case ::moe8::DType::kF32: {                                              \
+        using scalar_t = float;                                                \
+        return __VA_ARGS__();                                                  \
+      }                                                                        \
+      case ::moe8::DType::kF16: {                                              \
+        using scalar_t = __half;                                               \
+        return __VA_ARGS__();                                                  \
+      }                                                                        \
+      case ::moe8::DType::kBF16: {                                             \
+        using scalar_t = __nv_bfloat16;                                        \
+        return __VA_ARGS__();                                                  \
+      }                                                                        \
+      default:                                                                 \
+        ::moe8::fail(NAME, ": unsupported dtype ", ::moe8::dtype_name(dtype)); \
+    }                                                                          \
   }()

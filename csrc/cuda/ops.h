@@ -1,11 +1,13 @@
 // cuda/ops.h — the CUDA kernels of every op, launched on `stream` (a cudaStream_t), never synchronising
-// (but count_out_of_range). Arguments are already validated by api/ (shapes, dtypes, contiguity, index ranges); outputs are caller-owned and fully written. Shapes use T tokens, E experts,
-// K = top-k, R rows in expert order, H / N / Kd feature sizes.
+// (but count_out_of_range). Arguments are already validated by api/ (shapes, dtypes, contiguity, index ranges); outputs
+// are caller-owned and fully written. Shapes use T tokens, E experts, K = top-k, R rows in expert order, H / N / Kd
+// feature sizes.
 #pragma once
-#include "core/params.h"
-#include "core/tensor.h"
 #include <cstddef>
 #include <cstdint>
+
+#include "core/params.h"
+#include "core/tensor.h"
 
 namespace moe8::cuda {
 
@@ -57,7 +59,8 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
 // h [R, 2I] (gated) or [R, I] -> out [R, I].
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, void* stream);
 // dout [R, I] -> dh (shape of h).
-void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh, void* stream);
+void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
+                         void* stream);
 
 // int32 workspace elements build_dispatch_plan needs for num_slots = T*K slots.
 size_t plan_workspace_elems(int64_t num_slots, int num_experts);

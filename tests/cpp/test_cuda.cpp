@@ -54,7 +54,10 @@ std::vector<RouteCase> cuda_route_cases() {
 struct RouteOut {
   HostTensor ids, w, pm, tf, lse;
   RouteOut(int T, int E, int K)
-      : ids(DType::kI32, {T, K}), w(DType::kF32, {T, K}), pm(DType::kF32, {E}), tf(DType::kF32, {E}),
+      : ids(DType::kI32, {T, K}),
+        w(DType::kF32, {T, K}),
+        pm(DType::kF32, {E}),
+        tf(DType::kF32, {E}),
         lse(DType::kF32, {T}) {}
   bool bitwise_equal(const RouteOut& o) const {
     return ids.bitwise_equal(o.ids) && w.bitwise_equal(o.w) && pm.bitwise_equal(o.pm) && tf.bitwise_equal(o.tf) &&
@@ -134,8 +137,8 @@ PlanOut plan(bool gpu, const HostTensor& ids, int E, int pad, int64_t R) {
   Runner run(gpu);
   PlanOut o{HostTensor(DType::kI32, {E}), HostTensor(DType::kI32, {E + 1}), HostTensor(DType::kI32, {R}),
             HostTensor(DType::kI32, {ids.numel()})};
-  api::build_dispatch_plan(run.in(ids), E, pad, run.out(o.counts), run.out(o.offsets), run.out(o.r2s),
-                           run.out(o.s2r), run.workspace(api::plan_workspace_elems(ids.numel(), E, gpu)), 0);
+  api::build_dispatch_plan(run.in(ids), E, pad, run.out(o.counts), run.out(o.offsets), run.out(o.r2s), run.out(o.s2r),
+                           run.workspace(api::plan_workspace_elems(ids.numel(), E, gpu)), 0);
   run.finish();
   return o;
 }
@@ -149,10 +152,14 @@ struct PlanCase {
 
 std::vector<PlanCase> cuda_plan_cases() {
   return {
-      {"small", 13, 2, 8, 0.0, {}},        {"single_token", 1, 4, 6, 0.0, {}},
-      {"no_tokens", 0, 2, 5, 0.0, {}},     {"empty_experts", 30, 2, 9, 0.0, {0, 4, 8}},
-      {"one_expert", 100, 1, 1, 0.0, {}},  {"skewed", 500, 4, 16, 0.95, {3}},
-      {"T4096_E128_k8", 4096, 8, 128, 0.0, {}}, {"T4096_E128_k8_skewed", 4096, 8, 128, 0.9, {1, 2, 77}},
+      {"small", 13, 2, 8, 0.0, {}},
+      {"single_token", 1, 4, 6, 0.0, {}},
+      {"no_tokens", 0, 2, 5, 0.0, {}},
+      {"empty_experts", 30, 2, 9, 0.0, {0, 4, 8}},
+      {"one_expert", 100, 1, 1, 0.0, {}},
+      {"skewed", 500, 4, 16, 0.95, {3}},
+      {"T4096_E128_k8", 4096, 8, 128, 0.0, {}},
+      {"T4096_E128_k8_skewed", 4096, 8, 128, 0.9, {1, 2, 77}},
       {"T16384_E256_k8", 16384, 8, 256, 0.3, {}},
   };
 }
@@ -182,9 +189,12 @@ struct PermCase {
 
 std::vector<PermCase> cuda_perm_cases() {
   return {
-      {"small", 13, 2, 8, 20, 1, 0.0},          {"padded", 13, 2, 8, 20, 16, 0.0},
-      {"single_token", 1, 1, 3, 7, 1, 0.0},     {"h1", 6, 3, 5, 1, 8, 0.0},
-      {"no_tokens", 0, 2, 4, 9, 16, 0.0},       {"odd_h", 77, 3, 12, 131, 4, 0.9},
+      {"small", 13, 2, 8, 20, 1, 0.0},
+      {"padded", 13, 2, 8, 20, 16, 0.0},
+      {"single_token", 1, 1, 3, 7, 1, 0.0},
+      {"h1", 6, 3, 5, 1, 8, 0.0},
+      {"no_tokens", 0, 2, 4, 9, 16, 0.0},
+      {"odd_h", 77, 3, 12, 131, 4, 0.9},
       {"T4096_k8_E128_H1024", 4096, 8, 128, 1024, 128, 0.3},
       {"T2048_k4_E32_H2880", 2048, 4, 32, 2880, 16, 0.0},  // GPT-OSS hidden size
   };
@@ -275,8 +285,8 @@ TEST_F(CudaTest, ValidationOfDeviceTensors) {
   for (const std::vector<int>& off : {std::vector<int>{0, 6, 3, 10}, std::vector<int>{0, 3, 6, 11}}) {
     Runner run(true);  // decreasing; past the 10 rows of a
     HostTensor bad_off = ints({4}, off);
-    EXPECT_MOE8_ERROR("offsets", api::grouped_gemm(run.in(a), run.in(b), run.in(bad_off), WeightLayout::kNK,
-                                                   absent(), run.out(c), 0));
+    EXPECT_MOE8_ERROR("offsets", api::grouped_gemm(run.in(a), run.in(b), run.in(bad_off), WeightLayout::kNK, absent(),
+                                                   run.out(c), 0));
   }
   EXPECT_TRUE(api::cuda_available());
 }
@@ -285,5 +295,7 @@ TEST_F(CudaTest, ValidationOfDeviceTensors) {
 }  // namespace moe8::test
 
 #else  // built without the CUDA backend: say so instead of silently running nothing
-TEST(CudaTest, Backend) { GTEST_SKIP() << "no CUDA device: moe8 was built without the CUDA backend (MOE8_CUDA=OFF or no nvcc)"; }
+TEST(CudaTest, Backend) {
+  GTEST_SKIP() << "no CUDA device: moe8 was built without the CUDA backend (MOE8_CUDA=OFF or no nvcc)";
+}
 #endif

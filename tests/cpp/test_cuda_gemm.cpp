@@ -151,8 +151,8 @@ TEST_F(CudaTest, ActivationsMatchCpu) {
   for (const ActParams& p : params)
     for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
       for (Dims d : dims) {
-        SCOPED_TRACE("kind=" + std::to_string(static_cast<int>(p.kind)) + " interleaved=" +
-                     std::to_string(p.interleaved) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
+        SCOPED_TRACE("kind=" + std::to_string(static_cast<int>(p.kind)) +
+                     " interleaved=" + std::to_string(p.interleaved) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
                      " I=" + std::to_string(d.I));
         Rng rng(++seed);
         HostTensor h = act_input(dt, {d.R, is_gated(p.kind) ? 2 * d.I : d.I}, p, rng);

@@ -88,7 +88,8 @@ class Runner {
     if (!gpu_) return;
     cuda_ok(cudaDeviceSynchronize(), "synchronize after the op");
     cuda_ok(cudaGetLastError(), "last error after the op");
-    for (auto& o : outs_) cuda_ok(cudaMemcpy(o.first->data(), o.second, o.first->nbytes(), cudaMemcpyDeviceToHost), "download");
+    for (auto& o : outs_)
+      cuda_ok(cudaMemcpy(o.first->data(), o.second, o.first->nbytes(), cudaMemcpyDeviceToHost), "download");
     outs_.clear();
   }
 

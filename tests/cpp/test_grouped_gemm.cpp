@@ -61,8 +61,7 @@ HostTensor run_gemm(const GemmInputs& in, WeightLayout layout, bool with_bias, i
   HostTensor c(in.a.dtype(), {in.R, N});
   c.poison();
   HostTensor off = ints({in.E + 1}, in.offsets);
-  api::grouped_gemm(in.a.view(), in.b.view(), off.view(), layout, with_bias ? in.bias.view() : absent(), c.view(),
-                    0);
+  api::grouped_gemm(in.a.view(), in.b.view(), off.view(), layout, with_bias ? in.bias.view() : absent(), c.view(), 0);
   return c;
 }
 

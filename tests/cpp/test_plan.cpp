@@ -100,8 +100,8 @@ TEST(Plan, HandWorkedExample) {
 
   PlanOut p = run_plan(ids, 4, 4, api::plan_max_rows(6, 4, 4));  // 6 + 4*3 = 18 rows
   EXPECT_TRUE(equal_ints(p.offsets, {0, 4, 8, 12, 12}, "offsets"));
-  EXPECT_TRUE(equal_ints(p.row_to_slot, {1, 2, -1, -1, 3, -1, -1, -1, 0, 4, 5, -1, -1, -1, -1, -1, -1, -1},
-                         "row_to_slot"));
+  EXPECT_TRUE(
+      equal_ints(p.row_to_slot, {1, 2, -1, -1, 3, -1, -1, -1, 0, 4, 5, -1, -1, -1, -1, -1, -1, -1}, "row_to_slot"));
   EXPECT_TRUE(equal_ints(p.slot_to_row, {8, 0, 1, 4, 9, 10}, "slot_to_row"));
 }
 

@@ -28,8 +28,8 @@ inline std::vector<int> topk_desc(const std::vector<double>& score, std::vector<
 }
 
 struct RouteRow {
-  std::vector<int> ids;   // [K], best first
-  std::vector<double> w;  // [K]
+  std::vector<int> ids;      // [K], best first
+  std::vector<double> w;     // [K]
   std::vector<double> prob;  // [E] router probability used by prob_mean
   double lse = 0;
   double gap = 1e300;  // smallest margin of any selection decision
@@ -166,7 +166,8 @@ inline Expect route_grad_ref(const HostTensor& logits, const RouteParams& p, con
   for (int t = 0; t < T; ++t) {
     std::vector<int> row_ids(ids.begin() + t * K, ids.begin() + (t + 1) * K);
     double scale = (glse ? std::fabs(glse->get(t)) : 0.0) + 1e-30;
-    for (int k = 0; k < K; ++k) scale += std::fabs(gw.get(t * K + k)) * std::max(1.0, std::fabs(static_cast<double>(p.scaling)));
+    for (int k = 0; k < K; ++k)
+      scale += std::fabs(gw.get(t * K + k)) * std::max(1.0, std::fabs(static_cast<double>(p.scaling)));
     for (int e = 0; e < E && gpm; ++e) scale += std::fabs(gpm->get(e)) / T;
     auto loss = [&](const std::vector<double>& row) {
       std::vector<double> w, prob;

@@ -220,8 +220,7 @@ TEST(Route, BackwardUsesGivenIds) {
     std::vector<int> ids = random_ids(c.T, c.p.k, c.E, rng);
     GradInputs g = grad_inputs(c.T, c.E, c.p.k, rng);
     Expect want = route_grad_ref(logits, c.p, ids, g.gw, &g.gpm, &g.glse);
-    EXPECT_TRUE(close_to(run_backward(logits, bp, c.p, ints({c.T, c.p.k}, ids), g, true, true), want,
-                         "grad_logits"));
+    EXPECT_TRUE(close_to(run_backward(logits, bp, c.p, ints({c.T, c.p.k}, ids), g, true, true), want, "grad_logits"));
   }
 }
 

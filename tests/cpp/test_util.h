@@ -43,11 +43,16 @@ inline const char* name_of(DType d) { return dtype_name(d); }
 // A contiguous view through moe8::make_view for a runtime shape (make_view takes an initializer list).
 inline TensorView view_of(void* data, DType dtype, const Shape& s, DeviceType dev = DeviceType::kCPU) {
   switch (s.size()) {
-    case 0: return make_view(data, dtype, {}, dev);
-    case 1: return make_view(data, dtype, {s[0]}, dev);
-    case 2: return make_view(data, dtype, {s[0], s[1]}, dev);
-    case 3: return make_view(data, dtype, {s[0], s[1], s[2]}, dev);
-    default: return make_view(data, dtype, {s[0], s[1], s[2], s[3]}, dev);
+    case 0:
+      return make_view(data, dtype, {}, dev);
+    case 1:
+      return make_view(data, dtype, {s[0]}, dev);
+    case 2:
+      return make_view(data, dtype, {s[0], s[1]}, dev);
+    case 3:
+      return make_view(data, dtype, {s[0], s[1], s[2]}, dev);
+    default:
+      return make_view(data, dtype, {s[0], s[1], s[2], s[3]}, dev);
   }
 }
 
@@ -75,25 +80,46 @@ class HostTensor {
   double get(int64_t i) const {
     const void* p = storage_.data();
     switch (dtype_) {
-      case DType::kF32: return static_cast<const float*>(p)[i];
-      case DType::kF16: return f16_to_float(static_cast<const f16_t*>(p)[i]);
-      case DType::kBF16: return bf16_to_float(static_cast<const bf16_t*>(p)[i]);
-      case DType::kF64: return static_cast<const double*>(p)[i];
-      case DType::kI32: return static_cast<const int32_t*>(p)[i];
-      case DType::kI64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-      default: return static_cast<const uint8_t*>(p)[i];
+      case DType::kF32:
+        return static_cast<const float*>(p)[i];
+      case DType::kF16:
+        return f16_to_float(static_cast<const f16_t*>(p)[i]);
+      case DType::kBF16:
+        return bf16_to_float(static_cast<const bf16_t*>(p)[i]);
+      case DType::kF64:
+        return static_cast<const double*>(p)[i];
+      case DType::kI32:
+        return static_cast<const int32_t*>(p)[i];
+      case DType::kI64:
+        return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+      default:
+        return static_cast<const uint8_t*>(p)[i];
     }
   }
   void set(int64_t i, double v) {
     void* p = storage_.data();
     switch (dtype_) {
-      case DType::kF32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-      case DType::kF16: static_cast<f16_t*>(p)[i] = float_to_f16(static_cast<float>(v)); break;
-      case DType::kBF16: static_cast<bf16_t*>(p)[i] = float_to_bf16(static_cast<float>(v)); break;
-      case DType::kF64: static_cast<double*>(p)[i] = v; break;
-      case DType::kI32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-      case DType::kI64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-      default: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+      case DType::kF32:
+        static_cast<float*>(p)[i] = static_cast<float>(v);
+        break;
+      case DType::kF16:
+        static_cast<f16_t*>(p)[i] = float_to_f16(static_cast<float>(v));
+        break;
+      case DType::kBF16:
+        static_cast<bf16_t*>(p)[i] = float_to_bf16(static_cast<float>(v));
+        break;
+      case DType::kF64:
+        static_cast<double*>(p)[i] = v;
+        break;
+      case DType::kI32:
+        static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+        break;
+      case DType::kI64:
+        static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+        break;
+      default:
+        static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v);
+        break;
     }
   }
   std::vector<double> values() const {
@@ -147,15 +173,20 @@ inline HostTensor random_tensor(DType dtype, const Shape& s, Rng& rng, double lo
 // for an fp32 value that sat on a rounding boundary), and the absolute floor for subnormals.
 inline double out_rel(DType d) {
   switch (d) {
-    case DType::kF16: return std::ldexp(1.0, -11) * 1.01;
-    case DType::kBF16: return std::ldexp(1.0, -8) * 1.01;
-    default: return std::ldexp(1.0, -23);
+    case DType::kF16:
+      return std::ldexp(1.0, -11) * 1.01;
+    case DType::kBF16:
+      return std::ldexp(1.0, -8) * 1.01;
+    default:
+      return std::ldexp(1.0, -23);
   }
 }
 inline double out_abs(DType d) {
   switch (d) {
-    case DType::kF16: return std::ldexp(1.0, -24);
-    default: return 1e-30;
+    case DType::kF16:
+      return std::ldexp(1.0, -24);
+    default:
+      return 1e-30;
   }
 }
 // Relative error of fp32 arithmetic over n terms (worst case, with a few ulps for libm functions).
@@ -211,8 +242,8 @@ inline ::testing::AssertionResult equal_ints(const HostTensor& got, const std::v
   std::ostringstream os;
   for (int64_t i = 0; i < got.numel(); ++i) {
     if (got.i32()[i] != want[i] && bad++ < 8)
-      os << "\n  [" << i << "] got " << got.i32()[i] << (got.i32()[i] == kIntPoison ? " (unwritten)" : "")
-         << " want " << want[i];
+      os << "\n  [" << i << "] got " << got.i32()[i] << (got.i32()[i] == kIntPoison ? " (unwritten)" : "") << " want "
+         << want[i];
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": " << bad << " of " << got.numel() << " differ" << os.str();
@@ -264,5 +295,4 @@ inline void expect_error_naming(const std::function<void()>& f, const std::strin
 }  // namespace moe8::test
 
 // EXPECT_MOE8_ERROR("ids", api::route_forward(...)): the statement throws moe8::Error naming "ids".
-#define EXPECT_MOE8_ERROR(arg, ...) \
-  ::moe8::test::expect_error_naming([&] { __VA_ARGS__; }, arg, __FILE__, __LINE__)
+#define EXPECT_MOE8_ERROR(arg, ...) ::moe8::test::expect_error_naming([&] { __VA_ARGS__; }, arg, __FILE__, __LINE__)
