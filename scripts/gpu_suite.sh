@@ -11,11 +11,16 @@ JOBS=${JOBS:-16}
 PY=$(command -v python3)
 mkdir -p "$OUT"
 [ -d .carry/gtest/usr ] && export CMAKE_PREFIX_PATH=$PWD/.carry/gtest/usr
+# The pinned nanobind (and CUTLASS headers) may travel as wheels when the machine has no registry.
+NBPATH=
+for whl in .carry/wheels/nanobind-*.whl .carry/wheels/nvidia_cutlass-*.whl; do
+  [ -f "$whl" ] && $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site "$whl" && NBPATH=/tmp/moe8-site
+done
 export PYTHONUNBUFFERED=1
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
 echo "== build" | tee "$OUT/build.log"
-cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
+PYTHONPATH=$NBPATH cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
   >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" --target _C >>"$OUT/build.log" 2>&1 || {
   grep -B2 -A12 -E "error|FAILED" "$OUT/build.log" | head -80
   exit 1
@@ -27,7 +32,10 @@ echo "== ctest"
 ctest --test-dir build/gpu -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
 tail -5 "$OUT/ctest.log"
 echo "== pytest"
-PYTHONPATH=python timeout 400 $PY -m pytest -q -rs -x --durations=5 tests/python >"$OUT/pytest.log" 2>&1
+PYTHONPATH=python timeout 60 $PY -X faulthandler -m pytest -q tests/python/test_errors.py >"$OUT/pytest_errors.log" 2>&1 ||
+  { tail -30 "$OUT/pytest_errors.log"; command -v cuda-gdb >/dev/null && PYTHONPATH=python timeout 120 cuda-gdb -batch \
+    -ex run -ex bt --args $PY -m pytest -q -x tests/python/test_errors.py >"$OUT/gdb.log" 2>&1; grep -A25 "SIGSEGV" "$OUT/gdb.log" | head -40; }
+PYTHONPATH=python timeout 330 $PY -m pytest -q -rs --durations=8 tests/python >"$OUT/pytest.log" 2>&1
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 echo "== bench"
 PYTHONPATH=python timeout 300 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
