@@ -12,16 +12,39 @@ import json
 import statistics
 import time
 
+import moe8
 import torch
 
-import moe8
-
 MODELS = {  # name: (family, config overrides, layers) — expert shapes of the real models, fewer layers
-    "qwen3": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
-                                num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                vocab_size=151936, norm_topk_prob=True), 4),
-    "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
-                                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000), 2),
+    "qwen3": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            norm_topk_prob=True,
+        ),
+        4,
+    ),
+    "mixtral": (
+        "mixtral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+        ),
+        2,
+    ),
 }
 
 
@@ -29,8 +52,9 @@ def build(name, layers, dtype=torch.bfloat16):
     import transformers
 
     family, over, default_layers = MODELS[name]
-    cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=layers or default_layers,
-                                            max_position_embeddings=4096, **over)
+    cfg = transformers.AutoConfig.for_model(
+        family, num_hidden_layers=layers or default_layers, max_position_embeddings=4096, **over
+    )
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
@@ -40,8 +64,13 @@ def build(name, layers, dtype=torch.bfloat16):
 
 
 def measure(model, batch, seq, steps, warmup):
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(
+        0,
+        model.config.vocab_size,
+        (batch, seq),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(0),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()
@@ -63,7 +92,9 @@ def measure(model, batch, seq, steps, warmup):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3,mixtral", help=f"comma-separated, from {sorted(MODELS)}")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: 4 for qwen3, 2 for mixtral)")
+    ap.add_argument(
+        "--layers", type=int, default=0, help="decoder layers (default: 4 for qwen3, 2 for mixtral)"
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
@@ -86,22 +117,35 @@ def main():
                 moe8.accelerate(model)
             tps, mem, losses = measure(model, args.batch, args.seq, args.steps, args.warmup)
             row[f"{impl}_tokens_per_s"], row[f"{impl}_peak_gib"], row[f"{impl}_losses"] = tps, mem, losses
-            print(f"[bench] {name} {impl}: {tps:,.0f} tokens/s, peak {mem:.1f} GiB, losses {losses}", flush=True)
+            print(
+                f"[bench] {name} {impl}: {tps:,.0f} tokens/s, peak {mem:.1f} GiB, losses {losses}", flush=True
+            )
             del model
             torch.cuda.empty_cache()
         row["speedup"] = row["moe8_tokens_per_s"] / row["grouped_mm_tokens_per_s"]
         rows.append(row)
-    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
-            "moe8": moe8.__version__, "dtype": "bfloat16", "optimizer": "AdamW fused", "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "moe8": moe8.__version__,
+        "dtype": "bfloat16",
+        "optimizer": "AdamW fused",
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{meta}")
-    print(f"{'model':<8} {'layers':>6} {'batch':>9} {'HF tok/s':>10} {'moe8 tok/s':>10} {'ratio':>6} {'HF GiB':>7} {'moe8 GiB':>8}")
+    print(
+        f"{'model':<8} {'layers':>6} {'batch':>9} {'HF tok/s':>10} {'moe8 tok/s':>10} {'ratio':>6} {'HF GiB':>7} {'moe8 GiB':>8}"
+    )
     for r in rows:
-        print(f"{r['model']:<8} {r['layers']:>6} {r['batch']:>4}x{r['seq']:<4} {r['grouped_mm_tokens_per_s']:>10,.0f} "
-              f"{r['moe8_tokens_per_s']:>10,.0f} {r['speedup']:>5.2f}x {r['grouped_mm_peak_gib']:>7.1f} "
-              f"{r['moe8_peak_gib']:>8.1f}")
+        print(
+            f"{r['model']:<8} {r['layers']:>6} {r['batch']:>4}x{r['seq']:<4} {r['grouped_mm_tokens_per_s']:>10,.0f} "
+            f"{r['moe8_tokens_per_s']:>10,.0f} {r['speedup']:>5.2f}x {r['grouped_mm_peak_gib']:>7.1f} "
+            f"{r['moe8_peak_gib']:>8.1f}"
+        )
 
 
 if __name__ == "__main__":
