@@ -12,8 +12,9 @@ import json
 import statistics
 import time
 
-import moe8
 import torch
+
+import moe8
 
 MODELS = {  # name: (family, config overrides, layers) — expert shapes of the real models, fewer layers
     "qwen3": (

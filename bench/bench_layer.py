@@ -13,8 +13,9 @@ import platform
 import statistics
 import time
 
-import moe8
 import torch
+
+import moe8
 from moe8 import reference as ref
 
 SHAPES = {  # name: (hidden, intermediate, experts, top-k)

@@ -2,9 +2,10 @@
 every element must be written; ids and plans must match exactly; two runs must be bitwise equal.
 Skips, saying why, where no GPU is visible."""
 
-import moe8
 import pytest
 import torch
+
+import moe8
 from moe8.ops import _C
 
 pytestmark = pytest.mark.skipif(

@@ -1,9 +1,10 @@
 """Bad input never crashes and never yields garbage: each op raises ValueError naming the argument and
 stating what was expected and what it got."""
 
-import moe8
 import pytest
 import torch
+
+import moe8
 from moe8 import ops
 from moe8.ops import _C
 

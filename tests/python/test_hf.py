@@ -16,10 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0", reason="moe8.hf needs transformers>=5")
 
-import moe8  # noqa: E402, F401
-from moe8 import hf, layer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+
+import moe8  # noqa: E402, F401
+from moe8 import hf, layer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 VOCAB = 128

@@ -1,10 +1,11 @@
 """The whole MoE layer and each differentiable op against the pure-PyTorch reference (float64 oracle):
 outputs and every gradient, all routing schemes, both weight layouts, every activation, awkward shapes."""
 
-import moe8
 import pytest
 import torch
 from conftest import devices
+
+import moe8
 from moe8 import reference as ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
