@@ -10,6 +10,7 @@
 #ifdef MOE8_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
 #endif
 
@@ -320,8 +321,40 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
   }
 }
 
+int64_t grouped_gemm_workspace_bytes(int num_experts, bool on_cuda) {
+#ifdef MOE8_WITH_CUDA
+  if (on_cuda && num_experts >= 1) {
+    // Whether the path exists at all on the current device: a probe with aligned (never dereferenced) pointers.
+    TensorView probe = make_view(reinterpret_cast<void*>(256), DType::kBF16, {8, 8}, DeviceType::kCUDA);
+    TensorView probe_b = make_view(reinterpret_cast<void*>(256), DType::kBF16, {1, 8, 8}, DeviceType::kCUDA);
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    probe.device_index = probe_b.device_index = device;
+    if (cuda::grouped_gemm_sm90_supported(probe, probe_b, WeightLayout::kNK, 8))
+      return static_cast<int64_t>(cuda::grouped_gemm_sm90_workspace_bytes(num_experts, 0, 0, 0));
+  }
+#else
+  (void)num_experts;
+  (void)on_cuda;
+#endif
+  return 0;
+}
+
+namespace {
+// The workspace, when given, must be a CUDA uint8 buffer of grouped_gemm_workspace_bytes.
+bool usable_workspace(const TensorView& ws, const TensorView& a, int64_t num_experts) {
+  if (!ws.present) return false;
+  check_tensor("workspace", ws, "a", a);
+  check_dtype("workspace", ws, {DType::kU8});
+  const int64_t need = grouped_gemm_workspace_bytes(static_cast<int>(num_experts), a.is_cuda());
+  MOE8_CHECK(ws.numel() >= need, "workspace: expected at least ", need, " bytes, got ", ws.numel());
+  return need > 0;
+}
+}  // namespace
+
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
-                  const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices) {
+                  const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices,
+                  const TensorView& workspace) {
   check_present("a", a);
   check_ndim("a", a, 2);
   check_float("a", a);
@@ -350,7 +383,10 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm")) {
 #ifdef MOE8_WITH_CUDA
-    cuda::grouped_gemm(a, b, offsets, layout, bias, c, as_ptr(stream));
+    if (!bias.present && usable_workspace(workspace, a, E) && cuda::grouped_gemm_sm90_supported(a, b, layout, N))
+      cuda::grouped_gemm_sm90(a, b, offsets, layout, c, workspace.data, workspace.numel(), as_ptr(stream));
+    else
+      cuda::grouped_gemm(a, b, offsets, layout, bias, c, as_ptr(stream));
 #endif
   } else {
     cpu::grouped_gemm(a, b, offsets, layout, bias, c);
@@ -358,7 +394,8 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
 }
 
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
-                        const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices) {
+                        const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices,
+                        const TensorView& workspace) {
   check_present("a", a);
   check_ndim("a", a, 2);
   check_float("a", a);
@@ -388,7 +425,15 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm_wgrad")) {
 #ifdef MOE8_WITH_CUDA
-    cuda::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias, as_ptr(stream));
+    // The sm_90a wgrad writes db in the inputs' dtype and has no bias term; kKN is kNK with a and dc swapped.
+    const bool kn = layout == WeightLayout::kKN;
+    const TensorView& lhs = kn ? dc : a;
+    const TensorView& rhs = kn ? a : dc;
+    if (!dbias.present && db.dtype == a.dtype && usable_workspace(workspace, a, E) &&
+        cuda::grouped_gemm_sm90_supported(lhs, db, WeightLayout::kNK, rhs.size(1)))
+      cuda::grouped_gemm_wgrad_sm90(lhs, rhs, offsets, db, workspace.data, workspace.numel(), as_ptr(stream));
+    else
+      cuda::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias, as_ptr(stream));
 #endif
   } else {
     cpu::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias);

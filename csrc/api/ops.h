@@ -39,11 +39,20 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
 void combine_weights_grad(const TensorView& dy, const TensorView& rows, const TensorView& slot_to_row,
                           const TensorView& d_weights, intptr_t stream, bool check_indices = true);
 
+// Bytes of uint8 workspace that lets grouped_gemm / grouped_gemm_wgrad take the Hopper (CUTLASS sm_90a)
+// path for num_experts groups; 0 when that path is not available (CPU, no CUTLASS, not sm_90).
+int64_t grouped_gemm_workspace_bytes(int num_experts, bool on_cuda);
+
+// `workspace` (optional, uint8, grouped_gemm_workspace_bytes long) enables the sm_90a kernels where the
+// shapes allow; without it, or where they do not apply (bias, fp32, unaligned sizes), the portable
+// kernels run. Both give the same results up to fp32 summation order.
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
-                  const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices = true);
+                  const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices = true,
+                  const TensorView& workspace = TensorView{});
 
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
-                        const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices = true);
+                        const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices = true,
+                        const TensorView& workspace = TensorView{});
 
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, intptr_t stream);
 

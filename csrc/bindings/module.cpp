@@ -155,21 +155,26 @@ NB_MODULE(_C, m) {
       },
       nb::arg("dy"), nb::arg("rows"), nb::arg("slot_to_row"), nb::arg("d_weights"), nb::arg("stream") = 0,
       nb::arg("check_indices") = true);
+  m.def("grouped_gemm_workspace_bytes", &moe8::api::grouped_gemm_workspace_bytes, nb::arg("num_experts"),
+        nb::arg("on_cuda"));
   m.def(
       "grouped_gemm",
-      [](Array a, Array b, Array offsets, int layout, OptArray bias, Array c, intptr_t stream, bool check_indices) {
-        moe8::api::grouped_gemm(V(a), V(b), V(offsets), layout_of(layout), V(bias), V(c), stream, check_indices);
+      [](Array a, Array b, Array offsets, int layout, OptArray bias, Array c, intptr_t stream, bool check_indices,
+         OptArray workspace) {
+        moe8::api::grouped_gemm(V(a), V(b), V(offsets), layout_of(layout), V(bias), V(c), stream, check_indices,
+                                V(workspace));
       },
       nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("bias").none(), nb::arg("c"),
-      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
       "grouped_gemm_wgrad",
-      [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream, bool check_indices) {
+      [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream, bool check_indices,
+         OptArray workspace) {
         moe8::api::grouped_gemm_wgrad(V(a), V(dc), V(offsets), layout_of(layout), V(db), V(dbias), stream,
-                                      check_indices);
+                                      check_indices, V(workspace));
       },
       nb::arg("a"), nb::arg("dc"), nb::arg("offsets"), nb::arg("layout"), nb::arg("db"), nb::arg("dbias").none(),
-      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
       "activation_forward",
       [](Array h, int kind, bool interleaved, float alpha, float limit, Array out, intptr_t stream) {

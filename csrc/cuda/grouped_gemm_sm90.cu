@@ -6,18 +6,18 @@
 // A prep kernel (one thread per group) writes each group's problem shape, A/B/D pointers and strides
 // into the caller's workspace and zeroes what CUTLASS will not write (forward: rows past offsets[E];
 // wgrad: db of empty groups). CUTLASS then reads the shapes on the device (host_problem_shapes = nullptr,
-// so its persistent grid is one CTA per SM), which keeps every launch sync-free and graph-capturable.
+// so its persistent grid is sized by the device, not the problem), which keeps every launch sync-free and
+// graph-capturable.
 //
 // Build: nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG
 //        -DMOE8_WITH_CUTLASS=1 -I<cutlass>/include (cmake/cutlass.cmake does this). Without
 //        MOE8_WITH_CUTLASS the file compiles to stubs that report the path unsupported.
-#include "cuda/grouped_gemm_sm90.h"
-
 #include <cuda_runtime.h>
 
 #include <string>
 
 #include "core/error.h"
+#include "cuda/grouped_gemm_sm90.h"
 
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
@@ -26,6 +26,8 @@
 #include <mutex>
 #include <type_traits>
 
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -35,8 +37,6 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cuda/common.cuh"
-#include "cuda/ops.h"
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "grouped_gemm_sm90.cu needs CUDA 12.3+ (CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)"
 #endif
@@ -84,8 +84,7 @@ struct GroupedGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
       void, LayoutD*, kAlign,                                         // C: none
       T, LayoutD*, kAlign,                                            // D
-      typename Config::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<T, float, void>>::CollectiveOp;
+      typename Config::EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<T, float, void>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
@@ -289,10 +288,12 @@ __device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets,
 
 // Forward / dgrad: group e is (M = its rows, N, K = Kd); rows [offsets[E], R) of c are zeroed.
 template <class G>
-__global__ void __launch_bounds__(kPrepThreads) prep_rows_kernel(const int32_t* __restrict__ offsets, int groups,
-                                                                 int64_t rows, int64_t n, int64_t kd, int64_t ldb,
-                                                                 const void* a, const void* b, void* c, GroupArrays w) {
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_rows_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd, int64_t ldb,
+                     const void* a, const void* b, void* c, GroupArrays w) {
   using T = typename G::Element;
+  static_assert(sizeof(typename G::StrideA) <= kSlotStride && sizeof(typename G::StrideB) <= kSlotStride &&
+                sizeof(typename G::StrideD) <= kSlotStride);
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = tid; e < groups; e += nthreads) {
@@ -317,10 +318,12 @@ __global__ void __launch_bounds__(kPrepThreads) prep_rows_kernel(const int32_t* 
 // NOTES: a group with K = 0 must not reach CUTLASS: its mainloop would run no MMA and the epilogue
 // would store the never-initialised accumulators.
 template <class G>
-__global__ void __launch_bounds__(kPrepThreads) prep_wgrad_kernel(const int32_t* __restrict__ offsets, int groups,
-                                                                  int64_t rows, int64_t n, int64_t kd, const void* a,
-                                                                  const void* dc, void* db, GroupArrays w) {
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_wgrad_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd,
+                      const void* a, const void* dc, void* db, GroupArrays w) {
   using T = typename G::Element;
+  static_assert(sizeof(typename G::StrideA) <= kSlotStride && sizeof(typename G::StrideB) <= kSlotStride &&
+                sizeof(typename G::StrideD) <= kSlotStride);
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = tid; e < groups; e += nthreads) {
@@ -354,37 +357,16 @@ inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
 
 // ---------------------------------------------------------------------------------------------------
 
-template <class T>
-struct CutlassType;
-template <>
-struct CutlassType<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CutlassType<__half> {
-  using type = cutlass::half_t;
-};
-
-// The element types instantiated here (each costs a few minutes of compile time per kind and tile).
-inline bool dtype_built(DType d) {
-#if defined(MOE8_SM90_F16)
-  return d == DType::kBF16 || d == DType::kF16;
-#else
-  return d == DType::kBF16;
-#endif
-}
+inline bool dtype_built(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
 template <class F>
 void dispatch_dtype(DType d, const char* what, F&& f) {
-  if (d == DType::kBF16) {
+  if (d == DType::kBF16)
     f(cutlass::bfloat16_t{});
-#if defined(MOE8_SM90_F16)
-  } else if (d == DType::kF16) {
+  else if (d == DType::kF16)
     f(cutlass::half_t{});
-#endif
-  } else {
-    fail(what, ": the sm90 grouped GEMM is not built for dtype ", dtype_name(d));
-  }
+  else
+    fail(what, ": the sm90 grouped GEMM takes bfloat16 or float16, got ", dtype_name(d));
 }
 
 // Average rows per expert under which the 64x128 ping-pong tile beats the 128x256 cooperative one.
@@ -406,8 +388,8 @@ inline Checked check_call(const char* what, const TensorView& ref, int groups, v
   int current = current_device();
   MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
   const size_t need = grouped_gemm_sm90_workspace_bytes(groups, 0, 0, 0);
-  MOE8_CHECK(workspace != nullptr && bytes >= need, what, ": expected a workspace of at least ", need,
-             " bytes, got ", bytes, workspace ? "" : " (null)");
+  MOE8_CHECK(workspace != nullptr && bytes >= need, what, ": expected a workspace of at least ", need, " bytes, got ",
+             bytes, workspace ? "" : " (null)");
   return {device, f.sms, carve(workspace, groups)};
 }
 
@@ -427,9 +409,7 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
                     cutlass_workspace_bytes<WgradGemm<T>>(num_experts, sms)});
   };
   take_max(cutlass::bfloat16_t{});
-#if defined(MOE8_SM90_F16)
   take_max(cutlass::half_t{});
-#endif
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -476,16 +456,16 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   });
 }
 
-void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets,
-                             const TensorView& db, void* workspace, size_t workspace_bytes, void* stream) {
+void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
+                             void* workspace, size_t workspace_bytes, void* stream) {
   using namespace sm90;
   const char* what = "grouped_gemm_wgrad_sm90";
   const int groups = static_cast<int>(offsets.shape[0] - 1);
   const int64_t rows = a.shape[0], kd = a.shape[1], n = dc.shape[1];
-  MOE8_CHECK(dc.dtype == a.dtype && db.dtype == a.dtype, what, ": expected dc and db of dtype ",
-             dtype_name(a.dtype), " (same as a), got ", dtype_name(dc.dtype), " and ", dtype_name(db.dtype));
-  MOE8_CHECK(reinterpret_cast<uintptr_t>(dc.data) % 16 == 0 && reinterpret_cast<uintptr_t>(db.data) % 16 == 0,
-             what, ": dc and db must be 16-byte aligned");
+  MOE8_CHECK(dc.dtype == a.dtype && db.dtype == a.dtype, what, ": expected dc and db of dtype ", dtype_name(a.dtype),
+             " (same as a), got ", dtype_name(dc.dtype), " and ", dtype_name(db.dtype));
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(dc.data) % 16 == 0 && reinterpret_cast<uintptr_t>(db.data) % 16 == 0, what,
+             ": dc and db must be 16-byte aligned");
   const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
   dispatch_dtype(a.dtype, what, [&](auto t) {
@@ -503,13 +483,13 @@ size_t grouped_gemm_sm90_workspace_bytes(int, int64_t, int64_t, int64_t) { retur
 
 bool grouped_gemm_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
 
-void grouped_gemm_sm90(const TensorView&, const TensorView&, const TensorView&, WeightLayout, const TensorView&,
-                       void*, size_t, void*) {
+void grouped_gemm_sm90(const TensorView&, const TensorView&, const TensorView&, WeightLayout, const TensorView&, void*,
+                       size_t, void*) {
   fail("grouped_gemm_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS); use grouped_gemm");
 }
 
-void grouped_gemm_wgrad_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&, void*,
-                             size_t, void*) {
+void grouped_gemm_wgrad_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&, void*, size_t,
+                             void*) {
   fail("grouped_gemm_wgrad_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS); use grouped_gemm_wgrad");
 }
 

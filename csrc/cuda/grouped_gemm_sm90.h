@@ -16,10 +16,10 @@ namespace moe8::cuda {
 // Bytes of device scratch every entry point below needs for num_experts groups on the current device
 // (per-group shapes, pointers and strides, plus CUTLASS's own workspace, which grows with the device's
 // multiprocessor count). It does not depend on the offsets; max_rows, n and kd are accepted for future
-// tile choices and do not change the result today.
+// tile choices and do not change the result today. Call it only where supported() is true.
 size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t max_rows, int64_t n, int64_t kd);
 
-// Whether the sm_90a path can run: built with CUTLASS, a and b bf16 on a CUDA device of compute
+// Whether the sm_90a path can run: built with CUTLASS, a and b bf16 or f16 on a CUDA device of compute
 // capability 9.0, same dtype, a [R, Kd], b [E, N, Kd] (kNK) or [E, Kd, N] (kKN) with N == n, Kd and N
 // multiples of 8 (16-byte rows for TMA), base pointers 16-byte aligned, sizes within int32.
 // For the weight gradient pass db as b with layout kNK.
@@ -34,7 +34,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
 // db[e] = dc[rows of e]^T · a[rows of e] -> [E, N, Kd] (the kNK weight gradient); a [R, Kd], dc [R, N],
 // db dtype = a's. Empty groups give zeros. The kKN gradient ([E, Kd, N] = a^T · dc) is the same call
 // with a and dc swapped: grouped_gemm_wgrad_sm90(dc, a, offsets, db, ...).
-void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets,
-                             const TensorView& db, void* workspace, size_t workspace_bytes, void* stream);
+void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
+                             void* workspace, size_t workspace_bytes, void* stream);
 
 }  // namespace moe8::cuda

@@ -48,6 +48,21 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
+_ws_bytes: dict = {}
+
+
+def _gemm_workspace(a: Tensor, num_experts: int) -> Optional[Tensor]:
+    """Scratch that lets the grouped GEMMs take the Hopper (CUTLASS sm_90a) path; None where there is none."""
+    if not a.is_cuda:
+        return None
+    key = (a.device.index, num_experts)
+    if key not in _ws_bytes:
+        with torch.cuda.device(a.device):
+            _ws_bytes[key] = _C.grouped_gemm_workspace_bytes(num_experts, True)
+    n = _ws_bytes[key]
+    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+
+
 def _gated(kind: int) -> bool:
     return kind in (0, 1)
 
@@ -322,7 +337,7 @@ def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optio
     """c[r] = a[r] . op(b[e]) + bias[e] for rows r of expert e. layout 0: b [E, N, K]; 1: b [E, K, N]."""
     n = b.shape[1] if layout == 0 else b.shape[2]
     c = a.new_empty(a.shape[0], n)
-    _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False)
+    _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False, _gemm_workspace(a, b.shape[0]))
     return c
 
 
@@ -339,7 +354,17 @@ def grouped_gemm_wgrad(
     kd, n = a.shape[1], dc.shape[1]
     db = a.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
     dbias = a.new_empty(num_experts, n) if with_bias else a.new_empty(0)
-    _C.grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias if with_bias else None, _stream(a), False)
+    _C.grouped_gemm_wgrad(
+        a,
+        dc,
+        offsets,
+        layout,
+        db,
+        dbias if with_bias else None,
+        _stream(a),
+        False,
+        _gemm_workspace(a, num_experts),
+    )
     return db, dbias
 
 

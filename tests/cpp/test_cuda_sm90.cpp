@@ -21,20 +21,22 @@
 namespace moe8::test {
 namespace {
 
-using Bits = std::vector<uint16_t>;  // bf16 storage
+using Bits = std::vector<uint16_t>;  // bf16 or f16 storage
 
-inline float bf(uint16_t b) { return bf16_to_float(bf16_t{b}); }
+inline float to_float(DType t, uint16_t b) {
+  return t == DType::kF16 ? f16_to_float(f16_t{b}) : bf16_to_float(bf16_t{b});
+}
 
-// Uniform values in [-1, 1) rounded to bf16; xorshift, since the model shapes hold ~4e8 weights.
-Bits random_bf16(int64_t n, uint64_t seed) {
+// Uniform values in [-1, 1) rounded to t; xorshift, since the model shapes hold ~4e8 weights.
+Bits random_bits(DType t, int64_t n, uint64_t seed) {
   Bits v(static_cast<size_t>(n));
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
   for (auto& b : v) {
     x ^= x >> 12;
     x ^= x << 25;
     x ^= x >> 27;
-    const uint64_t r = x * 0x2545F4914F6CDD1Dull;
-    b = float_to_bf16(static_cast<float>(r >> 40) / 8388608.0f - 1.0f).bits;
+    const float f = static_cast<float>((x * 0x2545F4914F6CDD1Dull) >> 40) / 8388608.0f - 1.0f;
+    b = t == DType::kF16 ? float_to_f16(f).bits : float_to_bf16(f).bits;
   }
   return v;
 }
@@ -71,28 +73,30 @@ TensorView dview(const Dev& d, DType t, std::initializer_list<int64_t> shape) {
   return make_view(d.get(), t, shape, DeviceType::kCUDA);
 }
 
-// |got - want| within the bf16 rounding of the output plus fp32 summation error over k terms.
-bool close(uint16_t got_bits, double want, double mag, int64_t k) {
-  const double got = bf(got_bits);
-  const double tol = std::ldexp(1.0, -8) * 1.01 * std::fabs(want) + fp32_rel(k) * mag + 1e-6;
+// |got - want| within the rounding of the output to t plus fp32 summation error over k terms.
+bool close(DType t, uint16_t got_bits, double want, double mag, int64_t k) {
+  const double got = to_float(t, got_bits);
+  const double tol = out_rel(t) * std::fabs(want) + fp32_rel(k) * mag + 1e-6;
   return std::isfinite(got) && std::fabs(got - want) <= tol;
 }
 
 // One MoE GEMM problem: a [R, Kd], b [E, N, Kd] or [E, Kd, N] (same values, read per layout),
 // dc [R, N]; rows past offsets[E] are padding.
 struct Problem {
+  DType dt;
   int E;
   int64_t R, N, Kd;
   std::vector<int> offsets;
   Bits a, b, dc;
 
-  Problem(const std::vector<int>& counts, int64_t tail, int64_t n, int64_t kd, uint64_t seed)
-      : E(static_cast<int>(counts.size())), N(n), Kd(kd), offsets(prefix(counts)) {
+  Problem(const std::vector<int>& counts, int64_t tail, int64_t n, int64_t kd, uint64_t seed, DType t = DType::kBF16)
+      : dt(t), E(static_cast<int>(counts.size())), N(n), Kd(kd), offsets(prefix(counts)) {
     R = offsets.back() + tail;
-    a = random_bf16(R * Kd, seed);
-    b = random_bf16(int64_t(E) * N * Kd, seed + 1);
-    dc = random_bf16(R * N, seed + 2);
+    a = random_bits(dt, R * Kd, seed);
+    b = random_bits(dt, int64_t(E) * N * Kd, seed + 1);
+    dc = random_bits(dt, R * N, seed + 2);
   }
+  float val(uint16_t bits) const { return to_float(dt, bits); }
   int expert_of(int64_t r) const {
     for (int e = 0; e < E; ++e)
       if (r >= offsets[e] && r < offsets[e + 1]) return e;
@@ -115,28 +119,27 @@ struct DeviceProblem {
   std::unique_ptr<Dev> ws;
   const Problem& p;
 
-  TensorView av() const { return dview(*a, DType::kBF16, {p.R, p.Kd}); }
-  TensorView dcv() const { return dview(*dc, DType::kBF16, {p.R, p.N}); }
+  TensorView av() const { return dview(*a, p.dt, {p.R, p.Kd}); }
+  TensorView dcv() const { return dview(*dc, p.dt, {p.R, p.N}); }
   TensorView bv(WeightLayout l) const {
-    return l == WeightLayout::kNK ? dview(*b, DType::kBF16, {p.E, p.N, p.Kd})
-                                  : dview(*b, DType::kBF16, {p.E, p.Kd, p.N});
+    return l == WeightLayout::kNK ? dview(*b, p.dt, {p.E, p.N, p.Kd}) : dview(*b, p.dt, {p.E, p.Kd, p.N});
   }
   TensorView offv() const { return dview(*offsets, DType::kI32, {p.E + 1}); }
 
   Bits forward(WeightLayout l, cudaStream_t s = nullptr) const {
     auto c = poisoned(p.R * p.N * 2);
-    cuda::grouped_gemm_sm90(av(), bv(l), offv(), l, dview(*c, DType::kBF16, {p.R, p.N}), ws->get(), ws_bytes, s);
+    cuda::grouped_gemm_sm90(av(), bv(l), offv(), l, dview(*c, p.dt, {p.R, p.N}), ws->get(), ws_bytes, s);
     return download(*c, p.R * p.N);
   }
   // kNK: db [E, N, Kd] = dc^T a;  swapped: db [E, Kd, N] = a^T dc.
   Bits wgrad(bool swapped) const {
     auto db = poisoned(p.E * p.N * p.Kd * 2);
     if (!swapped)
-      cuda::grouped_gemm_wgrad_sm90(av(), dcv(), offv(), dview(*db, DType::kBF16, {p.E, p.N, p.Kd}), ws->get(),
-                                    ws_bytes, nullptr);
+      cuda::grouped_gemm_wgrad_sm90(av(), dcv(), offv(), dview(*db, p.dt, {p.E, p.N, p.Kd}), ws->get(), ws_bytes,
+                                    nullptr);
     else
-      cuda::grouped_gemm_wgrad_sm90(dcv(), av(), offv(), dview(*db, DType::kBF16, {p.E, p.Kd, p.N}), ws->get(),
-                                    ws_bytes, nullptr);
+      cuda::grouped_gemm_wgrad_sm90(dcv(), av(), offv(), dview(*db, p.dt, {p.E, p.Kd, p.N}), ws->get(), ws_bytes,
+                                    nullptr);
     return download(*db, p.E * p.N * p.Kd);
   }
 };
@@ -170,12 +173,12 @@ std::vector<int64_t> rows_to_check(const Problem& p, int per_group) {
     }
     std::fill(acc.begin(), acc.end(), 0.0);
     std::fill(mag.begin(), mag.end(), 0.0);
-    for (int64_t k = 0; k < p.Kd; ++k) x[k] = bf(p.a[r * p.Kd + k]);
+    for (int64_t k = 0; k < p.Kd; ++k) x[k] = p.val(p.a[r * p.Kd + k]);
     if (l == WeightLayout::kNK) {  // walk each weight row contiguously
       for (int64_t n = 0; n < p.N; ++n) {
         const uint16_t* wr = &p.b[(int64_t(e) * p.N + n) * p.Kd];
         for (int64_t k = 0; k < p.Kd; ++k) {
-          const double t = x[k] * bf(wr[k]);
+          const double t = x[k] * p.val(wr[k]);
           acc[n] += t;
           mag[n] += std::fabs(t);
         }
@@ -184,15 +187,15 @@ std::vector<int64_t> rows_to_check(const Problem& p, int per_group) {
       for (int64_t k = 0; k < p.Kd; ++k) {
         const uint16_t* wr = &p.b[(int64_t(e) * p.Kd + k) * p.N];
         for (int64_t n = 0; n < p.N; ++n) {
-          const double t = x[k] * bf(wr[n]);
+          const double t = x[k] * p.val(wr[n]);
           acc[n] += t;
           mag[n] += std::fabs(t);
         }
       }
     }
     for (int64_t n = 0; n < p.N; ++n, ++checked)
-      if (!close(c[r * p.N + n], acc[n], mag[n], p.Kd) && bad++ < 8)
-        os << "\n  row " << r << " (expert " << e << ") col " << n << ": got " << bf(c[r * p.N + n]) << " want "
+      if (!close(p.dt, c[r * p.N + n], acc[n], mag[n], p.Kd) && bad++ < 8)
+        os << "\n  row " << r << " (expert " << e << ") col " << n << ": got " << p.val(c[r * p.N + n]) << " want "
            << acc[n];
   }
   if (bad == 0) return ::testing::AssertionSuccess();
@@ -219,13 +222,13 @@ std::vector<int64_t> rows_to_check(const Problem& p, int per_group) {
       const int64_t n = i / p.Kd, k = i % p.Kd;  // element (n, k) of the kNK gradient
       double acc = 0, mag = 0;
       for (int64_t r = r0; r < r1; ++r) {
-        const double t = double(bf(p.dc[r * p.N + n])) * bf(p.a[r * p.Kd + k]);
+        const double t = double(p.val(p.dc[r * p.N + n])) * p.val(p.a[r * p.Kd + k]);
         acc += t;
         mag += std::fabs(t);
       }
       const uint16_t got = db[e * per + (swapped ? k * p.N + n : n * p.Kd + k)];
-      if (!close(got, acc, mag, r1 - r0) && bad++ < 8)
-        os << "\n  expert " << e << " (n " << n << ", k " << k << "): got " << bf(got) << " want " << acc;
+      if (!close(p.dt, got, acc, mag, r1 - r0) && bad++ < 8)
+        os << "\n  expert " << e << " (n " << n << ", k " << k << "): got " << p.val(got) << " want " << acc;
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
@@ -302,6 +305,27 @@ TEST_F(Sm90Test, WgradMatchesReference) {
   }
 }
 
+TEST_F(Sm90Test, Float16MatchesReference) {
+  DeviceBuffer probe(64);
+  ASSERT_TRUE(cuda::grouped_gemm_sm90_supported(make_view(probe.get(), DType::kF16, {8, 8}, DeviceType::kCUDA),
+                                                make_view(probe.get(), DType::kF16, {1, 8, 8}, DeviceType::kCUDA),
+                                                WeightLayout::kNK, 8));
+  uint64_t seed = 96000;
+  for (const Case& tc : cases()) {
+    if (tc.rows_per_group > 0) continue;  // the small, fully checked cases
+    Problem p(tc.counts, tc.tail, tc.N, tc.Kd, ++seed, DType::kF16);
+    DeviceProblem d(p);
+    for (WeightLayout l : kLayouts) {
+      SCOPED_TRACE(std::string(tc.name) + " f16 " + layout_name(l));
+      EXPECT_TRUE(check_forward(p, l, d.forward(l), 0));
+    }
+    for (bool swapped : {false, true}) {
+      SCOPED_TRACE(std::string(tc.name) + " f16 wgrad" + (swapped ? " swapped" : ""));
+      EXPECT_TRUE(check_wgrad(p, d.wgrad(swapped), swapped, 0));
+    }
+  }
+}
+
 TEST_F(Sm90Test, AllGroupsEmpty) {
   Problem p({0, 0, 0}, 9, 64, 32, 92000);
   DeviceProblem d(p);
@@ -320,15 +344,15 @@ TEST_F(Sm90Test, CapturedGraphFollowsDeviceOffsets) {
   auto db = poisoned(p.E * p.N * p.Kd * 2);
   cudaGraph_t graph;
   cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture");
-  cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK,
-                          dview(*c, DType::kBF16, {p.R, p.N}), d.ws->get(), d.ws_bytes, s);
-  cuda::grouped_gemm_wgrad_sm90(d.av(), d.dcv(), d.offv(), dview(*db, DType::kBF16, {p.E, p.N, p.Kd}), d.ws->get(),
-                                d.ws_bytes, s);
+  cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK, dview(*c, p.dt, {p.R, p.N}),
+                          d.ws->get(), d.ws_bytes, s);
+  cuda::grouped_gemm_wgrad_sm90(d.av(), d.dcv(), d.offv(), dview(*db, p.dt, {p.E, p.N, p.Kd}), d.ws->get(), d.ws_bytes,
+                                s);
   cuda_ok(cudaStreamEndCapture(s, &graph), "end capture");
   cudaGraphExec_t exec;
   cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (const std::vector<int>& counts : {std::vector<int>{500, 0, 3, 200, 1, 0, 700, 281},
-                                         std::vector<int>{0, 1, 127, 128, 129, 300, 0, 1000}}) {
+  for (const std::vector<int>& counts :
+       {std::vector<int>{500, 0, 3, 200, 1, 0, 700, 281}, std::vector<int>{0, 1, 127, 128, 129, 300, 0, 1000}}) {
     Problem q = p;  // same data, new offsets
     q.offsets = prefix(counts);
     ASSERT_EQ(q.offsets.back(), p.offsets.back());
@@ -350,7 +374,7 @@ TEST_F(Sm90Test, SmallWorkspaceIsRejected) {
   DeviceProblem d(p);
   auto c = poisoned(p.R * p.N * 2);
   EXPECT_THROW(cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK,
-                                       dview(*c, DType::kBF16, {p.R, p.N}), d.ws->get(), d.ws_bytes - 1, nullptr),
+                                       dview(*c, p.dt, {p.R, p.N}), d.ws->get(), d.ws_bytes - 1, nullptr),
                Error);
 }
 
@@ -363,10 +387,8 @@ TEST_F(Sm90Test, Speed) {
     int64_t N, Kd;
   };
   const Shape shapes[] = {
-      {"qwen3-30b gate_up 32k rows", 128, 256, 1536, 2048},
-      {"qwen3-30b down 32k rows", 128, 256, 2048, 768},
-      {"qwen3-30b gate_up 8k rows", 128, 64, 1536, 2048},
-      {"mixtral gate_up 8k rows", 8, 1024, 28672, 4096},
+      {"qwen3-30b gate_up 32k rows", 128, 256, 1536, 2048}, {"qwen3-30b down 32k rows", 128, 256, 2048, 768},
+      {"qwen3-30b gate_up 8k rows", 128, 64, 1536, 2048},   {"mixtral gate_up 8k rows", 8, 1024, 28672, 4096},
       {"mixtral down 8k rows", 8, 1024, 4096, 14336},
   };
   std::printf("\n%-30s %10s %10s %10s   (TFLOP/s, bf16, sm90 CUTLASS grouped GEMM)\n", "shape", "fwd", "dgrad",
@@ -396,18 +418,18 @@ TEST_F(Sm90Test, Speed) {
       std::sort(ms.begin(), ms.end());
       return 2.0 * p.R * p.N * p.Kd / (ms[ms.size() / 2] * 1e-3) / 1e12;
     };
-    auto cv = dview(*c, DType::kBF16, {p.R, p.N});
+    auto cv = dview(*c, p.dt, {p.R, p.N});
     const double fwd = time([&] {
-      cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK, cv, d.ws->get(),
-                              d.ws_bytes, nullptr);
+      cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK, cv, d.ws->get(), d.ws_bytes,
+                              nullptr);
     });
     const double dgrad = time([&] {
-      cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kKN), d.offv(), WeightLayout::kKN, cv, d.ws->get(),
-                              d.ws_bytes, nullptr);
+      cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kKN), d.offv(), WeightLayout::kKN, cv, d.ws->get(), d.ws_bytes,
+                              nullptr);
     });
     const double wgrad = time([&] {
-      cuda::grouped_gemm_wgrad_sm90(d.av(), d.dcv(), d.offv(), dview(*db, DType::kBF16, {p.E, p.N, p.Kd}),
-                                    d.ws->get(), d.ws_bytes, nullptr);
+      cuda::grouped_gemm_wgrad_sm90(d.av(), d.dcv(), d.offv(), dview(*db, p.dt, {p.E, p.N, p.Kd}), d.ws->get(),
+                                    d.ws_bytes, nullptr);
     });
     cuda_ok(cudaDeviceSynchronize(), "speed");
     std::printf("%-30s %10.1f %10.1f %10.1f\n", sh.name, fwd, dgrad, wgrad);
