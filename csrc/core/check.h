@@ -2,7 +2,6 @@
 // states expected vs actual.
 #pragma once
 #include <initializer_list>
-#include <sstream>
 #include <string>
 
 #include "core/error.h"
@@ -19,13 +18,9 @@ inline void check_present(const char* name, const TensorView& t) {
 inline void check_dtype(const char* name, const TensorView& t, std::initializer_list<DType> allowed) {
   for (DType d : allowed)
     if (t.dtype == d) return;
-  std::ostringstream os;
-  bool first = true;
-  for (DType d : allowed) {
-    os << (first ? "" : " or ") << dtype_name(d);
-    first = false;
-  }
-  fail(name, ": expected dtype ", os.str(), ", got ", dtype_name(t.dtype));
+  std::string names;
+  for (DType d : allowed) names += (names.empty() ? "" : " or ") + std::string(dtype_name(d));
+  fail(name, ": expected dtype ", names, ", got ", dtype_name(t.dtype));
 }
 
 inline void check_same_dtype(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
@@ -42,18 +37,10 @@ inline void check_shape(const char* name, const TensorView& t, std::initializer_
     ++i;
   }
   if (ok) return;
-  std::ostringstream os;
-  os << "[";
+  std::string want = "[";
   i = 0;
-  for (int64_t e : expected) {
-    os << (i++ ? ", " : "");
-    if (e >= 0)
-      os << e;
-    else
-      os << "*";
-  }
-  os << "]";
-  fail(name, ": expected shape ", os.str(), ", got ", t.shape_str());
+  for (int64_t e : expected) want += (i++ ? ", " : "") + (e >= 0 ? std::to_string(e) : std::string("*"));
+  fail(name, ": expected shape ", want, "], got ", t.shape_str());
 }
 
 inline void check_ndim(const char* name, const TensorView& t, int ndim) {

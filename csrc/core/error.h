@@ -1,9 +1,9 @@
 // error.h — the one exception type of the core. Bad input raises moe8::Error (a std::invalid_argument,
 // so Python sees ValueError); a failed CUDA call raises moe8::CudaError (RuntimeError in Python).
 #pragma once
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace moe8 {
 
@@ -17,20 +17,31 @@ class CudaError : public std::runtime_error {
   explicit CudaError(const std::string& msg) : std::runtime_error(msg) {}
 };
 
+// Messages are built with std::string and std::to_string, not iostreams: a C++ stream formats numbers
+// through the locale machinery, which crashed inside the Python extension on one machine (an extension
+// whose libstdc++ stream state was never initialised), and an error path must never crash.
 namespace detail {
-inline void append(std::ostringstream&) {}
-template <typename T, typename... R>
-void append(std::ostringstream& os, const T& v, const R&... rest) {
-  os << v;
-  append(os, rest...);
+inline void append(std::string& out, const std::string& v) { out += v; }
+inline void append(std::string& out, const char* v) { out += v; }
+inline void append(std::string& out, char v) { out += v; }
+inline void append(std::string& out, bool v) { out += v ? "true" : "false"; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void append(std::string& out, T v) {
+  out += std::to_string(v);
 }
 }  // namespace detail
 
+// Concatenates strings and numbers into one message.
+template <typename... A>
+std::string str_cat(const A&... parts) {
+  std::string out;
+  (detail::append(out, parts), ...);
+  return out;
+}
+
 template <typename... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream os;
-  detail::append(os, parts...);
-  throw Error(os.str());
+  throw Error(str_cat(parts...));
 }
 
 }  // namespace moe8

@@ -3,7 +3,6 @@
 // present == false.
 #pragma once
 #include <cstdint>
-#include <sstream>
 #include <string>
 
 #include "core/dtype.h"
@@ -44,11 +43,9 @@ struct TensorView {
     return static_cast<T*>(data);
   }
   std::string shape_str() const {
-    std::ostringstream os;
-    os << "[";
-    for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << shape[i];
-    os << "]";
-    return os.str();
+    std::string s = "[";
+    for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
   }
 };
 
