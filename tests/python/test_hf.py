@@ -132,7 +132,7 @@ def build(family, seed=0, **over):
 
 def twin(model, accelerate=True, cfg=None):
     """A second model with the same weights and its own config object (the experts implementation lives there)."""
-    other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config)).to(model.dtype)
+    other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config)).to(model.device, model.dtype)
     other.load_state_dict(model.state_dict())
     return hf.accelerate(other) if accelerate else other
 
