@@ -60,7 +60,7 @@ def build(name, layers, dtype=torch.bfloat16):
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model
 
 
