@@ -6,5 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# CUTLASS headers for the sm_90a kernels (header-only; --no-deps skips its Python generator's dependencies)
+$PY -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
 CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2} $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
 exec moe8 demo "$@"

@@ -13,6 +13,8 @@ if ! [ -f /usr/include/gtest/gtest.h ] || ! command -v clang-format >/dev/null; 
   (apt-get update -qq && apt-get install -y -qq libgtest-dev clang-format) || echo "warning: could not apt-get install libgtest-dev clang-format"
 fi
 $PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# CUTLASS headers for the sm_90a kernels (header-only; --no-deps skips its Python generator's dependencies)
+$PY -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
 
 echo "== format and lint"
 $PY -m ruff check python tests bench
