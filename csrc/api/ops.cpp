@@ -93,10 +93,7 @@ void check_route_params(const RouteParams& p, int64_t E) {
 }
 
 void check_route_common(const TensorView& logits, const TensorView& bias, const RouteParams& p) {
-  check_present("logits", logits);
-  check_ndim("logits", logits, 2);
-  check_float("logits", logits);
-  check_contiguous("logits", logits);
+  check_float_matrix("logits", logits);
   check_route_params(p, logits.size(1));
   if (bias.present) {
     check_tensor("bias", bias, "logits", logits);
@@ -240,10 +237,7 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
 
 void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
                  const TensorView& dst, intptr_t stream, bool check_indices) {
-  check_present("src", src);
-  check_ndim("src", src, 2);
-  check_float("src", src);
-  check_contiguous("src", src);
+  check_float_matrix("src", src);
   const int64_t T = src.size(0), H = src.size(1);
   MOE8_CHECK(k >= 1, "k: expected >= 1, got ", k);
   check_tensor("row_to_slot", row_to_slot, "src", src);
@@ -270,10 +264,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
 
 void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
                   const TensorView& out, intptr_t stream, bool check_indices) {
-  check_present("rows", rows);
-  check_ndim("rows", rows, 2);
-  check_float("rows", rows);
-  check_contiguous("rows", rows);
+  check_float_matrix("rows", rows);
   check_tensor("slot_to_row", slot_to_row, "rows", rows);
   check_dtype("slot_to_row", slot_to_row, {DType::kI32});
   check_ndim("slot_to_row", slot_to_row, 2);
@@ -298,10 +289,7 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
 
 void combine_weights_grad(const TensorView& dy, const TensorView& rows, const TensorView& slot_to_row,
                           const TensorView& d_weights, intptr_t stream, bool check_indices) {
-  check_present("dy", dy);
-  check_ndim("dy", dy, 2);
-  check_float("dy", dy);
-  check_contiguous("dy", dy);
+  check_float_matrix("dy", dy);
   check_tensor("rows", rows, "dy", dy);
   check_same_dtype("rows", rows, "dy", dy);
   check_shape("rows", rows, {-1, dy.size(1)});
@@ -355,10 +343,7 @@ bool usable_workspace(const TensorView& ws, const TensorView& a, int64_t num_exp
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                   const TensorView& bias, const TensorView& c, intptr_t stream, bool check_indices,
                   const TensorView& workspace) {
-  check_present("a", a);
-  check_ndim("a", a, 2);
-  check_float("a", a);
-  check_contiguous("a", a);
+  check_float_matrix("a", a);
   const int64_t R = a.size(0), Kd = a.size(1);
   check_tensor("b", b, "a", a);
   check_same_dtype("b", b, "a", a);
@@ -396,10 +381,7 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
                         const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices,
                         const TensorView& workspace) {
-  check_present("a", a);
-  check_ndim("a", a, 2);
-  check_float("a", a);
-  check_contiguous("a", a);
+  check_float_matrix("a", a);
   const int64_t R = a.size(0), Kd = a.size(1);
   check_tensor("dc", dc, "a", a);
   check_same_dtype("dc", dc, "a", a);
@@ -442,10 +424,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
 
 namespace {
 void check_activation(const TensorView& h, const ActParams& p, const TensorView& out, const char* out_name) {
-  check_present("h", h);
-  check_ndim("h", h, 2);
-  check_float("h", h);
-  check_contiguous("h", h);
+  check_float_matrix("h", h);
   check_tensor(out_name, out, "h", h);
   check_same_dtype(out_name, out, "h", h);
   check_ndim(out_name, out, 2);

@@ -71,4 +71,12 @@ inline void check_float(const char* name, const TensorView& t) {
   check_dtype(name, t, {DType::kF32, DType::kF16, DType::kBF16});
 }
 
+// The first argument of most ops: a present, contiguous, 2-d float tensor.
+inline void check_float_matrix(const char* name, const TensorView& t) {
+  check_present(name, t);
+  check_ndim(name, t, 2);
+  check_float(name, t);
+  check_contiguous(name, t);
+}
+
 }  // namespace moe8
