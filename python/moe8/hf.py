@@ -125,6 +125,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H] in hidden_states' dtype.
     """
     spec = _spec(self)
+    if isinstance(spec, str) and hasattr(self, "gate_up_lora_A"):
+        raise RuntimeError(
+            f"moe8: {type(self).__name__} carries moe8 expert LoRA but moe8 can't run it: {spec}"
+        )
     if isinstance(spec, str):  # never break a model: run transformers' default instead
         if not torch.compiler.is_compiling() and type(self) not in _noticed:
             _noticed.add(type(self))
@@ -136,9 +140,18 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     from moe8 import layer
 
-    biases = {}
+    extra = {}
     if self.has_bias:
-        biases = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+        extra = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+    if hasattr(self, "gate_up_lora_A"):  # expert LoRA attached by moe8.lora.apply_lora
+        extra["lora"] = layer.ExpertLoRA(
+            self.gate_up_lora_A,
+            self.gate_up_lora_B,
+            self.down_lora_A,
+            self.down_lora_B,
+            self.lora_scaling,
+            self.lora_dropout if self.training else 0.0,
+        )
     return layer.experts_forward(
         hidden_states,
         top_k_index,
@@ -146,7 +159,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         self.gate_up_proj,
         self.down_proj,
         **spec,
-        **biases,
+        **extra,
         **_state["kwargs"],
     ).to(hidden_states.dtype)
 

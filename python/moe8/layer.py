@@ -59,6 +59,39 @@ def z_loss(r: RouteOut) -> Tensor:
     return (r.lse**2).mean()
 
 
+class ExpertLoRA(NamedTuple):
+    """Low-rank updates of the expert weights, stored in the layout of the base weights:
+    "nk": W[e] + scaling * B[e]·A[e]; "kn": W[e] + scaling * A[e]·B[e]. Either way A maps the GEMM's input
+    to r and B maps r to its output, so the update runs as two thin grouped GEMMs, (x·A)·B, no B·A made."""
+
+    gate_up_A: Tensor  # nk [E, r, H]   kn [E, H, r]
+    gate_up_B: Tensor  # nk [E, 2I, r]  kn [E, r, 2I]
+    down_A: Tensor  # nk [E, r, I]   kn [E, I, r]
+    down_B: Tensor  # nk [E, H, r]   kn [E, r, H]
+    scaling: float
+    dropout: float = 0.0  # on the LoRA branch's input only; pass 0 in eval
+
+
+def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
+    E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
+    r = A.shape[2 if kn else 1] if A.dim() == 3 else -1
+    want = ((E, kd, r), (E, r, n)) if kn else ((E, r, kd), (E, n, r))
+    if (tuple(A.shape), tuple(B.shape)) != want:
+        raise ValueError(
+            f"lora.{name}_A, lora.{name}_B: expected shapes {want[0]}, {want[1]} for {name} "
+            f"{tuple(w.shape)}, got {tuple(A.shape)}, {tuple(B.shape)}"
+        )
+
+
+def _low_rank(x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA) -> Tensor:
+    """scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N]."""
+    if lora.dropout:
+        x = torch.nn.functional.dropout(x, lora.dropout)
+    t = ops.grouped_gemm(x, A.to(x.dtype).contiguous(), offsets, lay, None)  # [R, r]
+    t = lora.scaling * t  # scaling on the thin tensor
+    return ops.grouped_gemm(t, B.to(x.dtype).contiguous(), offsets, lay, None)
+
+
 def experts_forward(
     x: Tensor,
     ids: Tensor,
@@ -73,11 +106,13 @@ def experts_forward(
     down_bias: Optional[Tensor] = None,
     alpha: float = 1.702,
     limit: float = 7.0,
+    lora: Optional[ExpertLoRA] = None,
 ) -> Tensor:
     """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
 
     x [T, H]; ids [T, K] int; weights [T, K]; layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
     layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
+    lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
     """
     lay = _choice("layout", layout, ops.LAYOUTS)
     act = _choice("activation", activation, ops.ACTIVATIONS)
@@ -93,14 +128,21 @@ def experts_forward(
         raise ValueError(
             f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
         )
+    if lora is not None:
+        _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
+        _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
     num_experts, k = gate_up.shape[0], ids.shape[1]
     dtype = gate_up.dtype
     x = x.to(dtype).contiguous()
     counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, 1)
     xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
     h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
+    if lora is not None:
+        h = h + _low_rank(xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
     a = ops.activation(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
     o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
+    if lora is not None:
+        o = o + _low_rank(a, lora.down_A, lora.down_B, offsets, lay, lora)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
 
 

@@ -1,0 +1,286 @@
+"""moe8.lora — LoRA fine-tuning of Hugging Face MoE models, experts included, saved as PEFT adapters.
+
+    model = moe8.lora.apply_lora(model, r=16, alpha=32)  # freeze the model, add LoRA, run the experts on moe8
+    ...                                                  # train the parameters that require grad
+    moe8.lora.save_adapter(model, "adapter")             # adapter_config.json + adapter_model.safetensors
+    peft.PeftModel.from_pretrained(base, "adapter")      # PEFT loads it: same outputs
+    moe8.lora.load_adapter(fresh_model, "adapter")       # so does moe8 (also adapters PEFT saved)
+
+Linear layers become LoraLinear: y = x·W^T + b + s·(dropout(x)·A^T)·B^T, A [r, in], B [out, r],
+s = alpha / r (PEFT's lora.Linear). Each HF experts module gets gate_up_lora_A/B and down_lora_A/B in the
+layout of its weights (moe8.layer.ExpertLoRA), which moe8.layer.experts_forward applies as two thin grouped
+GEMMs, never forming B·A. In adapter files they are PEFT `target_parameters` LoRA (lora.ParamWrapper),
+converted by _to_peft / _from_peft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import hf
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."  # where PEFT puts the transformers model in its keys
+
+
+def _lora_dtype(w: Tensor) -> torch.dtype:
+    """LoRA parameters stay in fp32 under a 16-bit model (as PEFT keeps them); they are cast per use."""
+    return torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear with a low-rank update. It shares the base layer's weight and bias, so their state_dict
+    keys stay the same; adds lora_A [r, in] (kaiming-uniform) and lora_B [out, r] (zeros: no change yet)."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__(base.in_features, base.out_features, bias=False, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        f = dict(dtype=_lora_dtype(base.weight), device=base.weight.device)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **f))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **f))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / r
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        d = F.linear(F.linear(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B)
+        return y + (self.scaling * d).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scaling={self.scaling}"
+
+
+def _is_experts(m: nn.Module) -> bool:
+    return hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+
+
+def _base(model: nn.Module) -> nn.Module:
+    from transformers.modeling_utils import PreTrainedModel
+
+    base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if base is None:
+        raise TypeError(f"moe8.lora: expected a transformers model, got {type(model).__name__}")
+    return base
+
+
+def _needs_moe8(experts: nn.Module, args) -> None:
+    """Forward pre-hook of experts that carry moe8 LoRA: any other experts implementation would ignore it."""
+    impl = getattr(experts.config, "_experts_implementation", None)
+    if impl != hf.NAME:
+        raise RuntimeError(
+            f"moe8.lora: {type(experts).__name__} carries moe8 expert LoRA, which only moe8 runs, but the "
+            f"model's experts implementation is {impl!r}: call moe8.accelerate(model)"
+        )
+
+
+def _attach_experts(experts: nn.Module, r: int, alpha: float, dropout: float) -> None:
+    # GPT-OSS: gate_up [E, H, 2I], down [E, I, H] ("kn"); the others gate_up [E, 2I, H], down [E, H, I]
+    kn = experts.is_transposed
+    for name in ("gate_up", "down"):
+        w = getattr(experts, f"{name}_proj")
+        E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
+        f = dict(dtype=_lora_dtype(w), device=w.device)
+        bound = kd**-0.5  # kaiming-uniform(a=sqrt(5)) of each expert's A, as nn.Linear / PEFT
+        A = torch.empty((E, kd, r) if kn else (E, r, kd), **f).uniform_(-bound, bound)
+        B = torch.zeros((E, r, n) if kn else (E, n, r), **f)
+        experts.register_parameter(f"{name}_lora_A", nn.Parameter(A))
+        experts.register_parameter(f"{name}_lora_B", nn.Parameter(B))
+    experts.lora_scaling, experts.lora_dropout = alpha / r, float(dropout)
+    experts.register_forward_pre_hook(_needs_moe8)
+
+
+def apply_lora(
+    model: nn.Module, r: int = 16, alpha: float = 32, targets=TARGETS, dropout: float = 0.0
+) -> nn.Module:
+    """Freeze every parameter of a transformers model and add LoRA (rank r, scaling alpha / r); returns it.
+
+    targets: nn.Linear layers whose name is a target or ends with "." + target get a LoraLinear (PEFT's
+        target_modules rule); "experts" adds expert LoRA to every experts module, which only moe8 runs: the
+        model is accelerated here, and a model moe8 can't run raises ValueError.
+    dropout: on the LoRA branches' input, in training mode.
+    """
+    base = _base(model)
+    if hasattr(base, "_moe8_lora"):
+        raise ValueError("moe8.lora.apply_lora: the model already has moe8 LoRA")
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    linear = [t for t in targets if t != "experts"]
+    experts = []
+    if "experts" in targets:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf.accelerate(base)
+        if not hf.is_accelerated(base):
+            why = "; ".join(str(w.message) for w in caught) or f"{type(base).__name__} is not accelerated"
+            raise ValueError(
+                f"moe8.lora.apply_lora: 'experts' is targeted but moe8 can't run this model's experts "
+                f"({why}); leave 'experts' out of targets for LoRA on the other layers only"
+            )
+        experts = [(n, m) for n, m in base.named_modules() if _is_experts(m)]
+    base.requires_grad_(False)
+    matched = set()
+    for name, m in list(base.named_modules()):
+        hit = next((t for t in linear if name == t or name.endswith("." + t)), None)
+        if hit is not None and type(m) is nn.Linear:
+            parent, _, child = name.rpartition(".")
+            setattr(base.get_submodule(parent), child, LoraLinear(m, r, alpha, dropout))
+            matched.add(hit)
+    for _, m in experts:
+        _attach_experts(m, r, alpha, dropout)
+    if not matched and not experts:
+        raise ValueError(
+            f"moe8.lora.apply_lora: no nn.Linear and no experts module matches targets {targets}"
+        )
+    if set(linear) - matched:
+        warnings.warn(f"moe8.lora: no nn.Linear matches {sorted(set(linear) - matched)}", stacklevel=2)
+    params = sorted(
+        {".".join(n.split(".")[-2:]) + f".{p}" for n, _ in experts for p in ("gate_up_proj", "down_proj")}
+    )
+    base._moe8_lora = dict(
+        r=r, alpha=alpha, dropout=dropout, target_modules=sorted(matched), target_parameters=params
+    )
+    return model
+
+
+# ------------------------------------------------------------------------------------------ PEFT adapters
+# PEFT's ParamWrapper (peft 0.17+) sees a 3-D parameter W [E, d1, d2] (as stored) as E experts with in d1
+# and out d2, and holds lora_A [E*r, d1] (expert-major rows) and lora_B [d2, r*E] (rank-major columns):
+# W[e] + s * L[e]·R[e] with L[e] = lora_A.view(E, r, d1)[e]^T [d1, r], R[e] = lora_B.view(d2, r, E)[..., e]^T.
+# moe8 stores the same factors in the GEMM's terms: "nk" W[e] + s * B[e]·A[e], "kn" W[e] + s * A[e]·B[e].
+def _factors(experts: nn.Module, param: str) -> tuple[Tensor, Tensor]:
+    """(L [E, d1, r], R [E, r, d2]) with W[e] + s * L[e]·R[e], as moe8 parameters of the experts module."""
+    name = param.removesuffix("_proj")
+    A, B = getattr(experts, f"{name}_lora_A"), getattr(experts, f"{name}_lora_B")
+    return (A, B) if experts.is_transposed else (B, A)
+
+
+def _to_peft(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
+    return L.transpose(1, 2).reshape(-1, L.shape[1]), R.permute(2, 1, 0).reshape(R.shape[2], -1)
+
+
+def _from_peft(lora_A: Tensor, lora_B: Tensor, E: int) -> tuple[Tensor, Tensor]:
+    d1, d2 = lora_A.shape[1], lora_B.shape[0]
+    return lora_A.view(E, -1, d1).transpose(1, 2), lora_B.view(d2, -1, E).permute(2, 1, 0)
+
+
+def _entries(base: nn.Module):
+    """(PEFT key prefix, module, expert parameter name or None) for every LoRA in the model. PEFT nests one
+    ParamWrapper per targeted parameter of a module, the first registered innermost (under `base_layer`)."""
+    for name, m in base.named_modules():
+        if isinstance(m, LoraLinear):
+            yield PREFIX + name, m, None
+        elif _is_experts(m) and hasattr(m, "gate_up_lora_A"):
+            order = [p for p, _ in m.named_parameters(recurse=False) if p in ("gate_up_proj", "down_proj")]
+            for i, p in enumerate(order):
+                yield PREFIX + name + ".base_layer" * (len(order) - 1 - i), m, p
+
+
+def _settings(base: nn.Module) -> dict:
+    spec = getattr(base, "_moe8_lora", None)
+    if spec is None:
+        raise ValueError("moe8.lora: the model has no moe8 LoRA (apply_lora or load_adapter first)")
+    return spec
+
+
+def save_adapter(model: nn.Module, out_dir) -> None:
+    """Write the model's LoRA as a PEFT adapter (adapter_config.json + adapter_model.safetensors) that
+    peft.PeftModel.from_pretrained(base_model, out_dir) and load_adapter load. PEFT's ParamWrapper refuses
+    dropout, so with expert LoRA the file says lora_dropout 0 (load_adapter(..., dropout=) to train on)."""
+    from safetensors.torch import save_file
+
+    base = _base(model)
+    spec = _settings(base)
+    tensors = {}
+    for prefix, m, param in _entries(base):
+        A, B = (m.lora_A, m.lora_B) if param is None else _to_peft(*_factors(m, param))
+        tensors[f"{prefix}.lora_A.weight"] = A.detach().contiguous().cpu()
+        tensors[f"{prefix}.lora_B.weight"] = B.detach().contiguous().cpu()
+    config = dict(
+        peft_type="LORA",
+        task_type="CAUSAL_LM" if type(base).__name__.endswith("ForCausalLM") else None,
+        base_model_name_or_path=getattr(base, "name_or_path", None),
+        r=spec["r"],
+        lora_alpha=spec["alpha"],
+        lora_dropout=0.0 if spec["target_parameters"] else spec["dropout"],
+        target_modules=spec["target_modules"],
+        target_parameters=spec["target_parameters"] or None,
+        bias="none",
+        fan_in_fan_out=False,
+        use_rslora=False,
+        use_dora=False,
+        init_lora_weights=True,
+        inference_mode=True,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+
+
+def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Module:
+    """Load a PEFT LoRA adapter (from save_adapter, or saved by PEFT with target_modules and, for the
+    experts, target_parameters on both gate_up_proj and down_proj) into a transformers model; applies LoRA
+    first when the model has none. dropout: overrides the file's lora_dropout. Returns the model."""
+    from safetensors.torch import load_file
+
+    base, path = _base(model), Path(path)
+    config = json.loads((path / CONFIG).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(
+            f"moe8.lora.load_adapter: {path / CONFIG}: peft_type {config.get('peft_type')!r}, not 'LORA'"
+        )
+    unsupported = [
+        k for k in ("use_rslora", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern") if config.get(k)
+    ]
+    modules = config.get("target_modules") or []
+    if isinstance(modules, str):
+        unsupported.append("target_modules as a regex")
+    if unsupported:
+        raise ValueError(
+            f"moe8.lora.load_adapter: {path / CONFIG} uses {unsupported}, which moe8 LoRA doesn't have"
+        )
+    r, alpha = config["r"], config["lora_alpha"]
+    if not hasattr(base, "_moe8_lora"):
+        targets = list(modules) + (["experts"] if config.get("target_parameters") else [])
+        apply_lora(base, r, alpha, targets, config.get("lora_dropout", 0.0) if dropout is None else dropout)
+    elif (base._moe8_lora["r"], base._moe8_lora["alpha"]) != (r, alpha):
+        raise ValueError(
+            f"moe8.lora.load_adapter: the adapter has r={r}, alpha={alpha}; the model's LoRA has "
+            f"r={base._moe8_lora['r']}, alpha={base._moe8_lora['alpha']}"
+        )
+    tensors = load_file(str(path / WEIGHTS))
+    used = set()
+    with torch.no_grad():
+        for prefix, m, param in _entries(base):
+            keys = [f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"]
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                raise KeyError(f"moe8.lora.load_adapter: {path / WEIGHTS} lacks {missing}")
+            A, B = (tensors[k] for k in keys)
+            dst = (m.lora_A, m.lora_B) if param is None else _factors(m, param)
+            want = [t.shape for t in (dst if param is None else _to_peft(*dst))]
+            if [A.shape, B.shape] != want:
+                raise ValueError(
+                    f"moe8.lora.load_adapter: {keys}: shapes {[tuple(A.shape), tuple(B.shape)]}, "
+                    f"expected {[tuple(w) for w in want]}"
+                )
+            for d, src in zip(dst, (A, B) if param is None else _from_peft(A, B, dst[0].shape[0])):
+                d.copy_(src)
+            used.update(keys)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(
+            f"moe8.lora.load_adapter: {len(extra)} tensors of {path / WEIGHTS} fit no LoRA, e.g. {extra[:3]}"
+        )
+    return model
+
+
+__all__ = ["TARGETS", "LoraLinear", "apply_lora", "load_adapter", "save_adapter"]
