@@ -1,4 +1,5 @@
-"""The `moe8` command. `moe8 demo` trains a tiny MoE model; `moe8 info` prints the build and device."""
+"""The `moe8` command. `moe8 demo` trains a tiny MoE model; `moe8 finetune` fine-tunes a Hugging Face MoE model;
+`moe8 info` prints the build and device."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import sys
 USAGE = """usage: moe8 COMMAND [options]
 
 commands:
-  demo    train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
-  info    print the moe8 version, the torch version and whether CUDA kernels are usable
+  demo      train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
+  finetune  fine-tune a Hugging Face MoE model (full or LoRA), metrics and an HTML report (moe8 finetune --help)
+  info      print the moe8 version, the torch version and whether CUDA kernels are usable
 """
 
 
@@ -22,6 +24,10 @@ def main(argv=None) -> int:
         from .demo import main as demo
 
         return demo(rest)
+    if cmd == "finetune":
+        from .finetune import main as finetune
+
+        return finetune(rest)
     if cmd == "info":
         import torch
 

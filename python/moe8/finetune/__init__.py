@@ -1,0 +1,84 @@
+"""moe8 finetune — fine-tune a Hugging Face MoE model (full or LoRA) with its experts on moe8.
+
+    moe8 finetune                          a quick run on a built-in tiny model (CPU: about a minute)
+    moe8 finetune CONFIG.toml [--KEY VALUE ...]    keys from the file, flags override them
+    moe8 finetune CONFIG.toml --resume     continue after a kill, from the last checkpoint
+
+Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
+metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, per-expert
+token fraction of every MoE layer), report.html (charts and expert-load heatmaps), checkpoints for --resume.
+Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`).
+See docs/finetune.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import Config, FinetuneError, add_flags, make_config, snake_flags, to_toml
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="moe8 finetune",
+        usage="moe8 finetune [CONFIG.toml] [--KEY VALUE ...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("config", nargs="?", help="a TOML file of config keys (optional)")
+    ap.add_argument("--print_config", action="store_true", help="print the config as TOML, exit")
+    add_flags(ap.add_argument_group("config keys (TOML key = flag name)"))
+    return ap
+
+
+def main(argv=None, on_step=None) -> int:
+    """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory, 130: interrupted)."""
+    args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
+    path, show = args.pop("config"), args.pop("print_config")
+    import torch
+
+    try:
+        cfg = make_config(path, args)
+        if show:
+            print(to_toml(cfg), end="")
+            return 0
+        from .train import run
+
+        trainer = run(cfg, on_step=on_step)
+    except FinetuneError as e:
+        print(f"moe8 finetune: error: {e}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as e:
+        first = str(e).splitlines()[0] if str(e) else "out of memory"
+        print(
+            f"moe8 finetune: error: {first}\n  The model, its optimizer state and the activations of one micro-batch "
+            "must fit on the GPU. Try:\n  --micro_batch smaller (with --grad_accum larger, the same batch)\n"
+            "  --activation_checkpointing (recompute activations in the backward)\n  --method lora (no gradients "
+            "or optimizer state for the base weights)\n  --seq_len shorter",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "\nmoe8 finetune: interrupted; --resume continues from the last checkpoint, if one was written",
+            file=sys.stderr,
+        )
+        return 130
+    out, last = trainer.out, trainer.last
+    if last.get("step") == trainer.steps:
+        what = "adapter" if cfg.method == "lora" else "model"
+        ev = f", eval loss {last['eval_loss']:.3f}" if last.get("eval_loss") is not None else ""
+        print(f"done: {trainer.steps} steps, loss {last.get('loss', float('nan')):.3f}{ev}; {what}: {out}")
+    print(f"report: {out / 'report.html'}")
+    return 0
+
+
+def __getattr__(name):  # the Trainer callback imports transformers: only when asked for
+    if name == "RoutingStatsCallback":
+        from .callback import RoutingStatsCallback
+
+        return RoutingStatsCallback
+    raise AttributeError(name)
+
+
+__all__ = ["Config", "FinetuneError", "RoutingStatsCallback", "main", "make_config"]

@@ -1,0 +1,260 @@
+"""The `moe8 finetune` configuration: one flat TOML table. Every key is also a command-line flag
+(`--micro_batch 4` or `--micro-batch 4`); flags override the file, the file overrides the defaults.
+The defaults are a quick run on a built-in tiny model, so `moe8 finetune` alone trains something."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+class FinetuneError(Exception):
+    """Bad input: printed as one clear message, exit status 2, nothing written."""
+
+
+def _key(default, help: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = _key(
+        "tiny-qwen3-moe",
+        "a local Hugging Face model directory (config.json + weights) of a supported MoE family, or a built-in "
+        "tiny model with random weights for trying things out: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe",
+    )
+    tokenizer: str = _key(
+        "auto",
+        "auto: the model directory's tokenizer (a built-in model: byte); byte: moe8's byte-level tokenizer "
+        "(256 bytes + 4 specials, ChatML chat template); qwen3: ../shared/data/tokenizers/qwen3; or a directory",
+    )
+    data: str = _key(
+        "auto",
+        "training text: a text file, or JSONL with a text field or chat messages; auto: the first 20,000 lines "
+        "of ../shared/data/text/sentences.txt when present, else generated sentences",
+    )
+    data_format: str = _key(
+        "auto",
+        "auto (.jsonl/.json: jsonl, else lines), lines (one document per line), text (the whole file is one "
+        "document), jsonl (one JSON object per line)",
+    )
+    text_field: str = _key("text", "JSONL field holding a document's text")
+    messages_field: str = _key(
+        "messages",
+        "JSONL field holding a chat: a list of {role, content}; rendered with the tokenizer's chat template, "
+        "loss on the assistant turns only",
+    )
+    max_documents: int = _key(0, "read at most this many documents (0: all)")
+    eval_fraction: float = _key(0.05, "share of the packed sequences held out for evaluation (0: none)")
+    eval_every: int = _key(50, "evaluate every N steps (and at the start and the end; 0: start and end only)")
+    eval_batches: int = _key(8, "micro-batches per evaluation (0: the whole eval split)")
+    # training
+    method: str = _key("full", "full (every parameter) or lora (moe8.lora: attention and experts)")
+    lora_r: int = _key(16, "LoRA rank")
+    lora_alpha: float = _key(32.0, "LoRA alpha (scaling alpha / r)")
+    lora_dropout: float = _key(0.0, "dropout on the LoRA branches' input")
+    lora_targets: List[str] = _key(
+        [],
+        "layers LoRA adapts (comma-separated on the command line); empty: q_proj,k_proj,v_proj,o_proj,experts",
+    )
+    steps: int = _key(200, "optimizer steps")
+    epochs: float = _key(0.0, "when > 0: train this many passes over the training split (sets steps)")
+    run_steps: int = _key(
+        0, "stop this run after N steps with a checkpoint (0: run to the end); continue later with --resume"
+    )
+    micro_batch: int = _key(8, "sequences per forward/backward")
+    grad_accum: int = _key(1, "micro-batches per optimizer step")
+    seq_len: int = _key(128, "tokens per sequence (documents are packed)")
+    lr: Optional[float] = _key(
+        None, "peak learning rate (default: 3e-3 for built-in models, 2e-4 for lora, 2e-5 for full)"
+    )
+    weight_decay: float = _key(0.01, "AdamW weight decay (matrices only, not norms and biases)")
+    warmup_steps: Optional[int] = _key(None, "linear warmup steps (default: 5%% of steps)")
+    min_lr_ratio: float = _key(0.1, "cosine decay ends at lr * min_lr_ratio")
+    max_grad_norm: float = _key(1.0, "clip the gradient norm to this (0: no clipping)")
+    aux_loss_coef: Optional[float] = _key(
+        None, "weight of the router load-balancing loss (default: the model's router_aux_loss_coef; 0: off)"
+    )
+    activation_checkpointing: bool = _key(False, "recompute activations in the backward (less memory)")
+    dtype: str = _key("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    device: str = _key("auto", "auto (cuda when available), cuda or cpu")
+    seed: int = _key(0, "seed of the initialisation, the data order and dropout")
+    moe8: bool = _key(True, "run the experts on moe8 (--no-moe8: transformers' own, for comparison)")
+    # output
+    output_dir: str = _key("", "where everything goes (default: runs/finetune-YYYYmmdd-HHMMSS)")
+    resume: bool = _key(False, "continue from the last checkpoint in output_dir")
+    overwrite: bool = _key(False, "replace an existing output_dir")
+    save_every: int = _key(100, "write a checkpoint every N steps (and at the end; 0: at the end only)")
+    log_every: int = _key(5, "append a line to metrics.jsonl every N steps")
+    dead_window: int = _key(50, "an expert that got no token over this many last steps is reported dead")
+    peak_tflops: Optional[float] = _key(
+        None, "peak TFLOP/s for MFU (default: 989 on H100/H200, bf16 dense; else MFU is not reported)"
+    )
+    progress: bool = _key(True, "show a progress bar")
+
+
+KEYS = {f.name: f for f in dataclasses.fields(Config)}
+_TYPES = typing.get_type_hints(Config)
+# keys that decide the model, the data order or the optimizer: a resumed run must keep them
+RESUME_KEYS = (
+    "model tokenizer data data_format text_field messages_field max_documents eval_fraction method lora_r "
+    "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8"
+).split()
+
+
+def _base_type(name: str):
+    t = _TYPES[name]
+    if typing.get_origin(t) is typing.Union:  # Optional[X]
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return list if typing.get_origin(t) in (list, List) else t
+
+
+def _check_type(name: str, value, where: str):
+    t = _base_type(name)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[t]
+    if not ok:
+        want = {list: "a list of strings"}.get(t, t.__name__)
+        raise FinetuneError(f"{where}: {name} = {value!r}: expected {want}")
+    return float(value) if t is float else value
+
+
+def _unknown(names, where: str):
+    bad = sorted(set(names) - set(KEYS))
+    if bad:
+        hints = [
+            f"{b} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(b, KEYS, 1)) else b for b in bad
+        ]
+        raise FinetuneError(
+            f"{where}: unknown config keys: {', '.join(hints)}; `moe8 finetune --help` lists them"
+        )
+
+
+def load_toml(path: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise FinetuneError("reading TOML on Python < 3.11 needs tomli: pip install tomli") from None
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise FinetuneError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FinetuneError(f"cannot read config file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise FinetuneError(f"{path}: not valid TOML: {e}") from None
+    nested = [k for k, v in table.items() if isinstance(v, dict)]
+    if nested:
+        raise FinetuneError(
+            f"{path}: tables {nested} are not supported: the config is one flat table of keys"
+        )
+    return table
+
+
+def make_config(path: Optional[str] = None, overrides: Optional[dict] = None) -> Config:
+    """Defaults <- the TOML file at `path` <- `overrides` (from flags), type-checked and validated."""
+    values = {}
+    for where, table in ((path, load_toml(path) if path else {}), ("command line", overrides or {})):
+        _unknown(table, where)
+        values.update({k: _check_type(k, v, where) for k, v in table.items() if v is not None})
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise FinetuneError(msg)
+
+    for name, choices in (
+        ("method", ("full", "lora")),
+        ("dtype", ("auto", "bf16", "fp32")),
+        ("device", ("auto", "cuda", "cpu")),
+        ("data_format", ("auto", "lines", "text", "jsonl")),
+    ):
+        need(
+            getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
+        )
+    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every", "dead_window", "lora_r"):
+        need(getattr(cfg, name) >= 1, f"{name} = {getattr(cfg, name)}: expected a positive integer")
+    for name in (
+        "epochs",
+        "run_steps",
+        "max_documents",
+        "eval_every",
+        "eval_batches",
+        "save_every",
+        "lora_dropout",
+    ):
+        need(getattr(cfg, name) >= 0, f"{name} = {getattr(cfg, name)}: expected >= 0")
+    for name in ("weight_decay", "max_grad_norm", "min_lr_ratio", "warmup_steps", "aux_loss_coef"):
+        v = getattr(cfg, name)
+        need(v is None or v >= 0, f"{name} = {v}: expected >= 0")
+    need(cfg.lr is None or cfg.lr > 0, f"lr = {cfg.lr}: expected > 0")
+    need(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops = {cfg.peak_tflops}: expected > 0")
+    need(0 <= cfg.eval_fraction < 1, f"eval_fraction = {cfg.eval_fraction}: expected in [0, 1)")
+    need(cfg.lora_dropout < 1, f"lora_dropout = {cfg.lora_dropout}: expected < 1")
+    need(not (cfg.resume and cfg.overwrite), "resume and overwrite exclude each other")
+    need(not cfg.resume or bool(cfg.output_dir), "resume: name the run to continue with output_dir")
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as TOML (None values, which TOML can't hold, as comments)."""
+    lines = []
+    for name, value in dataclasses.asdict(cfg).items():
+        if value is None:
+            lines.append(f"# {name} = (default)")
+        elif isinstance(value, bool):
+            lines.append(f"{name} = {str(value).lower()}")
+        else:  # JSON strings, numbers and lists of strings are valid TOML
+            lines.append(f"{name} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def add_flags(ap: argparse.ArgumentParser) -> None:
+    """One flag --KEY per key (boolean keys also --no-KEY), defaulting to 'not given'. main() also accepts
+    --kebab-case spellings (see snake_flags)."""
+    for name, f in KEYS.items():
+        t = _base_type(name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "" if default is None else f" (default: {','.join(default) if t is list else default})"
+        names = [f"--{name}"]
+        kw = dict(dest=name, default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
+        if t is bool:
+            ap.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif t is list:
+            ap.add_argument(
+                *names, type=lambda s: [x.strip() for x in s.split(",") if x.strip()], metavar="A,B", **kw
+            )
+        else:
+            ap.add_argument(*names, type=t, metavar={int: "N", float: "X", str: "TEXT"}[t], **kw)
+
+
+def snake_flags(argv: list[str]) -> list[str]:
+    """--micro-batch 4 -> --micro_batch 4, --no-activation-checkpointing -> --no-activation_checkpointing."""
+    out = []
+    for a in argv:
+        if a.startswith("--") and len(a) > 2:
+            flag, eq, value = a.partition("=")
+            no = flag.startswith("--no-")
+            a = ("--no-" if no else "--") + flag[5 if no else 2 :].replace("-", "_") + eq + value
+        out.append(a)
+    return out

@@ -1,0 +1,149 @@
+"""Models for `moe8 finetune`: a local Hugging Face directory or a built-in tiny config, checked before any
+weight is loaded (family, sequence length), then moved onto moe8, LoRA and activation checkpointing."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from .. import hf
+from .config import Config, FinetuneError
+from .routing import experts_modules
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+# random-weight models for trying things out: hidden 64, 8 experts, top-2
+TINY = {
+    "tiny-qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_experts=8,
+        ),
+    ),
+    "tiny-mixtral": (
+        "mixtral",
+        dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=8),
+    ),
+    "tiny-olmoe": ("olmoe", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_experts=8)),
+}
+
+
+def model_config(cfg: Config, tok=None):
+    """(transformers config, model directory or None for a built-in model). Raises FinetuneError for a missing
+    directory, a model that is not a supported MoE family, or seq_len over max_position_embeddings."""
+    from transformers import AutoConfig
+
+    if cfg.model in TINY:
+        family, kw = TINY[cfg.model]
+        config, path = AutoConfig.for_model(family, **_ATTN, **kw, num_experts_per_tok=2), None
+        config.tie_word_embeddings = True
+    else:
+        path = Path(cfg.model)
+        if not path.is_dir():
+            raise FinetuneError(
+                f"model: {cfg.model} is neither a directory nor a built-in model ({', '.join(TINY)})"
+            )
+        if not (path / "config.json").is_file():
+            raise FinetuneError(f"model: {path} has no config.json: not a Hugging Face model directory")
+        try:
+            family = json.loads((path / "config.json").read_text()).get("model_type")
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise FinetuneError(f"model: cannot read {path / 'config.json'}: {e}") from None
+    if family not in hf.FAMILIES:
+        raise FinetuneError(
+            f"model: {cfg.model} is a {family!r} model, not an MoE family moe8 supports "
+            f"({', '.join(hf.FAMILIES)})"
+        )
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise FinetuneError(f"seq_len = {cfg.seq_len} is over the model's max_position_embeddings ({limit})")
+    return config, path
+
+
+def build_model(cfg: Config, config, path, tok, dtype, device, log):
+    """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if path is None:
+        config.vocab_size, config.pad_token_id, config.eos_token_id = (
+            len(tok),
+            tok.pad_token_id,
+            tok.eos_token_id,
+        )
+        config.bos_token_id = None
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
+        except (OSError, ValueError) as e:
+            raise FinetuneError(f"model: cannot load {path}: {e}") from None
+        if len(tok) > model.get_input_embeddings().weight.shape[0]:
+            raise FinetuneError(f"tokenizer: {len(tok)} tokens, more than the model's vocabulary")
+    model.to(device)
+    model.config.use_cache = False
+    coef = cfg.aux_loss_coef
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0)
+    if hasattr(model.config, "output_router_logits"):
+        model.config.output_router_logits = coef > 0
+    if not experts_modules(model):
+        raise FinetuneError(f"model: {cfg.model} has no fused MoE experts modules (transformers v5)")
+    if cfg.moe8:
+        import moe8
+
+        if device.type == "cuda" and not moe8.cuda_available():
+            log("moe8: built without CUDA kernels: the experts run on transformers' grouped_mm")
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hf.accelerate(model)
+            if not hf.is_accelerated(model):
+                log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.method == "lora":
+        from moe8.lora import TARGETS, apply_lora
+
+        try:
+            model = apply_lora(
+                model,
+                r=cfg.lora_r,
+                alpha=cfg.lora_alpha,
+                targets=cfg.lora_targets or TARGETS,
+                dropout=cfg.lora_dropout,
+            )
+        except ValueError as e:
+            raise FinetuneError(f"lora: {e}") from None
+    return model, coef
+
+
+def active_params(model) -> tuple[int, int]:
+    """(all parameters, parameters a token goes through: without the input embedding, experts times k / E)."""
+    total = sum(p.numel() for p in model.parameters())
+    active = total - model.get_input_embeddings().weight.numel()
+    if getattr(model.config, "tie_word_embeddings", False):
+        active += model.get_input_embeddings().weight.numel()  # it is also the output projection
+    k = getattr(model.config, "num_experts_per_tok", 1)
+    for _, m in experts_modules(model):
+        n = sum(p.numel() for p in m.parameters(recurse=False))  # gate_up, down (+ biases, LoRA factors)
+        E = m.gate_up_proj.shape[0]
+        active -= n - n * k // E
+    return total, active
+
+
+def peak_flops(cfg: Config, device) -> float | None:
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if "H100" in name or "H200" in name:
+            return 989e12  # dense bf16
+    return None

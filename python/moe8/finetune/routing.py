@@ -1,0 +1,94 @@
+"""Routing statistics of a transformers MoE model: tokens per expert in every MoE layer, counted by a forward
+pre-hook on each experts module (transformers v5 calls `experts(hidden [T, H], top_k_index [T, K], weights)`
+in every family), plus the health summary (load imbalance, dead experts) that report.html and the Trainer
+callback show."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def experts_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name of the MoE block, its fused experts module) for every MoE layer."""
+    out = []
+    for name, m in model.named_modules():
+        if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "gate_up_proj"):
+            out.append((name.removesuffix(".experts"), m))
+    return out
+
+
+class RoutingStats:
+    """Counts (token, slot) pairs per expert in training forwards; `take()` returns each layer's per-expert
+    token fraction since the last take. Eval forwards and the recomputation of activation checkpointing (which
+    runs inside the backward) are not counted. Counts stay on the model's device: no sync per layer."""
+
+    def __init__(self, model):
+        self.counts, self.handles = {}, []
+        for name, m in experts_modules(model):
+            self.counts[name] = None
+            self.handles.append(m.register_forward_pre_hook(partial(self._hook, name), with_kwargs=True))
+        self.experts = {name: m.gate_up_proj.shape[0] for name, m in experts_modules(model)}
+
+    def _hook(self, name, module, args, kwargs):
+        if not module.training or torch._C._current_graph_task_id() != -1:  # eval, or a backward recompute
+            return
+        ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        if ids is None:
+            return
+        ids = ids.detach().reshape(-1).long()
+        c = self.counts[name]
+        if c is None:
+            c = self.counts[name] = torch.zeros(self.experts[name], dtype=torch.long, device=ids.device)
+        c.scatter_add_(0, ids, torch.ones_like(ids))
+
+    def take(self) -> dict[str, list[float]]:
+        out = {}
+        for name, c in self.counts.items():
+            if c is not None:
+                c = c.cpu().double()
+                out[name] = [round(x, 6) for x in (c / c.sum().clamp_min(1)).tolist()]
+                self.counts[name] = None
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def health(history: list[dict], dead_window: int) -> dict[str, dict]:
+    """Per MoE layer, from metrics lines that carry "routing": load = fraction x experts (1 = uniform);
+    imbalance = the largest load at a logged step: its last, mean and max value over the run; dead experts =
+    those without a token in the lines of the last `dead_window` steps."""
+    lines = [h for h in history if h.get("routing")]
+    if not lines:
+        return {}
+    last = lines[-1]["step"]
+    out = {}
+    for name in lines[-1]["routing"]:
+        series = [(h["step"], h["routing"][name]) for h in lines if name in h["routing"]]
+        E = len(series[-1][1])
+        imb = [max(f) * E for _, f in series]
+        recent = [f for s, f in series if s > last - dead_window] or [series[-1][1]]
+        dead = [e for e in range(E) if all(f[e] == 0 for f in recent)]
+        out[name] = dict(
+            experts=E, imbalance=imb[-1], mean_imbalance=sum(imb) / len(imb), max_imbalance=max(imb)
+        )
+        out[name]["dead"] = dead
+    return out
+
+
+def summary(h: dict[str, dict]) -> dict:
+    """One line over all layers: max and mean imbalance, dead experts."""
+    if not h:
+        return {}
+    worst = max(h, key=lambda n: h[n]["max_imbalance"])
+    return dict(
+        max_imbalance=h[worst]["max_imbalance"],
+        max_imbalance_layer=worst,
+        mean_imbalance=sum(v["mean_imbalance"] for v in h.values()) / len(h),
+        dead_experts=sum(len(v["dead"]) for v in h.values()),
+        experts=sum(v["experts"] for v in h.values()),
+    )

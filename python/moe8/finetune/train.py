@@ -1,0 +1,398 @@
+"""The `moe8 finetune` training loop: AdamW with linear warmup and cosine decay, gradient accumulation and
+clipping, metrics.jsonl + report.html, atomic checkpoints and an exact --resume.
+
+Output directory: the fine-tuned model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
+metrics.jsonl, report.html, finetune.toml (the config) and checkpoint-STEP/training_state.pt (trainable
+weights, optimizer, scheduler, RNG states, data position) for --resume. A checkpoint step is always a logged
+step, so no partial metrics window needs saving."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import hf
+from . import report
+from .config import RESUME_KEYS, Config, FinetuneError, to_toml
+from .data import IGNORE, Data, load_tokenizer
+from .model import TINY, active_params, build_model, model_config, peak_flops
+from .routing import RoutingStats
+
+STATE = "training_state.pt"
+
+
+def device_and_dtype(cfg: Config) -> tuple[torch.device, torch.dtype]:
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FinetuneError("device = 'cuda': no CUDA device visible")
+    device = torch.device(name)
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" else "fp32"
+    return device, torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
+def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr for the step after `step` finished steps: linear warmup, cosine decay."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints in `out`, oldest first (incomplete ones are hidden .tmp directories)."""
+    found = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak: KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+@contextlib.contextmanager
+def _quiet_saving():
+    """No "Writing model shards" bar from save_pretrained (it would break ours)."""
+    from transformers.utils import logging
+
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+
+
+class Progress:
+    """tqdm when installed, else one carriage-return line: step, loss, tokens/s, MFU, ETA."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.initial, self.enabled = total, initial, enabled
+        self.t0, self.text, self.bar = time.perf_counter(), "", None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(
+                    total=total, initial=initial, unit="step", desc="finetune", dynamic_ncols=True
+                )
+            except ImportError:
+                pass
+
+    def update(self, step: int, text: str | None) -> None:
+        if text is not None:
+            self.text = text
+        if self.bar is not None:
+            if text is not None:
+                self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif self.enabled:
+            eta = (time.perf_counter() - self.t0) / max(1, step - self.initial) * (self.total - step)
+            sys.stderr.write(f"\r{step}/{self.total}  {self.text}  ETA {int(eta) // 60}:{int(eta) % 60:02d} ")
+            sys.stderr.flush()
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(("\n" if self.enabled and self.text else "") + msg, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            sys.stderr.write("\n")
+
+
+class Trainer:
+    """Everything validated and built, nothing written: `run()` writes."""
+
+    def __init__(self, cfg: Config, log=print):
+        self.cfg, self.log = cfg, log
+        self.device, self.dtype = device_and_dtype(cfg)
+        self.hf_config, self.model_path = config, path = model_config(cfg)
+        self.tok = load_tokenizer(cfg, path)
+        self.data = Data(cfg, self.tok)
+        self.steps = math.ceil(cfg.epochs * self.data.per_epoch / cfg.grad_accum) if cfg.epochs else cfg.steps
+        self.out = Path(cfg.output_dir or time.strftime("runs/finetune-%Y%m%d-%H%M%S"))
+        self.state = self._resume_state() if cfg.resume else None
+        if not cfg.resume and self.out.exists() and any(self.out.iterdir()) and not cfg.overwrite:
+            raise FinetuneError(
+                f"output_dir {self.out} exists and is not empty: --resume continues it, --overwrite replaces it"
+            )
+        self.model, self.aux_coef = build_model(cfg, config, path, self.tok, self.dtype, self.device, log)
+        self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
+        # 16-bit weights train through fp32 master copies: AdamW updates below bf16's resolution would be lost
+        self.master = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params
+        ]
+        self.total_params, self.active_params = active_params(self.model)
+        self.peak = peak_flops(cfg, self.device)
+        lr = cfg.lr or (3e-3 if cfg.model in TINY else 2e-4 if cfg.method == "lora" else 2e-5)
+        groups = [[p for p in self.master if p.ndim >= 2], [p for p in self.master if p.ndim < 2]]
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": groups[0], "weight_decay": cfg.weight_decay},
+                {"params": groups[1], "weight_decay": 0.0},
+            ],
+            lr=lr,
+        )
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else self.steps // 20
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, warmup, self.steps, cfg.min_lr_ratio)
+        )
+        self.stats = RoutingStats(self.model)
+
+    def _resume_state(self) -> dict:
+        found = checkpoints(self.out) if self.out.is_dir() else []
+        if not found:
+            raise FinetuneError(f"resume: no checkpoint in {self.out}")
+        state = torch.load(found[-1] / STATE, map_location="cpu", weights_only=True)
+        old = state["config"]
+        changed = [
+            f"{k}: {old.get(k)!r} -> {getattr(self.cfg, k)!r}"
+            for k in RESUME_KEYS
+            if old.get(k) != getattr(self.cfg, k)
+        ]
+        if changed:
+            raise FinetuneError(f"resume: the config differs from the checkpoint's in {'; '.join(changed)}")
+        return state
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def loss_sum(self, x, y):
+        """(summed cross-entropy of next-token predictions, aux loss or None); x, y [B, S] on the device."""
+        out = self.model(input_ids=x)
+        target = torch.cat([y[:, 1:], torch.full_like(y[:, :1], IGNORE)], 1)  # position t predicts y[t + 1]
+        ce = F.cross_entropy(
+            out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+        return ce, getattr(out, "aux_loss", None)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        self.model.eval()
+        total, n = 0.0, 0
+        for x, y in self.data.eval_batches(self.cfg.eval_batches):
+            ce, _ = self.loss_sum(x.to(self.device), y.to(self.device))
+            total, n = total + ce.item(), n + int((y[:, 1:] != IGNORE).sum())
+        self.model.train()
+        return total / n if n else None
+
+    def save(self, step: int) -> None:
+        """checkpoint-STEP/training_state.pt, written into a hidden directory and renamed: a kill leaves either
+        the old checkpoint or the new one. Older checkpoints are removed after."""
+        tmp = self.out / f".checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        state = dict(
+            step=step,
+            micro_batches=step * self.cfg.grad_accum,
+            config=vars(self.cfg).copy(),
+            model={n: m.detach().cpu() for n, m in zip(self.names, self.master)},
+            optimizer=self.opt.state_dict(),
+            scheduler=self.sched.state_dict(),
+            rng=dict(torch=torch.get_rng_state(), python=random.getstate()),
+        )
+        if self.device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        torch.save(state, tmp / STATE)
+        final = self.out / f"checkpoint-{step}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoints(self.out)[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, state: dict) -> int:
+        with torch.no_grad():
+            for n, p, m in zip(self.names, self.params, self.master):
+                m.copy_(state["model"][n])
+                p.copy_(m)
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        return state["step"]
+
+    def export(self) -> None:
+        if self.cfg.method == "lora":
+            from moe8.lora import save_adapter
+
+            save_adapter(self.model, self.out)
+            if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
+                from transformers import AutoModelForCausalLM
+
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.cfg.seed)
+                    base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
+                with _quiet_saving():
+                    base.save_pretrained(self.out / "base_model")
+        else:
+            with _quiet_saving():
+                self.model.save_pretrained(self.out)
+        self.tok.save_pretrained(self.out)
+
+    def describe(self) -> str:
+        c, d = self.cfg, self.data
+        on = "moe8" if hf.is_accelerated(self.model) else "transformers"
+        return (
+            f"moe8 finetune: {c.model} ({self.total_params / 1e6:.1f}M params, {self.active_params / 1e6:.1f}M "
+            f"active per token), {c.method}, {self.device.type} {str(self.dtype).replace('torch.', '')}, "
+            f"experts on {on}\n  data: {d.source}: {d.documents:,} {d.kind} documents, {d.tokens:,} tokens -> "
+            f"{len(d.train[0])} train / {len(d.eval[0])} eval sequences of {c.seq_len}\n  {self.steps} steps of "
+            f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}"
+        )
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self, on_step=None) -> dict:
+        """Train (or continue) to self.steps or run_steps, writing into self.out. on_step(step, trainer) is
+        called after every step (tests use it). Returns the last metrics line."""
+        cfg, out = self.cfg, self.out
+        created = cfg.overwrite or not out.exists()
+        if cfg.overwrite:
+            shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._loop(on_step)
+        except BaseException:
+            if created and not checkpoints(out):  # failed before anything worth keeping: leave nothing behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+    def _loop(self, on_step) -> dict:
+        cfg, out, dev = self.cfg, self.out, self.device
+        start = self.restore(self.state) if self.state else 0
+        history = []
+        if (out / "metrics.jsonl").exists():  # drop lines past the checkpoint: they are recomputed
+            history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            history = [h for h in history if h["step"] <= start]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        (out / "finetune.toml").write_text(to_toml(cfg))
+        metrics = open(out / "metrics.jsonl", "a")
+        self.log(self.describe())
+        if start:
+            self.log(f"  resuming from {checkpoints(out)[-1]} (step {start})")
+        progress = Progress(self.steps, start, cfg.progress)
+        info = dict(
+            model=cfg.model, method=cfg.method, device=f"{dev.type} {self.dtype}", params=self.total_params
+        )
+        info.update(active=self.active_params, moe8=hf.is_accelerated(self.model), steps=self.steps)
+
+        def emit(line):
+            history.append(line)
+            metrics.write(json.dumps(line) + "\n")
+            metrics.flush()
+
+        def write_report():
+            report.write(out / "report.html", history, info, cfg.dead_window)
+
+        try:
+            self.model.train()
+            if start == 0 and len(self.data.eval[0]):
+                emit(dict(step=0, eval_loss=self.evaluate()))
+            accum, S = cfg.grad_accum, cfg.seq_len
+
+            def new_window():  # what a metrics line averages over
+                return dict(
+                    loss=torch.zeros((), device=dev), label_tokens=0, tokens=0, t0=time.perf_counter()
+                )
+
+            window = new_window()
+            stop = self.steps
+            if cfg.run_steps:
+                stop = min(stop, start + cfg.run_steps)
+            for step in range(start + 1, stop + 1):
+                batches = [self.data.batch((step - 1) * accum + a) for a in range(accum)]
+                n_label = sum(int((y[:, 1:] != IGNORE).sum()) for _, y in batches)
+                for x, y in batches:
+                    ce, aux = self.loss_sum(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                    loss = ce / max(n_label, 1)
+                    if self.aux_coef and aux is not None:
+                        loss = loss + self.aux_coef * aux / accum
+                    loss.backward()
+                    window["loss"] += ce.detach()
+                for p, m in zip(self.params, self.master):
+                    if m is not p:
+                        m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm or math.inf)
+                lr = self.opt.param_groups[0]["lr"]
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for p, m in zip(self.params, self.master):
+                        if m is not p:
+                            p.copy_(m)
+                window["label_tokens"] += n_label
+                window["tokens"] += accum * cfg.micro_batch * S
+
+                do_eval = len(self.data.eval[0]) and (
+                    (cfg.eval_every and step % cfg.eval_every == 0) or step == self.steps
+                )
+                save = (cfg.save_every and step % cfg.save_every == 0) or step == stop
+                text = None
+                if step % cfg.log_every == 0 or do_eval or save:
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    line = self._line(step, window, lr, grad_norm)
+                    text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
+                        f"  MFU {100 * line['mfu']:.1f}%" if line["mfu"] is not None else ""
+                    )
+                    if do_eval:
+                        line["eval_loss"] = self.evaluate()
+                    emit(line)
+                if save:
+                    self.save(step)
+                    write_report()
+                progress.update(step, text)
+                if on_step is not None:
+                    on_step(step, self)
+                if text is not None:  # the next window starts after the eval and the checkpoint
+                    window = new_window()
+            if stop == self.steps:
+                self.export()
+            write_report()
+        finally:
+            progress.close()
+            metrics.close()
+        if stop < self.steps:
+            self.log(f"stopped at step {stop} of {self.steps} (run_steps); continue with --resume")
+        return history[-1] if history else {}
+
+    def _line(self, step: int, window: dict, lr: float, grad_norm) -> dict:
+        loss = window["loss"].item() / max(window["label_tokens"], 1)
+        tps = window["tokens"] / max(time.perf_counter() - window["t0"], 1e-9)
+        mfu = 6 * self.active_params * tps / self.peak if self.peak else None
+        return dict(
+            step=step,
+            loss=loss,
+            lr=lr,
+            tokens_per_s=tps,
+            mfu=mfu,
+            memory_gib=round(memory_gib(self.device), 4),
+            grad_norm=float(grad_norm),
+            tokens=step * self.cfg.grad_accum * self.cfg.micro_batch * self.cfg.seq_len,
+            routing=self.stats.take(),
+        )
+
+
+def run(cfg: Config, on_step=None, log=print) -> Trainer:
+    """Validate and build (raising FinetuneError for bad input, with nothing written), then train."""
+    trainer = Trainer(cfg, log)
+    trainer.last = trainer.run(on_step)
+    return trainer
