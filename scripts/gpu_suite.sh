@@ -38,8 +38,8 @@ if [ "$STAGE" != bench ]; then
   ctest --test-dir build/gpu -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
   tail -5 "$OUT/ctest.log"
   echo "== pytest"
-  PYTHONPATH=python timeout 400 $PY -X faulthandler -m pytest -q -rs -n 8 --durations=8 tests/python \
-    >"$OUT/pytest.log" 2>&1 || PYTHONPATH=python timeout 400 $PY -X faulthandler -m pytest -q -rs tests/python \
+  XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+  PYTHONPATH=python timeout 400 $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 tests/python \
     >"$OUT/pytest.log" 2>&1
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
   echo "t $(($(date +%s) - t0)) s"
