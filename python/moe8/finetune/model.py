@@ -41,7 +41,9 @@ def model_config(cfg: Config, tok=None):
 
     if cfg.model in TINY:
         family, kw = TINY[cfg.model]
-        config, path = AutoConfig.for_model(family, **_ATTN, **kw, num_experts_per_tok=2), None
+        # a stronger balance loss than Qwen3's 0.001: tiny random models otherwise collapse onto few experts
+        config = AutoConfig.for_model(family, **_ATTN, **kw, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+        path = None
         config.tie_word_embeddings = True
     else:
         path = Path(cfg.model)
