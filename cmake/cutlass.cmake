@@ -1,4 +1,5 @@
-# cmake/cutlass.cmake — the Hopper kernels built on CUTLASS (csrc/cuda/grouped_gemm_sm90.cu).
+# cmake/cutlass.cmake — the Hopper kernels built on CUTLASS (csrc/cuda/grouped_gemm_sm90.cu, bf16/f16, and
+# csrc/cuda/grouped_gemm_fp8_sm90.cu, FP8 blockwise).
 # Included from CMakeLists.txt after the moe8 target has its CUDA sources. CUTLASS is header-only and
 # comes, pinned, from the nvidia-cutlass wheel (its headers are under cutlass_library/source/include);
 # it is never copied into the repository. Without it the file compiles to stubs that report the sm90
@@ -43,8 +44,9 @@ if(MOE8_WITH_CUDA AND NOT MOE8_CUTLASS STREQUAL "OFF")
       message(WARNING "moe8: CUTLASS ${MOE8_CUTLASS_VERSION} at ${MOE8_CUTLASS_DIR}; the sm90 kernels are "
                       "tested with ${MOE8_CUTLASS_VERSION_PINNED} (pip install nvidia-cutlass==4.2.0.0)")
     endif()
-    # Only this file sees CUTLASS. -DNDEBUG keeps CUTLASS's device-side asserts out of every build type.
-    set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_sm90.cu" PROPERTIES
+    # Only these files see CUTLASS. -DNDEBUG keeps CUTLASS's device-side asserts out of every build type.
+    set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_sm90.cu"
+                                "${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_fp8_sm90.cu" PROPERTIES
       COMPILE_DEFINITIONS "MOE8_WITH_CUTLASS=1;NDEBUG"
       INCLUDE_DIRECTORIES "${MOE8_CUTLASS_DIR}")
     set(MOE8_WITH_CUTLASS ON)

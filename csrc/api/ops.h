@@ -59,4 +59,49 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          intptr_t stream);
 
+// ---- FP8 e4m3 (api/quant.cpp). Quantised tensors are uint8 or float8_e4m3fn; scales float32. Semantics
+// and layouts: cpu/ops.h; conversion and NaN policy: core/fp8.h. CPU and CUDA results are bit-identical
+// (swiglu_quant: within one e4m3 step, see cuda/ops.h). -----------------------------------------------
+
+// x [R,K] -> q [R,K], scale [R, ceil(K/128)]. With row_to_slot [R'] int32 (fused permute + quantise):
+// x is src [T,K], row r of q is src[row_to_slot[r] / k] (-1: zeros, scale 1), q [R',K].
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale, intptr_t stream, bool check_indices = true);
+
+// w [E,N,K] -> q [E,N,K], scale [E, ceil(N/128), ceil(K/128)].
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream);
+
+// Rows of the scale tensor quantize_cols_1x128 writes: ceil(rows/128) + num_experts.
+int64_t col_scale_blocks(int64_t rows, int num_experts);
+
+// x [R,K], offsets [E+1] -> q_t [K,R], scale [col_scale_blocks(R,E), K] (128-row blocks within groups).
+void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,
+                         intptr_t stream, bool check_indices = true);
+
+// activation_forward fused with 1x128 quantisation: h [R,2I] (gated) or [R,I] -> q [R,I], scale [R,ceil(I/128)].
+void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, const TensorView& scale,
+                  intptr_t stream);
+
+// x [...,K] (2-d or 3-d) -> q (shape of x), scale x.shape[:-1].
+void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView& scale, intptr_t stream);
+// x (any shape) -> q (shape of x), scale [1].
+void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorView& scale, intptr_t stream);
+
+// out = e4m3(q) * scale broadcast over block_rows x block_cols blocks; q [M,K] or [B,M,K],
+// scale [ceil(M/block_rows), ceil(K/block_cols)] (or [B, ...]), out float of q's shape.
+void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows, int64_t block_cols,
+                const TensorView& out, intptr_t stream);
+
+// Bytes of uint8 workspace that lets grouped_gemm_fp8 take the Hopper (CUTLASS sm_90a) path; 0 where
+// that path is not available (CPU, no CUTLASS, not sm_90).
+int64_t grouped_gemm_fp8_workspace_bytes(int num_experts, bool on_cuda);
+
+// Blockwise-scaled FP8 grouped GEMM (kNK): a [R,K] fp8, a_scale [R, ceil(K/128)], b [E,N,K] fp8,
+// b_scale [E, ceil(N/128), ceil(K/128)], offsets [E+1] -> c [R,N] float (bf16 for the Hopper path).
+// `workspace` (optional, grouped_gemm_fp8_workspace_bytes long) enables the sm_90a kernel where the shapes
+// allow (c bf16, K % 16 == 0, N % 8 == 0); otherwise a slow portable kernel runs.
+void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
+                      const TensorView& offsets, const TensorView& c, intptr_t stream, bool check_indices = true,
+                      const TensorView& workspace = TensorView{});
+
 }  // namespace moe8::api

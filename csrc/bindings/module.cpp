@@ -28,6 +28,10 @@ moe8::DType to_dtype(nb::dlpack::dtype t, const char* name) {
     if (code == C::Int && t.bits == 32) return moe8::DType::kI32;
     if (code == C::Int && t.bits == 64) return moe8::DType::kI64;
     if (code == C::UInt && t.bits == 8) return moe8::DType::kU8;
+    // DLPack 1.1 float8 codes (nanobind 2.9 has no names for them): torch exports float8_e4m3fn as 10 and
+    // float8_e5m2 as 12.
+    if (static_cast<int>(t.code) == 10 && t.bits == 8) return moe8::DType::kF8E4M3;
+    if (static_cast<int>(t.code) == 12 && t.bits == 8) return moe8::DType::kF8E5M2;
   }
   moe8::fail(name, ": unsupported dtype (DLPack code ", int(t.code), ", bits ", int(t.bits), ")");
 }
@@ -189,4 +193,61 @@ NB_MODULE(_C, m) {
       },
       nb::arg("h"), nb::arg("dout"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("dh"), nb::arg("stream") = 0);
+  // ---- FP8 e4m3: quantised tensors as uint8 or float8_e4m3fn, scales float32 (api/ops.h)
+  m.def(
+      "quantize_rows_1x128",
+      [](Array x, OptArray row_to_slot, int k, Array q, Array scale, intptr_t stream, bool check_indices) {
+        moe8::api::quantize_rows_1x128(V(x), V(row_to_slot), k, V(q), V(scale), stream, check_indices);
+      },
+      nb::arg("x"), nb::arg("row_to_slot").none(), nb::arg("k"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
+  m.def(
+      "quantize_weight_128x128",
+      [](Array w, Array q, Array scale, intptr_t stream) {
+        moe8::api::quantize_weight_128x128(V(w), V(q), V(scale), stream);
+      },
+      nb::arg("w"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
+  m.def("col_scale_blocks", &moe8::api::col_scale_blocks, nb::arg("rows"), nb::arg("num_experts"));
+  m.def(
+      "quantize_cols_1x128",
+      [](Array x, Array offsets, Array q_t, Array scale, intptr_t stream, bool check_indices) {
+        moe8::api::quantize_cols_1x128(V(x), V(offsets), V(q_t), V(scale), stream, check_indices);
+      },
+      nb::arg("x"), nb::arg("offsets"), nb::arg("q_t"), nb::arg("scale"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true);
+  m.def(
+      "swiglu_quant",
+      [](Array h, int kind, bool interleaved, float alpha, float limit, Array q, Array scale, intptr_t stream) {
+        moe8::api::swiglu_quant(V(h), act_params(kind, interleaved, alpha, limit), V(q), V(scale), stream);
+      },
+      nb::arg("h"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("q"),
+      nb::arg("scale"), nb::arg("stream") = 0);
+  m.def(
+      "quantize_rowwise",
+      [](Array x, Array q, Array scale, intptr_t stream) { moe8::api::quantize_rowwise(V(x), V(q), V(scale), stream); },
+      nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
+  m.def(
+      "quantize_tensorwise",
+      [](Array x, Array q, Array scale, intptr_t stream) {
+        moe8::api::quantize_tensorwise(V(x), V(q), V(scale), stream);
+      },
+      nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
+  m.def(
+      "dequantize",
+      [](Array q, Array scale, int64_t block_rows, int64_t block_cols, Array out, intptr_t stream) {
+        moe8::api::dequantize(V(q), V(scale), block_rows, block_cols, V(out), stream);
+      },
+      nb::arg("q"), nb::arg("scale"), nb::arg("block_rows"), nb::arg("block_cols"), nb::arg("out"),
+      nb::arg("stream") = 0);
+  m.def("grouped_gemm_fp8_workspace_bytes", &moe8::api::grouped_gemm_fp8_workspace_bytes, nb::arg("num_experts"),
+        nb::arg("on_cuda"));
+  m.def(
+      "grouped_gemm_fp8",
+      [](Array a, Array a_scale, Array b, Array b_scale, Array offsets, Array c, intptr_t stream, bool check_indices,
+         OptArray workspace) {
+        moe8::api::grouped_gemm_fp8(V(a), V(a_scale), V(b), V(b_scale), V(offsets), V(c), stream, check_indices,
+                                    V(workspace));
+      },
+      nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"), nb::arg("offsets"), nb::arg("c"),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
 }

@@ -55,4 +55,48 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
 // dout [R, I] -> dh (shape of h).
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh);
 
+// ---- FP8 e4m3 (stored as uint8; conversion, scale rule and NaN policy in core/fp8.h) ----------------
+// Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x / scale), so that
+// x ~= e4m3_to_float(q) * scale. KB = ceil(K/128), NB = ceil(N/128).
+
+// 1x128 along K: x [R,K] f32|f16|bf16 -> q [R,K] u8, scale [R,KB] f32 (row-major).
+// With row_to_slot [R] i32 (permute + quantise in one pass): x is src [T,K] and row r is src[slot / k],
+// slot = row_to_slot[r]; slot == -1 gives a zero row with scale 1.
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale);
+
+// 128x128 blocks of each expert's weight: w [E,N,K] -> q [E,N,K] u8, scale [E,NB,KB] f32.
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale);
+
+// Transposed 1x128 quantisation for the weight gradient (the GEMM reduces over rows, so the blocks run
+// along rows): x [R,K] -> q_t [K,R] u8 (q_t[c, r] quantises x[r, c]) and scale [col_scale_blocks(R,E), K]
+// f32. Rows of group e (offsets[e] .. offsets[e+1]-1) are cut into 128-row blocks starting at offsets[e],
+// so no block straddles two experts; blocks are numbered group by group (block j of group e has index
+// sum_{e' < e} ceil(count_e' / 128) + j) and scale[b, c] belongs to block b, column c. Scale rows past the
+// last block are 1; columns of q_t past offsets[E] are 0. With groups padded to 128 rows (plan
+// pad_multiple 128) block b is simply rows 128 b .. 128 b + 127.
+void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t,
+                         const TensorView& scale);
+
+// Activation fused with 1x128 quantisation: equal to quantize_rows_1x128(activation_forward(h, p)) with
+// the activation rounded to h's dtype. h [R,2I] (gated) or [R,I] -> q [R,I] u8, scale [R,ceil(I/128)].
+void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, const TensorView& scale);
+
+// One scale per row: x [...,K] -> q (shape of x) u8, scale [...] f32 (x.shape[:-1]).
+void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView& scale);
+// One scale per tensor: x -> q (shape of x) u8, scale [1] f32.
+void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorView& scale);
+
+// out[..., m, k] = e4m3_to_float(q[..., m, k]) * scale[..., m / block_rows, k / block_cols].
+// q [M,K] or [B,M,K] u8, scale [ceil(M/block_rows), ceil(K/block_cols)] (or [B, ...]) f32, out float.
+void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows, int64_t block_cols,
+                const TensorView& out);
+
+// Blockwise-scaled FP8 grouped GEMM (forward; also dgrad with b = the quantised transposed weight):
+// c[r, n] = sum_kb a_scale[r,kb] * b_scale[e, n/128, kb] * sum_{k in block kb} a[r,k] * b[e,n,k] for
+// offsets[e] <= r < offsets[e+1]; rows past offsets[E] are zeroed. a [R,K] u8, a_scale [R,KB],
+// b [E,N,K] u8, b_scale [E,NB,KB], c [R,N] f32|f16|bf16. The reference accumulates in double.
+void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
+                      const TensorView& offsets, const TensorView& c);
+
 }  // namespace moe8::cpu

@@ -5,13 +5,14 @@
 // of columns (tile blockIdx.y), narrow rows stacking several to a block; each thread computes V consecutive
 // outputs, moving 16-byte packs (V = 8 for bf16/f16, 4 for
 // f32) when I and the pointers allow it, single elements otherwise. Math in fp32, one formula per kind in
-// act_forward / act_backward, written in the CPU reference's order of operations; the layout of gate and
-// up is resolved once per pack in load_inputs.
+// act_forward (activation.cuh, shared with swiglu_quant) / act_backward, written in the CPU reference's order
+// of operations; the layout of gate and up is resolved once per pack in load_inputs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
+#include "cuda/activation.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
@@ -19,34 +20,11 @@ namespace moe8::cuda {
 namespace {
 
 constexpr int kMaxThreads = 256;
-constexpr float kSqrtHalf = 0.70710678118654752f;
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
-
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
-
-// Clamps as torch.clamp does: NaN passes through.
-__device__ __forceinline__ float clamp_max(float x, float hi) { return x > hi ? hi : x; }
-__device__ __forceinline__ float clamp_both(float x, float lo, float hi) { return x > hi ? hi : (x < lo ? lo : x); }
-
-// g: gate (or the input of an ungated kind), u: up (unused when ungated).
-__device__ __forceinline__ float act_forward(const ActParams& p, float g, float u) {
-  switch (p.kind) {
-    case ActKind::kSwiGLU:
-      return g * sigmoidf(g) * u;
-    case ActKind::kSwiGLUClamped: {
-      const float gc = clamp_max(g, p.limit), uc = clamp_both(u, -p.limit, p.limit);
-      return (uc + 1.f) * gc * sigmoidf(p.alpha * gc);
-    }
-    case ActKind::kSiLU:
-      return g * sigmoidf(g);
-    default:  // kGELU, exact
-      return 0.5f * g * (1.f + erff(g * kSqrtHalf));
-  }
-}
 
 // d: upstream gradient of the output -> dg, du (du is 0 when ungated).
 __device__ __forceinline__ void act_backward(const ActParams& p, float g, float u, float d, float& dg, float& du) {

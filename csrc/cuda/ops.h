@@ -71,4 +71,24 @@ int64_t count_out_of_range(const int32_t* data, int64_t n, int64_t lo, int64_t h
 // Raises moe8::CudaError naming `what` if the last launch failed.
 void check_launch(const char* what);
 
+// ---- FP8 e4m3 (uint8 storage); semantics as in cpu/ops.h, bit-exact with the CPU reference except where
+// noted (quant.cu, grouped_gemm_fp8.cu) ----------------------------------------------------------------
+
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale, void* stream);
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, void* stream);
+void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,
+                         void* stream);
+// Bit-exact with quantize_rows_1x128(activation_forward(h)) run on the GPU; the activation itself may
+// differ from the CPU's by a few ulps (expf / erff), so against the CPU only within one e4m3 step.
+void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, const TensorView& scale, void* stream);
+void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView& scale, void* stream);
+void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorView& scale, void* stream);
+void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows, int64_t block_cols,
+                const TensorView& out, void* stream);
+// Portable (any GPU, any shape) blockwise FP8 grouped GEMM: fp32 accumulation per 128-wide K block, then
+// scaled and summed in fp32. The Hopper kernel is grouped_gemm_fp8_sm90.h.
+void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
+                      const TensorView& offsets, const TensorView& c, void* stream);
+
 }  // namespace moe8::cuda

@@ -127,11 +127,14 @@ class HostTensor {
     for (int64_t i = 0; i < numel(); ++i) v[i] = get(i);
     return v;
   }
-  // Floats: quiet NaN in every element (0x7fc0 for bf16); integers: kIntPoison.
+  // Floats: quiet NaN in every element (0x7fc0 for bf16); integers: kIntPoison; 8-bit (FP8 storage): 0xFF
+  // (an e4m3 NaN no conversion produces).
   void poison() {
     for (int64_t i = 0; i < numel(); ++i) {
       if (dtype_ == DType::kI32 || dtype_ == DType::kI64)
         set(i, kIntPoison);
+      else if (dtype_size(dtype_) == 1)
+        reinterpret_cast<uint8_t*>(storage_.data())[i] = 0xFF;
       else if (dtype_ == DType::kBF16)
         reinterpret_cast<uint16_t*>(storage_.data())[i] = 0x7fc0;
       else

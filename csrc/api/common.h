@@ -1,0 +1,78 @@
+// api/common.h — what the API's translation units share (internal, not part of the public API): the
+// stream cast, the "built without CUDA" error, backend choice, and the checks of index arrays that need
+// their values (on a CUDA tensor these synchronise the stream).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "core/check.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#ifdef MOE8_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/ops.h"
+#endif
+
+namespace moe8::api {
+
+inline void* as_ptr(intptr_t s) { return reinterpret_cast<void*>(s); }
+
+[[noreturn]] inline void no_cuda(const char* op) {
+  fail(op, ": tensors are on a CUDA device but moe8 was built without CUDA (no nvcc at build time)");
+}
+
+// Values of an int32 index array must lie in [lo, hi).
+inline void check_range(const char* name, const TensorView& t, int64_t lo, int64_t hi, intptr_t stream) {
+  int64_t bad = 0;
+  if (t.is_cuda()) {
+#ifdef MOE8_WITH_CUDA
+    bad = cuda::count_out_of_range(t.ptr<int32_t>(), t.numel(), lo, hi, as_ptr(stream));
+#else
+    (void)stream;
+    no_cuda(name);
+#endif
+  } else {
+    const int32_t* p = t.ptr<int32_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) bad += (p[i] < lo || p[i] >= hi);
+  }
+  MOE8_CHECK(bad == 0, name, ": expected values in [", lo, ", ", hi, "), found ", bad, " out of range");
+}
+
+// offsets[0] == 0, nondecreasing, offsets[E] <= rows.
+inline void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stream) {
+  (void)stream;
+  std::vector<int32_t> off(offsets.numel());
+  if (offsets.is_cuda()) {
+#ifdef MOE8_WITH_CUDA
+    cudaStream_t s = static_cast<cudaStream_t>(as_ptr(stream));
+    cudaMemcpyAsync(off.data(), offsets.data, off.size() * 4, cudaMemcpyDeviceToHost, s);
+    if (cudaStreamSynchronize(s) != cudaSuccess) throw CudaError("offsets: copy to host failed");
+#else
+    no_cuda("offsets");
+#endif
+  } else {
+    std::copy(offsets.ptr<int32_t>(), offsets.ptr<int32_t>() + off.size(), off.begin());
+  }
+  MOE8_CHECK(off[0] == 0, "offsets: expected offsets[0] == 0, got ", off[0]);
+  for (size_t e = 1; e < off.size(); ++e)
+    MOE8_CHECK(off[e] >= off[e - 1], "offsets: expected nondecreasing values, got offsets[", e, "] = ", off[e],
+               " < offsets[", e - 1, "] = ", off[e - 1]);
+  MOE8_CHECK(off.back() <= rows, "offsets: expected offsets[E] <= ", rows, " rows, got ", off.back());
+}
+
+inline void check_optional(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
+  if (t.present) check_tensor(name, t, ref_name, ref);
+}
+
+inline bool on_cuda(const TensorView& t, const char* op) {
+#ifndef MOE8_WITH_CUDA
+  if (t.is_cuda()) no_cuda(op);
+#else
+  (void)op;
+#endif
+  return t.is_cuda();
+}
+
+}  // namespace moe8::api

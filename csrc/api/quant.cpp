@@ -1,0 +1,277 @@
+// api/quant.cpp — validation and backend choice for the FP8 ops (quantisation recipes, dequantisation, the
+// blockwise-scaled grouped GEMM). Nothing reaches a backend unchecked.
+#include <initializer_list>
+
+#include "api/common.h"
+#include "api/ops.h"
+#include "core/check.h"
+#include "core/fp8.h"
+#include "cpu/ops.h"
+#ifdef MOE8_WITH_CUDA
+#include "cuda/grouped_gemm_fp8_sm90.h"
+#include "cuda/ops.h"
+#endif
+
+namespace moe8::api {
+namespace {
+
+void check_fp8(const char* name, const TensorView& t) { check_dtype(name, t, {DType::kU8, DType::kF8E4M3}); }
+
+// A float input: present, contiguous, of a float dtype, with `ndim` dimensions.
+void check_input(const char* name, const TensorView& t, int ndim) {
+  check_present(name, t);
+  check_ndim(name, t, ndim);
+  check_float(name, t);
+  check_contiguous(name, t);
+}
+
+void check_q(const char* name, const TensorView& q, const char* ref_name, const TensorView& ref,
+             std::initializer_list<int64_t> shape) {
+  check_tensor(name, q, ref_name, ref);
+  check_fp8(name, q);
+  check_shape(name, q, shape);
+}
+
+void check_scale(const char* name, const TensorView& s, const char* ref_name, const TensorView& ref,
+                 std::initializer_list<int64_t> shape) {
+  check_tensor(name, s, ref_name, ref);
+  check_dtype(name, s, {DType::kF32});
+  check_shape(name, s, shape);
+}
+
+}  // namespace
+
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale, intptr_t stream, bool check_indices) {
+  check_input("x", x, 2);
+  const int64_t T = x.size(0), K = x.size(1);
+  int64_t R = T;
+  if (row_to_slot.present) {
+    MOE8_CHECK(k >= 1, "k: expected >= 1, got ", k);
+    check_tensor("row_to_slot", row_to_slot, "x", x);
+    check_dtype("row_to_slot", row_to_slot, {DType::kI32});
+    check_ndim("row_to_slot", row_to_slot, 1);
+    R = row_to_slot.size(0);
+  }
+  check_q("q", q, "x", x, {R, K});
+  check_scale("scale", scale, "x", x, {R, quant_blocks(K)});
+  if (row_to_slot.present && check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
+  if (on_cuda(x, "quantize_rows_1x128")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::quantize_rows_1x128(x, row_to_slot, k, q, scale, as_ptr(stream));
+#endif
+  } else {
+    cpu::quantize_rows_1x128(x, row_to_slot, k, q, scale);
+  }
+}
+
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream) {
+  check_input("w", w, 3);
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  check_q("q", q, "w", w, {E, N, K});
+  check_scale("scale", scale, "w", w, {E, quant_blocks(N), quant_blocks(K)});
+  if (on_cuda(w, "quantize_weight_128x128")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::quantize_weight_128x128(w, q, scale, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::quantize_weight_128x128(w, q, scale);
+  }
+}
+
+int64_t col_scale_blocks(int64_t rows, int num_experts) { return moe8::col_scale_blocks(rows, num_experts); }
+
+void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,
+                         intptr_t stream, bool check_indices) {
+  check_input("x", x, 2);
+  const int64_t R = x.size(0), K = x.size(1);
+  check_tensor("offsets", offsets, "x", x);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_ndim("offsets", offsets, 1);
+  const int64_t E = offsets.size(0) - 1;
+  MOE8_CHECK(E >= 1, "offsets: expected E+1 >= 2 values, got shape ", offsets.shape_str());
+  check_q("q_t", q_t, "x", x, {K, R});
+  check_scale("scale", scale, "x", x, {moe8::col_scale_blocks(R, E), K});
+  if (check_indices) check_offsets(offsets, R, stream);
+  if (on_cuda(x, "quantize_cols_1x128")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::quantize_cols_1x128(x, offsets, q_t, scale, as_ptr(stream));
+#endif
+  } else {
+    cpu::quantize_cols_1x128(x, offsets, q_t, scale);
+  }
+}
+
+void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, const TensorView& scale,
+                  intptr_t stream) {
+  check_input("h", h, 2);
+  MOE8_CHECK(p.kind >= ActKind::kSwiGLU && p.kind <= ActKind::kGELU, "kind: unknown activation ",
+             static_cast<int>(p.kind));
+  check_tensor("q", q, "h", h);
+  check_fp8("q", q);
+  check_ndim("q", q, 2);
+  const int64_t R = h.size(0), I = q.size(1);
+  check_shape("q", q, {R, -1});
+  if (is_gated(p.kind))
+    MOE8_CHECK(h.size(1) == 2 * I, "h: a gated activation expects h.shape[1] == 2 * q.shape[1] = ", 2 * I, ", got ",
+               h.size(1));
+  else
+    MOE8_CHECK(h.size(1) == I, "h: an ungated activation expects h.shape[1] == q.shape[1] = ", I, ", got ", h.size(1));
+  check_scale("scale", scale, "h", h, {R, quant_blocks(I)});
+  if (on_cuda(h, "swiglu_quant")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::swiglu_quant(h, p, q, scale, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::swiglu_quant(h, p, q, scale);
+  }
+}
+
+void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView& scale, intptr_t stream) {
+  check_present("x", x);
+  MOE8_CHECK(x.ndim == 2 || x.ndim == 3, "x: expected a 2-d or 3-d tensor, got shape ", x.shape_str());
+  check_float("x", x);
+  check_contiguous("x", x);
+  check_tensor("q", q, "x", x);
+  check_fp8("q", q);
+  bool same = q.ndim == x.ndim;
+  for (int d = 0; same && d < x.ndim; ++d) same = q.shape[d] == x.shape[d];
+  MOE8_CHECK(same, "q: expected shape ", x.shape_str(), " (same as x), got ", q.shape_str());
+  check_tensor("scale", scale, "x", x);
+  check_dtype("scale", scale, {DType::kF32});
+  same = scale.ndim == x.ndim - 1;
+  for (int d = 0; same && d < x.ndim - 1; ++d) same = scale.shape[d] == x.shape[d];
+  MOE8_CHECK(same, "scale: expected shape x.shape[:-1] (x is ", x.shape_str(), "), got ", scale.shape_str());
+  if (on_cuda(x, "quantize_rowwise")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::quantize_rowwise(x, q, scale, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::quantize_rowwise(x, q, scale);
+  }
+}
+
+void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorView& scale, intptr_t stream) {
+  check_present("x", x);
+  check_float("x", x);
+  check_contiguous("x", x);
+  check_tensor("q", q, "x", x);
+  check_fp8("q", q);
+  bool same = q.ndim == x.ndim;
+  for (int d = 0; same && d < x.ndim; ++d) same = q.shape[d] == x.shape[d];
+  MOE8_CHECK(same, "q: expected shape ", x.shape_str(), " (same as x), got ", q.shape_str());
+  check_scale("scale", scale, "x", x, {1});
+  if (on_cuda(x, "quantize_tensorwise")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::quantize_tensorwise(x, q, scale, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::quantize_tensorwise(x, q, scale);
+  }
+}
+
+void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows, int64_t block_cols,
+                const TensorView& out, intptr_t stream) {
+  check_present("q", q);
+  MOE8_CHECK(q.ndim == 2 || q.ndim == 3, "q: expected a 2-d or 3-d tensor, got shape ", q.shape_str());
+  check_fp8("q", q);
+  check_contiguous("q", q);
+  MOE8_CHECK(block_rows >= 1, "block_rows: expected >= 1, got ", block_rows);
+  MOE8_CHECK(block_cols >= 1, "block_cols: expected >= 1, got ", block_cols);
+  const int64_t M = q.size(-2), K = q.size(-1);
+  const int64_t SM = (M + block_rows - 1) / block_rows, SK = (K + block_cols - 1) / block_cols;
+  if (q.ndim == 3)
+    check_scale("scale", scale, "q", q, {q.size(0), SM, SK});
+  else
+    check_scale("scale", scale, "q", q, {SM, SK});
+  check_tensor("out", out, "q", q);
+  check_float("out", out);
+  bool same = out.ndim == q.ndim;
+  for (int d = 0; same && d < q.ndim; ++d) same = out.shape[d] == q.shape[d];
+  MOE8_CHECK(same, "out: expected shape ", q.shape_str(), " (same as q), got ", out.shape_str());
+  if (on_cuda(q, "dequantize")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::dequantize(q, scale, block_rows, block_cols, out, as_ptr(stream));
+#else
+    (void)stream;
+#endif
+  } else {
+    cpu::dequantize(q, scale, block_rows, block_cols, out);
+  }
+}
+
+int64_t grouped_gemm_fp8_workspace_bytes(int num_experts, bool on_cuda) {
+#ifdef MOE8_WITH_CUDA
+  if (on_cuda && num_experts >= 1) {
+    // Whether the path exists at all on the current device: a probe with aligned (never dereferenced) pointers.
+    void* p = reinterpret_cast<void*>(256);
+    TensorView a = make_view(p, DType::kU8, {16, 16}, DeviceType::kCUDA);
+    TensorView b = make_view(p, DType::kU8, {1, 16, 16}, DeviceType::kCUDA);
+    TensorView c = make_view(p, DType::kBF16, {16, 16}, DeviceType::kCUDA);
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    a.device_index = b.device_index = c.device_index = device;
+    if (cuda::grouped_gemm_fp8_sm90_supported(a, b, c))
+      return static_cast<int64_t>(cuda::grouped_gemm_fp8_sm90_workspace_bytes(num_experts));
+  }
+#else
+  (void)num_experts;
+  (void)on_cuda;
+#endif
+  return 0;
+}
+
+void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
+                      const TensorView& offsets, const TensorView& c, intptr_t stream, bool check_indices,
+                      const TensorView& workspace) {
+  check_present("a", a);
+  check_ndim("a", a, 2);
+  check_fp8("a", a);
+  check_contiguous("a", a);
+  const int64_t R = a.size(0), K = a.size(1);
+  check_scale("a_scale", a_scale, "a", a, {R, quant_blocks(K)});
+  check_tensor("b", b, "a", a);
+  check_fp8("b", b);
+  check_ndim("b", b, 3);
+  const int64_t E = b.size(0), N = b.size(1);
+  check_shape("b", b, {E, N, K});
+  MOE8_CHECK(E >= 1, "b: expected at least one expert (dim 0), got shape ", b.shape_str());
+  check_scale("b_scale", b_scale, "a", a, {E, quant_blocks(N), quant_blocks(K)});
+  check_tensor("offsets", offsets, "a", a);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_shape("offsets", offsets, {E + 1});
+  check_tensor("c", c, "a", a);
+  check_float("c", c);
+  check_shape("c", c, {R, N});
+  if (check_indices) check_offsets(offsets, R, stream);
+  if (on_cuda(a, "grouped_gemm_fp8")) {
+#ifdef MOE8_WITH_CUDA
+    bool fast = false;
+    if (workspace.present) {
+      check_tensor("workspace", workspace, "a", a);
+      check_dtype("workspace", workspace, {DType::kU8});
+      const int64_t need = grouped_gemm_fp8_workspace_bytes(static_cast<int>(E), true);
+      MOE8_CHECK(workspace.numel() >= need, "workspace: expected at least ", need, " bytes, got ", workspace.numel());
+      fast = need > 0 && cuda::grouped_gemm_fp8_sm90_supported(a, b, c);
+    }
+    if (fast)
+      cuda::grouped_gemm_fp8_sm90(a, a_scale, b, b_scale, offsets, c, workspace.data,
+                                  static_cast<size_t>(workspace.numel()), as_ptr(stream));
+    else
+      cuda::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, as_ptr(stream));
+#endif
+  } else {
+    (void)workspace;
+    cpu::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c);
+  }
+}
+
+}  // namespace moe8::api

@@ -1,0 +1,339 @@
+// grouped_gemm_fp8_sm90.cu — the MoE expert forward GEMM in FP8 on Hopper, DeepSeek-V3 blockwise recipe:
+//   c[rows of e] (bf16) = a[rows of e] (e4m3, 1x128 scales) · b[e]^T (e4m3 [N, K], 128x128 scales)
+// on CUTLASS's ptr-array warp-specialised cooperative kernel with FP8 block-scaled accumulation
+// (KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum): each 128-wide K tile is accumulated by
+// wgmma in a fresh fp32 register tile, then multiplied by a_scale[row] * b_scale[n block] and added to
+// the running fp32 sum ("promotion every 128 of K"), so the tensor cores' limited accumulation width
+// never sees more than 128 products.
+//
+// Scale layouts. CUTLASS builds each group's scale tensors from the group's problem shape alone (the
+// layout_SFA/SFB arguments are not read by the grouped kernel), so each group's scales must be a packed
+// block at its scale pointer. Both are taken K-major: a_scale [R, KB] row-major restricted to the group's
+// rows is the packed [M_e, KB] block at a_scale + offsets[e] * KB, and b_scale[e] is the packed
+// [NB, KB] block — exactly what quantize_rows_1x128 and quantize_weight_128x128 write, no transposes.
+// (The scales are read with 4-byte cp.async, not TMA, so K-major costs only more L2 sectors.)
+//
+// As in grouped_gemm_sm90.cu, a prep kernel (one thread per group) writes per-group shapes, pointers,
+// strides and scale pointers into the caller's workspace and zeroes the rows of c past offsets[E]; CUTLASS
+// reads the shapes on the device (host_problem_shapes = nullptr), so nothing synchronises.
+//
+// Build: nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG
+//        -DMOE8_WITH_CUTLASS=1 -I<cutlass>/include (cmake/cutlass.cmake does this). Without
+//        MOE8_WITH_CUTLASS the file compiles to stubs that report the path unsupported.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/error.h"
+#include "cuda/grouped_gemm_fp8_sm90.h"
+
+#if defined(MOE8_WITH_CUTLASS)
+#include <algorithm>
+#include <type_traits>
+
+#include "core/fp8.h"
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+#include "cuda/sm90_util.cuh"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "grouped_gemm_fp8_sm90.cu needs CUDA 12.3+ (CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)"
+#endif
+#endif
+
+namespace moe8::cuda {
+
+#if defined(MOE8_WITH_CUTLASS)
+namespace sm90_fp8 {
+
+using namespace cute;
+using namespace sm90_util;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+// Scale granularity (M, N, K) = (1, 128, 128); both scale tensors K-major (see the file comment).
+using ScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, kQuantBlock, kQuantBlock, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+// Two tile configurations, both with a K step of one scale block. Large: two consumer warpgroups share a
+// 128x128 tile (cooperative); small: each consumer warpgroup owns a 64x128 tile and the two alternate
+// mainloop and epilogue (ping-pong), for experts with few rows. CTAs pair along N in a cluster so the
+// activation tile is multicast (N is a fixed model width, while pairing along the ragged M would waste).
+struct TileLarge {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct TileSmall {
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// Average rows per expert under which the small tile is used. Taken over from the bf16 kernel's H200
+// measurements (grouped_gemm_sm90.cu); to be re-measured for FP8.
+constexpr int64_t kSmallRowsPerGroup = 128;
+
+// D[g] (M x N, row-major, bf16) = A[g] (M x K, row-major) · B[g] (N x K, row-major)^T with block scales.
+// NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0.
+template <class Config>
+struct Fp8Gemm {
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16, kAlignD = 8;  // elements per 16 bytes: TMA's alignment
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
+      void, LayoutD*, kAlignD,                                        // C: none
+      ElementD, LayoutD*, kAlignD,                                    // D
+      typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,     //
+      ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,  //
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB,  //
+      float, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+
+  // What the scale pointers of the prep kernel assume.
+  static_assert(!Mainloop::MMajorSFA && !Mainloop::NMajorSFB, "scales must be read K-major");
+  static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == kQuantBlock &&
+                    Mainloop::ScaleGranularityK == kQuantBlock,
+                "1x128 activation and 128x128 weight scales");
+};
+
+using FwdLarge = Fp8Gemm<TileLarge>;
+using FwdSmall = Fp8Gemm<TileSmall>;
+
+// ---------------------------------------------------------------------------------------------------
+// Workspace: per-group arrays (fixed slot sizes), then CUTLASS's own.
+
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotLayout = 32;
+static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
+static_assert(sizeof(LayoutSFA) <= kSlotLayout && sizeof(LayoutSFB) <= kSlotLayout, "scale layout slot");
+static_assert(sizeof(FwdLarge::StrideA) <= kSlotStride && sizeof(FwdLarge::StrideB) <= kSlotStride &&
+                  sizeof(FwdLarge::StrideD) <= kSlotStride,
+              "stride slot");
+static_assert(std::is_same_v<FwdLarge::StrideA, FwdSmall::StrideA> &&
+                  std::is_same_v<FwdLarge::StrideB, FwdSmall::StrideB> &&
+                  std::is_same_v<FwdLarge::StrideD, FwdSmall::StrideD>,
+              "both tiles share the prep kernel's strides");
+
+inline size_t group_arrays_bytes(int groups) {
+  const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
+  return align_up(g * kSlotShape, kAlignWs) + 5 * align_up(g * kSlotPtr, kAlignWs) +
+         3 * align_up(g * kSlotStride, kAlignWs) + 2 * align_up(g * kSlotLayout, kAlignWs);
+}
+
+struct GroupArrays {
+  GroupShape* shapes;
+  const void** ptr_a;
+  const void** ptr_b;
+  void** ptr_d;
+  const float** ptr_sfa;
+  const float** ptr_sfb;
+  void* stride_a;
+  void* stride_b;
+  void* stride_d;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+  void* cutlass_ws;  // kAlignWs-aligned
+};
+
+inline GroupArrays carve(void* workspace, int groups) {
+  const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
+  Carver c(workspace);
+  GroupArrays w;
+  w.shapes = static_cast<GroupShape*>(c.take(g * kSlotShape));
+  w.ptr_a = static_cast<const void**>(c.take(g * kSlotPtr));
+  w.ptr_b = static_cast<const void**>(c.take(g * kSlotPtr));
+  w.ptr_d = static_cast<void**>(c.take(g * kSlotPtr));
+  w.ptr_sfa = static_cast<const float**>(c.take(g * kSlotPtr));
+  w.ptr_sfb = static_cast<const float**>(c.take(g * kSlotPtr));
+  w.stride_a = c.take(g * kSlotStride);
+  w.stride_b = c.take(g * kSlotStride);
+  w.stride_d = c.take(g * kSlotStride);
+  w.layout_sfa = static_cast<LayoutSFA*>(c.take(g * kSlotLayout));
+  w.layout_sfb = static_cast<LayoutSFB*>(c.take(g * kSlotLayout));
+  w.cutlass_ws = c.take(0);
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prep kernel: group e is (M = its rows, N, K); rows [offsets[E], R) of c are zeroed.
+
+constexpr int kPrepThreads = 256;
+
+template <class G>
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_fp8_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd,
+                    const uint8_t* a, const float* a_scale, const uint8_t* b, const float* b_scale, void* c,
+                    GroupArrays w) {
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t kb = quant_blocks(kd), nb = quant_blocks(n);
+  for (int64_t e = tid; e < groups; e += nthreads) {
+    int64_t begin, end;
+    group_range(offsets, static_cast<int>(e), rows, begin, end);
+    const int m = static_cast<int>(end - begin), ni = static_cast<int>(n), ki = static_cast<int>(kd);
+    w.shapes[e] = GroupShape(m, ni, ki);
+    w.ptr_a[e] = a + begin * kd;
+    w.ptr_b[e] = b + e * n * kd;
+    w.ptr_d[e] = static_cast<cutlass::bfloat16_t*>(c) + begin * n;
+    w.ptr_sfa[e] = a_scale + begin * kb;
+    w.ptr_sfb[e] = b_scale + e * nb * kb;
+    static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(kd);
+    static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(kd);
+    static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(n);
+    // Not read by the grouped kernel today (it derives the same layouts from the shape); kept consistent.
+    w.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, ni, ki, 1));
+    w.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, ni, ki, 1));
+  }
+  // n % 8 == 0, so bf16 rows start on 16-byte boundaries.
+  const int64_t last = offsets[groups], used = last < 0 ? 0 : (last > rows ? rows : last);
+  uint4* c16 = static_cast<uint4*>(c);
+  for (int64_t i = used * n / 8 + tid; i < rows * n / 8; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
+}
+
+inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
+  int64_t blocks = ceil_div(groups, kPrepThreads);
+  blocks = std::max<int64_t>(blocks, std::min<int64_t>(ceil_div(zero_vectors, kPrepThreads), 2 * int64_t(sms)));
+  return static_cast<int>(std::max<int64_t>(blocks, 1));
+}
+
+// Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
+template <class G>
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStream_t stream) {
+  using Gemm = typename G::Gemm;
+  using AB = typename G::ElementAB;
+  using D = typename G::ElementD;
+  const char* what = "grouped_gemm_fp8_sm90";
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sms;
+  hw.max_active_clusters = max_active_clusters<typename G::Kernel>(device, what);
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, w.shapes, nullptr},  // shapes only on the device
+      {reinterpret_cast<const AB**>(w.ptr_a), static_cast<typename G::StrideA*>(w.stride_a),
+       reinterpret_cast<const AB**>(w.ptr_b), static_cast<typename G::StrideB*>(w.stride_b), w.ptr_sfa, w.layout_sfa,
+       w.ptr_sfb, w.layout_sfb},
+      {{}, nullptr, nullptr, reinterpret_cast<D**>(w.ptr_d), static_cast<typename G::StrideD*>(w.stride_d)},
+      hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string(what) + ": CUTLASS cannot implement: " + cutlassGetStatusString(st));
+  st = gemm.initialize(args, w.cutlass_ws, stream);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string(what) + ": CUTLASS initialize: " + cutlassGetStatusString(st));
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess)
+    throw CudaError(std::string(what) + ": CUTLASS run: " + cutlassGetStatusString(st));
+  check_launch("grouped_gemm_fp8_sm90: CUTLASS kernel");
+}
+
+inline bool fp8_storage(DType d) { return d == DType::kU8 || d == DType::kF8E4M3; }
+
+}  // namespace sm90_fp8
+
+size_t grouped_gemm_fp8_sm90_workspace_bytes(int num_experts) {
+  using namespace sm90_fp8;
+  const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_sm90: cudaGetDevice"));
+  const int sms = f.sms > 0 ? f.sms : 1;
+  const size_t cut = std::max(cutlass_workspace_bytes<FwdLarge::Gemm>(num_experts, sms),
+                              cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms));
+  return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
+}
+
+bool grouped_gemm_fp8_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& c) {
+  using namespace sm90_fp8;
+  for (const TensorView* t : {&a, &b, &c})
+    if (!t->present || !t->is_cuda() || t->device_index != a.device_index || !t->is_contiguous() ||
+        reinterpret_cast<uintptr_t>(t->data) % 16 != 0)
+      return false;
+  if (!fp8_storage(a.dtype) || !fp8_storage(b.dtype) || c.dtype != DType::kBF16) return false;
+  if (a.ndim != 2 || b.ndim != 3 || c.ndim != 2) return false;
+  const int64_t rows = a.shape[0], kd = a.shape[1], experts = b.shape[0], n = b.shape[1];
+  if (b.shape[2] != kd || c.shape[0] != rows || c.shape[1] != n) return false;
+  if (n <= 0 || kd <= 0 || kd % 16 != 0 || n % 8 != 0) return false;
+  constexpr int64_t kMaxInt = 2147483647;
+  if (rows > kMaxInt || n > kMaxInt || kd > kMaxInt || experts > kMaxInt || experts < 1) return false;
+  const DeviceFacts f = device_facts(a.device_index);
+  return f.major == 9 && f.minor == 0;
+}
+
+void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const TensorView& b,
+                           const TensorView& b_scale, const TensorView& offsets, const TensorView& c, void* workspace,
+                           size_t workspace_bytes, void* stream) {
+  using namespace sm90_fp8;
+  const char* what = "grouped_gemm_fp8_sm90";
+  MOE8_CHECK(grouped_gemm_fp8_sm90_supported(a, b, c), what,
+             ": unsupported arguments (see grouped_gemm_fp8_sm90_supported)");
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = a.shape[0], kd = a.shape[1], n = c.shape[1];
+  const int device = a.device_index;
+  const int current = current_device("grouped_gemm_fp8_sm90: cudaGetDevice");
+  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
+  const size_t need = grouped_gemm_fp8_sm90_workspace_bytes(groups);
+  MOE8_CHECK(workspace != nullptr && workspace_bytes >= need, what, ": expected a workspace of at least ", need,
+             " bytes, got ", workspace_bytes, workspace ? "" : " (null)");
+  const DeviceFacts f = device_facts(device);
+  const GroupArrays w = carve(workspace, groups);
+  cudaStream_t s = as_stream(stream);
+  auto launch = [&](auto g) {
+    using G = decltype(g);
+    prep_fp8_kernel<G><<<prep_blocks(groups, rows * n / 8, f.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
+        b_scale.ptr<float>(), c.data, w);
+    check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
+  };
+  if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
+    launch(FwdSmall{});
+  else
+    launch(FwdLarge{});
+}
+
+#else  // !MOE8_WITH_CUTLASS: stubs
+
+size_t grouped_gemm_fp8_sm90_workspace_bytes(int) { return 0; }
+
+bool grouped_gemm_fp8_sm90_supported(const TensorView&, const TensorView&, const TensorView&) { return false; }
+
+void grouped_gemm_fp8_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                           const TensorView&, const TensorView&, void*, size_t, void*) {
+  fail("grouped_gemm_fp8_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS); use grouped_gemm_fp8");
+}
+
+#endif  // MOE8_WITH_CUTLASS
+
+}  // namespace moe8::cuda

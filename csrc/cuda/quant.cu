@@ -1,0 +1,503 @@
+// quant.cu — FP8 e4m3 quantisation kernels of the training recipes (semantics: cpu/ops.h; conversion and
+// NaN policy: core/fp8.h), bit-exact with the CPU reference:
+//   rows 1x128 (+ gather)  one warp per (row, 128-column block): 4 values per lane, warp max, scale, store
+//   weight 128x128         one 256-thread block per tile, 64 values per thread in registers
+//   cols 1x128 (wgrad)     one block per (128-row block of a group, 64 columns), staged in shared memory
+//                          and written transposed
+//   swiglu_quant           rows 1x128 with the activation computed on the way (activation.cuh)
+//   rowwise / tensorwise   block per row / grid-wide amax (atomicMax on the float bits) then a cast
+//   dequantize             one thread per element
+// Bit-exactness rests on three things: amax is a max (order-free; fmaxf drops NaN like the CPU's compare),
+// the scale and x / scale are IEEE divisions (__fdiv_rn, whatever the fast-math flags), and the cast is the
+// hardware's round-to-nearest-even satfinite conversion that core/fp8.h reproduces.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/fp8.h"
+#include "cuda/activation.cuh"
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+
+namespace moe8::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float e4m3_value(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));  // exact: e4m3 is a subset of f16
+}
+
+__device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? __fdiv_rn(amax, kE4M3Max) : 1.f; }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Max over the block (all threads must call); the result is returned to every thread.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float part[kWarpsPerBlock];
+  v = warp_max(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `part` may still be read from a previous call
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  float m = lane < kWarpsPerBlock ? part[lane] : 0.f;
+  return warp_max(m);
+}
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+// Four consecutive values of a row starting at column k0 (zeros past K); vectorised when the caller knows
+// the four are in range and 4-element aligned.
+template <typename T>
+__device__ __forceinline__ void load4(const T* row, int64_t k0, int64_t K, bool vec, float (&v)[4]) {
+  if (vec && k0 + 4 <= K) {
+    const Pack<T, 4> p = *reinterpret_cast<const Pack<T, 4>*>(row + k0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = to_float(p.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
+  }
+}
+
+__device__ __forceinline__ void store4(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[4], float s) {
+  uint8_t b[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) b[j] = to_e4m3(__fdiv_rn(v[j], s));
+  if (vec && k0 + 4 <= K) {
+    *reinterpret_cast<uint32_t*>(row + k0) = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (k0 + j < K) row[k0 + j] = b[j];
+  }
+}
+
+// Quantises the 128 values a warp holds (4 per lane) and writes its scale; v is in-register.
+__device__ __forceinline__ void warp_quantize(const float (&v)[4], uint8_t* qrow, int64_t k0, int64_t K, bool vec,
+                                              float* scale_out) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[j]));
+  const float s = scale_of(warp_max(m));
+  if (threadIdx.x % 32 == 0) *scale_out = s;
+  store4(qrow, k0, K, vec, v, s);
+}
+
+inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+inline unsigned blocks_for_warps(int64_t warps) { return static_cast<unsigned>(ceil_div(warps, kWarpsPerBlock)); }
+
+// ---------------------------------------------------------------------------------------- rows 1x128
+
+// x: [rows, K] (or src [T, K] when gathering); row_to_slot null: no gather.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_to_slot, int k, int64_t rows,
+                         int64_t K, bool vec, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t KB = quant_blocks(K);
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  if (w >= rows * KB) return;  // whole warps leave together
+  const int64_t r = w / KB, b = w % KB;
+  int64_t src = r;
+  if (row_to_slot) {
+    const int32_t slot = row_to_slot[r];
+    src = slot < 0 ? -1 : slot / k;
+  }
+  const int64_t k0 = b * kQuantBlock + (threadIdx.x % 32) * 4;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (src >= 0) load4(x + src * K, k0, K, vec, v);
+  warp_quantize(v, q + r * K, k0, K, vec, scale + r * KB + b);
+}
+
+// ------------------------------------------------------------------------------------ weight 128x128
+
+// One block per (e, nb, kb) tile. Thread t owns columns 4 (t % 32) .. +3 of rows t / 32 + 8 i, i < 16.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K, bool vec, uint8_t* __restrict__ q,
+                           float* __restrict__ scale) {
+  constexpr int kRowsPerThread = kQuantBlock / kWarpsPerBlock;  // 16
+  const int64_t NB = quant_blocks(N), KB = quant_blocks(K);
+  const int64_t tile = blockIdx.x, e = tile / (NB * KB), nb = (tile / KB) % NB, kb = tile % KB;
+  const int64_t k0 = kb * kQuantBlock + (threadIdx.x % 32) * 4;
+  float v[kRowsPerThread][4];
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[i][j] = 0.f;
+    if (n < N) load4(w + (e * N + n) * K, k0, K, vec, v[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[i][j]));
+  }
+  const float s = scale_of(block_max(m));
+  if (threadIdx.x == 0) scale[tile] = s;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
+    if (n < N) store4(q + (e * N + n) * K, k0, K, vec, v[i], s);
+  }
+}
+
+// -------------------------------------------------------------------------------- cols 1x128 (wgrad)
+
+constexpr int kColTile = 64;
+
+// Grid (blocks, ceil(K / 64)). Block b of the group numbering in cpu/ops.h; blocks past the last one set
+// their scales to 1 and zero the columns of q_t past offsets[E] (together they cover them: see below).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_cols_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets, int groups, int64_t R, int64_t K,
+                         int64_t nblocks, uint8_t* __restrict__ q_t, float* __restrict__ scale) {
+  __shared__ float tile[kQuantBlock][kColTile + 1];
+  __shared__ float part[kThreads / kColTile][kColTile];
+  __shared__ int64_t info[4];  // r0, r1 (rows of this block; r0 = -1: a tail block), used rows, used blocks
+  const int64_t b = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kColTile;
+  if (threadIdx.x < 32) {
+    // Find the group of block b: lanes count the blocks of consecutive runs of groups, a warp scan turns
+    // the counts into first block numbers, and the lane whose run holds b walks it.
+    const int lane = threadIdx.x, per = (groups + 31) / 32;
+    const int e0 = min(groups, lane * per), e1 = min(groups, e0 + per);
+    int64_t local = 0;
+    for (int e = e0; e < e1; ++e) local += quant_blocks(offsets[e + 1] - offsets[e]);
+    int64_t incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    const int64_t total = __shfl_sync(0xffffffffu, incl, 31);
+    if (lane == 0) {
+      info[0] = -1;
+      info[1] = -1;
+      info[2] = offsets[groups];
+      info[3] = total;
+    }
+    __syncwarp();
+    int64_t base = incl - local;
+    if (b >= base && b < incl) {  // exactly one lane, unless b is a tail block
+      for (int e = e0; e < e1; ++e) {
+        const int64_t begin = offsets[e], end = offsets[e + 1], nb = quant_blocks(end - begin);
+        if (b < base + nb) {
+          const int64_t r0 = begin + (b - base) * kQuantBlock;
+          info[0] = r0;
+          info[1] = min(end, r0 + kQuantBlock);
+          break;
+        }
+        base += nb;
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t r0 = info[0], n = info[1] - info[0], used = info[2], used_blocks = info[3];
+  const int c = threadIdx.x % kColTile, sub = threadIdx.x / kColTile;  // column in the tile, row phase (0..3)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kColsPerWarp = kColTile / kWarpsPerBlock;  // 8
+  if (r0 < 0) {
+    // Tail: scale 1; and zero q_t[:, used:R] in 128-row chunks shared among the tail blocks. There are
+    // enough: sum_e ceil(count_e / 128) <= ceil(used / 128) + E - 1, so the nblocks - used_blocks tail
+    // blocks number at least ceil(R / 128) - ceil(used / 128) + 1 >= ceil((R - used) / 128).
+    if (sub == 0 && c0 + c < K) scale[b * K + c0 + c] = 1.f;
+    for (int64_t j = b - used_blocks; used + j * kQuantBlock < R; j += nblocks - used_blocks) {
+      const int64_t rs = used + j * kQuantBlock, re = min(R, rs + kQuantBlock);
+      for (int cc = 0; cc < kColsPerWarp; ++cc) {
+        const int64_t col = c0 + warp * kColsPerWarp + cc;
+        if (col >= K) break;
+        for (int64_t r = rs + lane; r < re; r += 32) q_t[col * R + r] = 0;
+      }
+    }
+    return;
+  }
+  // Load the block's rows (coalesced along columns), keep per-thread column maxima.
+  float m = 0.f;
+  for (int i = sub; i < kQuantBlock; i += kThreads / kColTile) {
+    float v = 0.f;
+    if (i < n && c0 + c < K) v = to_float(x[(r0 + i) * K + c0 + c]);
+    tile[i][c] = v;
+    m = fmaxf(m, fabsf(v));
+  }
+  part[sub][c] = m;
+  __syncthreads();
+  if (sub == 0) {
+#pragma unroll
+    for (int p = 1; p < kThreads / kColTile; ++p) m = fmaxf(m, part[p][c]);
+    const float s = scale_of(m);
+    part[0][c] = s;
+    if (c0 + c < K) scale[b * K + c0 + c] = s;
+  }
+  __syncthreads();
+  // Write transposed: warp w writes columns 8w .. 8w+7, each as 128 consecutive bytes of q_t's row.
+  const bool vec = n == kQuantBlock && R % 4 == 0 && r0 % 4 == 0 && reinterpret_cast<uintptr_t>(q_t) % 4 == 0;
+  for (int cc = 0; cc < kColsPerWarp; ++cc) {
+    const int tc = warp * kColsPerWarp + cc;
+    const int64_t col = c0 + tc;
+    if (col >= K) break;
+    const float s = part[0][tc];
+    uint8_t* out = q_t + col * R + r0;
+    if (vec) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        word |= static_cast<uint32_t>(to_e4m3(__fdiv_rn(tile[lane * 4 + j][tc], s))) << (8 * j);
+      reinterpret_cast<uint32_t*>(out)[lane] = word;
+    } else {
+      for (int i = lane; i < n; i += 32) out[i] = to_e4m3(__fdiv_rn(tile[i][tc], s));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ swiglu_quant
+
+// One warp per (row, 128-column block of the output); h [rows, 2I] (gated) or [rows, I].
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_quant_kernel(const T* __restrict__ h, ActParams p, bool gated, int64_t rows, int64_t I, bool vec_out,
+                        uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t IB = quant_blocks(I);
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  if (w >= rows * IB) return;
+  const int64_t r = w / IB, b = w % IB;
+  const int64_t i0 = b * kQuantBlock + (threadIdx.x % 32) * 4;
+  const T* row = h + r * (gated ? 2 * I : I);
+  float v[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t i = i0 + j;
+    v[j] = 0.f;
+    if (i >= I) continue;
+    float g, u = 0.f;
+    if (!gated) {
+      g = to_float(row[i]);
+    } else if (p.interleaved) {
+      g = to_float(row[2 * i]);
+      u = to_float(row[2 * i + 1]);
+    } else {
+      g = to_float(row[i]);
+      u = to_float(row[I + i]);
+    }
+    v[j] = to_float(from_float<T>(act_forward(p, g, u)));  // rounded to T, as activation_forward stores it
+  }
+  warp_quantize(v, q + r * I, i0, I, vec_out, scale + r * IB + b);
+}
+
+// ------------------------------------------------------------------------------ rowwise / tensorwise
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rowwise_kernel(const T* __restrict__ x, int64_t K, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t r = blockIdx.x;
+  const T* row = x + r * K;
+  float m = 0.f;
+  for (int64_t i = threadIdx.x; i < K; i += kThreads) m = fmaxf(m, fabsf(to_float(row[i])));
+  const float s = scale_of(block_max(m));
+  if (threadIdx.x == 0) scale[r] = s;
+  for (int64_t i = threadIdx.x; i < K; i += kThreads) q[r * K + i] = to_e4m3(__fdiv_rn(to_float(row[i]), s));
+}
+
+// amax_bits must be zeroed first; non-negative floats order like their bit patterns.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t n, unsigned* amax_bits) {
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    m = fmaxf(m, fabsf(to_float(x[i])));
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(amax_bits, __float_as_uint(m));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_tensorwise_kernel(const T* __restrict__ x, int64_t n, const float* amax, uint8_t* __restrict__ q) {
+  const float s = scale_of(*amax);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    q[i] = to_e4m3(__fdiv_rn(to_float(x[i]), s));
+}
+
+__global__ void amax_to_scale_kernel(float* scale) { scale[0] = scale_of(scale[0]); }
+
+// ------------------------------------------------------------------------------------------- dequantize
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t total, int64_t M,
+                      int64_t K, int64_t bm, int64_t bk, T* __restrict__ out) {
+  const int64_t SM = (M + bm - 1) / bm, SK = (K + bk - 1) / bk;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t k = i % K, m = (i / K) % M, b = i / (M * K);
+    out[i] = from_float<T>(e4m3_value(q[i]) * scale[(b * SM + m / bm) * SK + k / bk]);
+  }
+}
+
+// ----------------------------------------------------------------------------- portable FP8 grouped GEMM
+
+// One thread per output (grid: rows x 128-column chunks): slow, but any GPU and any shape. Row r's group is
+// found by binary search.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    grouped_gemm_fp8_kernel(const uint8_t* __restrict__ a, const float* __restrict__ sa, const uint8_t* __restrict__ b,
+                            const float* __restrict__ sb, const int32_t* __restrict__ offsets, int groups, int64_t R,
+                            int64_t N, int64_t K, T* __restrict__ c) {
+  const int64_t r = blockIdx.x, n = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  if (r >= offsets[groups]) {
+    c[r * N + n] = from_float<T>(0.f);
+    return;
+  }
+  int lo = 0, hi = groups;  // the group e with offsets[e] <= r < offsets[e+1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= r)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const int64_t e = lo, KB = quant_blocks(K), NB = quant_blocks(N);
+  const uint8_t* x = a + r * K;
+  const uint8_t* w = b + (e * N + n) * K;
+  float acc = 0.f;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    float part = 0.f;
+    for (int64_t k = kb * kQuantBlock; k < min(K, (kb + 1) * kQuantBlock); ++k)
+      part += e4m3_value(x[k]) * e4m3_value(w[k]);
+    acc += part * (sa[r * KB + kb] * sb[(e * NB + n / kQuantBlock) * KB + kb]);
+  }
+  c[r * N + n] = from_float<T>(acc);
+}
+
+unsigned grid_stride_blocks(int64_t n) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, kThreads), 4096)));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------- launchers
+
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale, void* stream) {
+  const int64_t rows = q.shape[0], K = q.shape[1];
+  if (rows == 0 || K == 0) return;
+  MOE8_DISPATCH_FLOAT(x.dtype, "quantize_rows_1x128: x", [&] {
+    using T = scalar_t;
+    const bool vec = K % 4 == 0 && aligned(x.data, 4 * sizeof(T)) && aligned(q.data, 4);
+    quantize_rows_kernel<T><<<blocks_for_warps(rows * quant_blocks(K)), kThreads, 0, as_stream(stream)>>>(
+        x.ptr<T>(), row_to_slot.present ? row_to_slot.ptr<int32_t>() : nullptr, k, rows, K, vec, q.ptr<uint8_t>(),
+        scale.ptr<float>());
+    check_launch("quantize_rows_kernel");
+  });
+}
+
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, void* stream) {
+  const int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
+  const int64_t tiles = E * quant_blocks(N) * quant_blocks(K);
+  if (tiles == 0) return;
+  MOE8_DISPATCH_FLOAT(w.dtype, "quantize_weight_128x128: w", [&] {
+    using T = scalar_t;
+    const bool vec = K % 4 == 0 && aligned(w.data, 4 * sizeof(T)) && aligned(q.data, 4);
+    quantize_weight_kernel<T><<<static_cast<unsigned>(tiles), kThreads, 0, as_stream(stream)>>>(
+        w.ptr<T>(), N, K, vec, q.ptr<uint8_t>(), scale.ptr<float>());
+    check_launch("quantize_weight_kernel");
+  });
+}
+
+void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,
+                         void* stream) {
+  const int64_t R = x.shape[0], K = x.shape[1], nblocks = scale.shape[0];
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  if (K == 0 || nblocks == 0) return;
+  MOE8_DISPATCH_FLOAT(x.dtype, "quantize_cols_1x128: x", [&] {
+    using T = scalar_t;
+    const dim3 grid(static_cast<unsigned>(nblocks), static_cast<unsigned>(ceil_div(K, kColTile)));
+    quantize_cols_kernel<T><<<grid, kThreads, 0, as_stream(stream)>>>(x.ptr<T>(), offsets.ptr<int32_t>(), groups, R, K,
+                                                                      nblocks, q_t.ptr<uint8_t>(), scale.ptr<float>());
+    check_launch("quantize_cols_kernel");
+  });
+}
+
+void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, const TensorView& scale, void* stream) {
+  const int64_t rows = q.shape[0], I = q.shape[1];
+  if (rows == 0 || I == 0) return;
+  MOE8_DISPATCH_FLOAT(h.dtype, "swiglu_quant: h", [&] {
+    using T = scalar_t;
+    const bool vec = I % 4 == 0 && aligned(q.data, 4);
+    swiglu_quant_kernel<T><<<blocks_for_warps(rows * quant_blocks(I)), kThreads, 0, as_stream(stream)>>>(
+        h.ptr<T>(), p, is_gated(p.kind), rows, I, vec, q.ptr<uint8_t>(), scale.ptr<float>());
+    check_launch("swiglu_quant_kernel");
+  });
+}
+
+void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView& scale, void* stream) {
+  const int64_t K = x.shape[x.ndim - 1], rows = scale.numel();
+  if (rows == 0) return;
+  MOE8_DISPATCH_FLOAT(x.dtype, "quantize_rowwise: x", [&] {
+    using T = scalar_t;
+    quantize_rowwise_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(
+        x.ptr<T>(), K, q.ptr<uint8_t>(), scale.ptr<float>());
+    check_launch("quantize_rowwise_kernel");
+  });
+}
+
+void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorView& scale, void* stream) {
+  const int64_t n = x.numel();
+  cudaStream_t s = as_stream(stream);
+  // scale[0] holds the amax until the last kernel turns it into the scale.
+  cuda_check(cudaMemsetAsync(scale.data, 0, sizeof(float), s), "quantize_tensorwise: cudaMemsetAsync");
+  MOE8_DISPATCH_FLOAT(x.dtype, "quantize_tensorwise: x", [&] {
+    using T = scalar_t;
+    if (n > 0) {
+      amax_kernel<T><<<grid_stride_blocks(n), kThreads, 0, s>>>(x.ptr<T>(), n, static_cast<unsigned*>(scale.data));
+      check_launch("amax_kernel");
+      quantize_tensorwise_kernel<T>
+          <<<grid_stride_blocks(n), kThreads, 0, s>>>(x.ptr<T>(), n, scale.ptr<float>(), q.ptr<uint8_t>());
+      check_launch("quantize_tensorwise_kernel");
+    }
+    amax_to_scale_kernel<<<1, 1, 0, s>>>(scale.ptr<float>());
+    check_launch("amax_to_scale_kernel");
+  });
+}
+
+void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows, int64_t block_cols,
+                const TensorView& out, void* stream) {
+  const int64_t total = q.numel(), M = q.shape[q.ndim - 2], K = q.shape[q.ndim - 1];
+  if (total == 0) return;
+  MOE8_DISPATCH_FLOAT(out.dtype, "dequantize: out", [&] {
+    using T = scalar_t;
+    dequantize_kernel<T><<<grid_stride_blocks(total), kThreads, 0, as_stream(stream)>>>(
+        q.ptr<uint8_t>(), scale.ptr<float>(), total, M, K, block_rows, block_cols, out.ptr<T>());
+    check_launch("dequantize_kernel");
+  });
+}
+
+void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
+                      const TensorView& offsets, const TensorView& c, void* stream) {
+  const int64_t R = a.shape[0], K = a.shape[1], N = b.shape[1];
+  const int groups = static_cast<int>(b.shape[0]);
+  if (R == 0 || N == 0) return;
+  MOE8_DISPATCH_FLOAT(c.dtype, "grouped_gemm_fp8: c", [&] {
+    using T = scalar_t;
+    const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>(ceil_div(N, 128)));
+    grouped_gemm_fp8_kernel<T><<<grid, 128, 0, as_stream(stream)>>>(
+        a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(), b_scale.ptr<float>(), offsets.ptr<int32_t>(), groups,
+        R, N, K, c.ptr<T>());
+    check_launch("grouped_gemm_fp8_kernel");
+  });
+}
+
+}  // namespace moe8::cuda

@@ -1,0 +1,129 @@
+// sm90_util.cuh — host-side plumbing every CUTLASS sm90a ptr-array grouped GEMM needs: per-device facts
+// (SM count, compute capability), the persistent grid size of a kernel (clusters that fit at once), and
+// the layout of the per-group arrays a device-side prep kernel writes into the caller's workspace.
+// Include only from translation units compiled with CUTLASS (MOE8_WITH_CUTLASS). grouped_gemm_sm90.cu
+// still carries its own copy of these helpers (it predates this header).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/gemm/gemm.h"
+
+namespace moe8::cuda::sm90_util {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kAlignWs = 256;  // every per-group array and CUTLASS's workspace start on this boundary
+
+inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+struct DeviceFacts {
+  int sms = 0, major = 0, minor = 0;
+};
+
+inline DeviceFacts device_facts(int device) {
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<DeviceFacts, kMaxDevices> facts;
+  if (device < 0 || device >= kMaxDevices) return {};
+  std::call_once(once[device], [device] {
+    DeviceFacts f;
+    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      f = DeviceFacts{};
+    }
+    facts[device] = f;
+  });
+  return facts[device];
+}
+
+inline int current_device(const char* what) {
+  int d = 0;
+  cuda_check(cudaGetDevice(&d), what);
+  return d;
+}
+
+// Raises the kernel's dynamic shared-memory limit (needed before any launch or occupancy query) and
+// returns how many clusters of it fit on `device` at once (0 if the query fails: CUTLASS then sizes the
+// grid by its own heuristic). Cached per kernel and device.
+template <class Kernel>
+int max_active_clusters(int device, const char* what) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};  // -1 - value once known
+  const int cached = cache[device].load(std::memory_order_relaxed);
+  if (cached < 0) return -1 - cached;
+  const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
+  cuda_check(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize), what);
+  using Cluster = typename Kernel::ClusterShape;
+  const dim3 cluster(cute::size<0>(Cluster{}), cute::size<1>(Cluster{}), cute::size<2>(Cluster{}));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = cluster;
+  cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+  cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fn, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  cache[device].store(-1 - n, std::memory_order_relaxed);
+  return n;
+}
+
+// CUTLASS's own workspace for a grouped launch of `groups` problems whose shapes live on the device.
+template <class Gemm>
+size_t cutlass_workspace_bytes(int groups, int sms) {
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {groups, nullptr, nullptr};
+  args.hw_info.sm_count = sms;
+  return Gemm::get_workspace_size(args);
+}
+
+// Every grouped stride has one dynamic extent (the leading dimension); the others are static 1 and 0.
+template <class Stride>
+__host__ __device__ Stride stride_with_ld(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<std::remove_reference_t<decltype(cute::get<0>(s))>>::value)
+    cute::get<1>(s) = ld;
+  else
+    cute::get<0>(s) = ld;
+  return s;
+}
+
+// Rows of group e, with offsets clamped to [0, rows] and made nondecreasing: bad offsets (validation
+// skipped) give wrong results but never out-of-bounds accesses.
+__device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets, int e, int64_t rows, int64_t& begin,
+                                            int64_t& end) {
+  const int64_t b = offsets[e], x = offsets[e + 1];
+  begin = b < 0 ? 0 : (b > rows ? rows : b);
+  end = x < begin ? begin : (x > rows ? rows : x);
+}
+
+// Bump allocator over the caller's workspace: take(bytes) returns the next kAlignWs-aligned slice.
+struct Carver {
+  uintptr_t p;
+  explicit Carver(void* base) : p(align_up(reinterpret_cast<uintptr_t>(base), kAlignWs)) {}
+  void* take(size_t bytes) {
+    void* r = reinterpret_cast<void*>(p);
+    p += align_up(bytes, kAlignWs);
+    return r;
+  }
+};
+
+}  // namespace moe8::cuda::sm90_util

@@ -1,0 +1,413 @@
+"""moe8.fp8 — FP8 (e4m3) training recipes for the expert GEMMs.
+
+Recipes (`Float8Recipe(name)`):
+    "blockwise"   DeepSeek-V3: activations 1x128 along K, weights 128x128, fp32 scales, fp32 promotion
+                  every 128 of K inside the GEMM (the default)
+    "rowwise"     one scale per activation row and per weight output row
+    "tensorwise"  one scale per tensor
+Every scale is amax / 448 (1 for an all-zero block), q = e4m3(x / scale), round-to-nearest-even,
+saturating; quantised tensors are uint8 (view them as torch.float8_e4m3fn if you like: the core takes both).
+
+Raw ops (torch.library custom ops with fake implementations; CPU reference or CUDA kernels):
+    quantize_rows_1x128 (optionally fused with the permutation into expert order), quantize_weight_128x128,
+    quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
+    quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8
+Layers:
+    grouped_linear(a, w, offsets, layout, bias, recipe)  drop-in for ops.grouped_gemm with an FP8 forward
+        (backward in bf16 until the FP8 dgrad / wgrad GEMMs land); quantised weights come from a cache that
+        refreshes when the weight changes (once per optimizer step), not per micro-batch
+    experts_forward_fp8(...)  the experts of an MoE layer with both GEMMs in FP8
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .ops import _C, _stream
+
+RECIPES = {"blockwise": 0, "rowwise": 1, "tensorwise": 2}
+BLOCK = 128  # edge of the 1x128 / 128x128 blocks
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """Which FP8 scaling the expert GEMMs use: "blockwise" (default), "rowwise" or "tensorwise"."""
+
+    name: str = "blockwise"
+
+    def __post_init__(self):
+        if self.name not in RECIPES:
+            raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {self.name!r}")
+
+    @property
+    def id(self) -> int:
+        return RECIPES[self.name]
+
+
+def _recipe(recipe) -> Float8Recipe:
+    if isinstance(recipe, Float8Recipe):
+        return recipe
+    return Float8Recipe(str(recipe))
+
+
+def _blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+def _u8(shape, like: Tensor) -> Tensor:
+    return torch.empty(shape, dtype=torch.uint8, device=like.device)
+
+
+def _f32(shape, like: Tensor) -> Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
+# ----------------------------------------------------------------------------------- quantisation ops
+@torch.library.custom_op("moe8::quantize_rows_1x128", mutates_args=())
+def quantize_rows_1x128(x: Tensor, row_to_slot: Optional[Tensor], k: int) -> tuple[Tensor, Tensor]:
+    """x [R, K] -> q [R, K] uint8, scale [R, ceil(K/128)] f32. With row_to_slot [R'] (permute + quantise in
+    one pass): x is the token matrix [T, K] and row r is x[row_to_slot[r] // k] (-1: zeros, scale 1)."""
+    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    q, scale = _u8((rows, x.shape[1]), x), _f32((rows, _blocks(x.shape[1])), x)
+    _C.quantize_rows_1x128(x, row_to_slot, k, q, scale, _stream(x), False)
+    return q, scale
+
+
+@quantize_rows_1x128.register_fake
+def _(x, row_to_slot, k):
+    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    return x.new_empty(rows, x.shape[1], dtype=torch.uint8), x.new_empty(
+        rows, _blocks(x.shape[1]), dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("moe8::quantize_weight_128x128", mutates_args=())
+def quantize_weight_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [E, N, K] -> q [E, N, K] uint8, scale [E, ceil(N/128), ceil(K/128)] f32."""
+    E, N, K = w.shape
+    q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
+    _C.quantize_weight_128x128(w, q, scale, _stream(w))
+    return q, scale
+
+
+@quantize_weight_128x128.register_fake
+def _(w):
+    E, N, K = w.shape
+    return w.new_empty(E, N, K, dtype=torch.uint8), w.new_empty(
+        E, _blocks(N), _blocks(K), dtype=torch.float32
+    )
+
+
+def col_scale_blocks(rows: int, num_experts: int) -> int:
+    """Rows of the scale tensor quantize_cols_1x128 writes: ceil(rows/128) + num_experts."""
+    return _blocks(rows) + num_experts
+
+
+@torch.library.custom_op("moe8::quantize_cols_1x128", mutates_args=())
+def quantize_cols_1x128(x: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """For the weight gradient: x [R, K], offsets [E+1] -> q_t [K, R] uint8 (q_t[c, r] quantises x[r, c]),
+    scale [ceil(R/128) + E, K]. Each expert's rows are cut into 128-row blocks from its first row (no block
+    straddles two experts), numbered expert by expert; scale rows past the last block are 1."""
+    R, K = x.shape
+    q_t, scale = _u8((K, R), x), _f32((col_scale_blocks(R, offsets.shape[0] - 1), K), x)
+    _C.quantize_cols_1x128(x, offsets, q_t, scale, _stream(x), False)
+    return q_t, scale
+
+
+@quantize_cols_1x128.register_fake
+def _(x, offsets):
+    R, K = x.shape
+    return x.new_empty(K, R, dtype=torch.uint8), x.new_empty(
+        col_scale_blocks(R, offsets.shape[0] - 1), K, dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("moe8::swiglu_quant", mutates_args=())
+def swiglu_quant(
+    h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float
+) -> tuple[Tensor, Tensor]:
+    """Activation (kind as in ops.ACTIVATIONS) fused with 1x128 quantisation of its output:
+    h [R, 2I] (gated) or [R, I] -> q [R, I] uint8, scale [R, ceil(I/128)]."""
+    width = h.shape[1] // 2 if kind in (0, 1) else h.shape[1]
+    q, scale = _u8((h.shape[0], width), h), _f32((h.shape[0], _blocks(width)), h)
+    _C.swiglu_quant(h, kind, interleaved, alpha, limit, q, scale, _stream(h))
+    return q, scale
+
+
+@swiglu_quant.register_fake
+def _(h, kind, interleaved, alpha, limit):
+    width = h.shape[1] // 2 if kind in (0, 1) else h.shape[1]
+    return h.new_empty(h.shape[0], width, dtype=torch.uint8), h.new_empty(
+        h.shape[0], _blocks(width), dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("moe8::quantize_rowwise", mutates_args=())
+def quantize_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., K] (2-d or 3-d) -> q (shape of x) uint8, scale x.shape[:-1] f32: one scale per row."""
+    q, scale = _u8(x.shape, x), _f32(x.shape[:-1], x)
+    _C.quantize_rowwise(x, q, scale, _stream(x))
+    return q, scale
+
+
+@quantize_rowwise.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.uint8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moe8::quantize_tensorwise", mutates_args=())
+def quantize_tensorwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x -> q (shape of x) uint8, scale [1] f32: one scale for the whole tensor."""
+    q, scale = _u8(x.shape, x), _f32((1,), x)
+    _C.quantize_tensorwise(x, q, scale, _stream(x))
+    return q, scale
+
+
+@quantize_tensorwise.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.uint8), x.new_empty(1, dtype=torch.float32)
+
+
+@torch.library.custom_op("moe8::dequantize", mutates_args=())
+def dequantize(q: Tensor, scale: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype) -> Tensor:
+    """out[..., m, k] = e4m3(q[..., m, k]) * scale[..., m // block_rows, k // block_cols]; q [M, K] or
+    [B, M, K] (uint8 or float8_e4m3fn), scale [ceil(M/block_rows), ceil(K/block_cols)] (or [B, ...])."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    _C.dequantize(q, scale, block_rows, block_cols, out, _stream(q))
+    return out
+
+
+@dequantize.register_fake
+def _(q, scale, block_rows, block_cols, dtype):
+    return torch.empty_like(q, dtype=dtype)
+
+
+_fp8_ws_bytes: dict = {}
+
+
+def _fp8_workspace(a: Tensor, num_experts: int) -> Optional[Tensor]:
+    """Scratch that lets grouped_gemm_fp8 take the Hopper (CUTLASS sm_90a) path; None where there is none."""
+    if not a.is_cuda:
+        return None
+    key = (a.device.index, num_experts)
+    if key not in _fp8_ws_bytes:
+        with torch.cuda.device(a.device):
+            _fp8_ws_bytes[key] = _C.grouped_gemm_fp8_workspace_bytes(num_experts, True)
+    n = _fp8_ws_bytes[key]
+    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+
+
+@torch.library.custom_op("moe8::grouped_gemm_fp8", mutates_args=())
+def grouped_gemm_fp8(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """Blockwise-scaled FP8 grouped GEMM, c[r] = a[r] . b[e]^T for the rows r of expert e:
+    a [R, K] e4m3, a_scale [R, ceil(K/128)], b [E, N, K] e4m3, b_scale [E, ceil(N/128), ceil(K/128)],
+    offsets [E+1] -> c [R, N] of `dtype` (bfloat16 takes the Hopper kernel on an H100/H200)."""
+    c = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)
+    _C.grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, _stream(a), False, _fp8_workspace(a, b.shape[0]))
+    return c
+
+
+@grouped_gemm_fp8.register_fake
+def _(a, a_scale, b, b_scale, offsets, dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=dtype)
+
+
+# -------------------------------------------------------------------------------- recipes in one place
+class Fp8Weight(NamedTuple):
+    """An expert weight quantised for the forward GEMM, always [E, N, K] ("nk") in e4m3."""
+
+    q: Tensor  # [E, N, K] uint8
+    scale: Tensor  # [E, ceil(N/128), ceil(K/128)] f32: what the GEMM reads
+    row_scale: Optional[Tensor]  # rowwise only: [E, N] f32, applied to the GEMM's output columns
+
+
+def quantize_weight(w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
+    """w [E, N, K] (layout 0) or [E, K, N] (layout 1) -> Fp8Weight."""
+    w = (w if layout == 0 else w.transpose(1, 2)).detach().contiguous()
+    E, N, K = w.shape
+    if recipe.name == "blockwise":
+        q, scale = quantize_weight_128x128(w)
+        return Fp8Weight(q, scale, None)
+    ones = torch.ones(E, _blocks(N), _blocks(K), dtype=torch.float32, device=w.device)
+    if recipe.name == "tensorwise":
+        q, s = quantize_tensorwise(w)
+        return Fp8Weight(q, ones * s, None)
+    q, s = quantize_rowwise(w)  # [E, N]
+    return Fp8Weight(q, ones, s)
+
+
+def quantize_activation(a: Tensor, recipe: Float8Recipe) -> tuple[Tensor, Tensor]:
+    """a [R, K] -> q [R, K], scale [R, ceil(K/128)] in the layout the GEMM reads, for any recipe."""
+    if recipe.name == "blockwise":
+        return quantize_rows_1x128(a, None, 1)
+    q, s = quantize_rowwise(a) if recipe.name == "rowwise" else quantize_tensorwise(a)  # [R] or [1]
+    return q, s.reshape(-1, 1).expand(a.shape[0], _blocks(a.shape[1])).contiguous()
+
+
+def _row_experts(offsets: Tensor, rows: int) -> Tensor:
+    """[rows] expert of each row (E for rows past offsets[E]), without a host sync."""
+    r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, r, right=True) - 1
+
+
+def _per_row(t: Tensor, offsets: Tensor, rows: int) -> Tensor:
+    """t [E, N] -> [rows, N]: row r gets t[expert of r]; rows past offsets[E] get zeros."""
+    padded = torch.cat([t, t.new_zeros(1, t.shape[1])])
+    return padded[_row_experts(offsets, rows)]
+
+
+def _fp8_forward(a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe) -> Tensor:
+    aq, a_scale = quantize_activation(a, recipe)
+    c = grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
+    if wq.row_scale is not None:
+        c = (c.float() * _per_row(wq.row_scale, offsets, a.shape[0])).to(a.dtype)
+    return c
+
+
+class Fp8WeightCache:
+    """Quantised copies of weights, keyed by the weight, its layout and the recipe; a copy is recomputed
+    when the weight's version counter moves (an in-place optimizer step), so FP8 weights are refreshed
+    once per step, not once per micro-batch. Eager only (reading the version counter breaks a graph)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
+        key = (id(w), layout, recipe.name)
+        hit = self._entries.get(key)
+        if hit is not None:
+            ref, version, ptr, value = hit
+            if ref() is w and version == w._version and ptr == w.data_ptr():
+                return value
+        value = quantize_weight(w, layout, recipe)
+        self._entries[key] = (weakref.ref(w), w._version, w.data_ptr(), value)
+        if len(self._entries) > 4096:  # drop entries of weights that are gone
+            self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+default_cache = Fp8WeightCache()
+
+
+# ------------------------------------------------------------------------------- differentiable layer
+@torch.library.custom_op("moe8::fp8_grouped_linear", mutates_args=())
+def _fp8_grouped_linear(
+    a: Tensor,
+    w: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    recipe: int,
+) -> Tensor:
+    name = next(n for n, i in RECIPES.items() if i == recipe)
+    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, Float8Recipe(name))
+
+
+@_fp8_grouped_linear.register_fake
+def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe):
+    return a.new_empty(a.shape[0], w_q.shape[1])
+
+
+def _gl_setup(ctx, inputs, output):
+    a, w, _, _, _, offsets, layout, _ = inputs
+    ctx.layout = layout
+    ctx.save_for_backward(a, w, offsets)
+
+
+def _gl_bwd(ctx, g):
+    # Backward in the inputs' precision for now: dgrad and wgrad through the bf16 grouped GEMMs.
+    a, w, offsets = ctx.saved_tensors
+    g = g.contiguous()
+    da = (
+        ops.grouped_gemm(g, w.contiguous(), offsets, 1 - ctx.layout, None)
+        if ctx.needs_input_grad[0]
+        else None
+    )
+    dw = None
+    if ctx.needs_input_grad[1]:
+        dw = ops.grouped_gemm_wgrad(a, g, offsets, ctx.layout, w.shape[0], False)[0].to(w.dtype)
+    return da, dw, None, None, None, None, None, None
+
+
+_fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
+
+
+def grouped_linear(
+    a: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int = 0,
+    bias: Optional[Tensor] = None,
+    recipe="blockwise",
+    cache: Optional[Fp8WeightCache] = default_cache,
+) -> Tensor:
+    """Drop-in for ops.grouped_gemm(a, w, offsets, layout, bias) with the forward GEMM in FP8:
+    a [R, K] (rows in expert order), w [E, N, K] (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N]
+    in a's dtype. Gradients flow to a, w and bias (computed in a's precision)."""
+    r = _recipe(recipe)
+    wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
+    c = _fp8_grouped_linear(a.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, r.id)
+    if bias is not None:  # added in fp32 (so its gradient, a sum over rows, is accumulated in fp32 too)
+        c = (c.float() + _per_row(bias.float(), offsets, a.shape[0])).to(c.dtype)
+    return c
+
+
+def experts_forward_fp8(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    *,
+    recipe="blockwise",
+    layout: str = "nk",
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    gate_up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    cache: Optional[Fp8WeightCache] = default_cache,
+) -> Tensor:
+    """moe8.experts_forward with both expert GEMMs in FP8 (same arguments, plus `recipe`).
+
+    Without autograd (inference, or nothing requires grad) and with the blockwise recipe the tokens are
+    gathered into expert order and quantised in one pass, and the activation is fused with the quantisation
+    of its output; otherwise the bf16 permute / activation ops run between FP8 GEMMs (differentiable)."""
+    r = _recipe(recipe)
+    lay = ops.LAYOUTS[layout]
+    act = ops.ACTIVATIONS[activation]
+    num_experts, k = gate_up.shape[0], ids.shape[1]
+    dtype = gate_up.dtype
+    x = x.to(dtype).contiguous()
+    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, 1)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weights, gate_up, down, gate_up_bias, down_bias)
+    )
+    if not needs_grad and r.name == "blockwise" and gate_up_bias is None and down_bias is None:
+        w1 = cache.get(gate_up, lay, r) if cache is not None else quantize_weight(gate_up, lay, r)
+        w2 = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)
+        xq, xs = quantize_rows_1x128(x, row_to_slot, k)  # permute + quantise: [R, H]
+        h = grouped_gemm_fp8(xq, xs, w1.q, w1.scale, offsets, dtype)  # [R, 2I]
+        aq, a_s = swiglu_quant(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
+        o = grouped_gemm_fp8(aq, a_s, w2.q, w2.scale, offsets, dtype)  # [R, H]
+    else:
+        xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
+        h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache)  # [R, 2I]
+        a = ops.activation(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
+        o = grouped_linear(a, down, offsets, lay, down_bias, r, cache)  # [R, H]
+    return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]

@@ -1,0 +1,580 @@
+// test_cuda_quant.cpp — the FP8 kernels against the CPU reference on the same inputs: every quantisation
+// op bit for bit (codes and scales) at awkward and at model shapes, outputs poisoned first (0xFF, an e4m3
+// NaN no conversion produces); swiglu_quant bit for bit against the GPU's own activation + quantisation
+// and within one e4m3 step of the CPU; the portable FP8 grouped GEMM and the Hopper CUTLASS one against a
+// float64 reference (ragged groups, empty / 1-row / tile-edge experts, padding rows, widths that are not
+// multiples of 128, both tile configurations), determinism, replay of a captured graph after the offsets
+// change on the device, and TFLOP/s beside the bf16 kernel on MoE shapes (printed, not asserted).
+// Skips, saying why, without a GPU; the sm90 tests also on a GPU other than cc 9.0 or without CUTLASS.
+#include "test_fp8_ref.h"
+
+#ifdef MOE8_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/fp8.h"
+#include "cuda/grouped_gemm_fp8_sm90.h"
+#include "cuda/grouped_gemm_sm90.h"
+#include "cuda/ops.h"
+#include "test_cuda_util.h"
+
+namespace moe8::test {
+namespace {
+
+const DType kFloatTypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+int64_t kb(int64_t k) { return (k + 127) / 128; }
+HostTensor u8(const Shape& s) { return HostTensor(DType::kU8, s); }
+HostTensor f32(const Shape& s) { return HostTensor(DType::kF32, s); }
+
+// Values with magnitudes varying by row, so scales differ block to block.
+HostTensor spread(DType dt, const Shape& s, Rng& rng) {
+  HostTensor t(dt, s);
+  const int64_t K = s.back();
+  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, rng.normal() * std::ldexp(1.0, static_cast<int>((i / K) % 9) - 4));
+  return t;
+}
+
+::testing::AssertionResult same(const HostTensor& gpu, const HostTensor& cpu, const std::string& what) {
+  if (gpu.bitwise_equal(cpu)) return ::testing::AssertionSuccess();
+  int64_t bad = 0;
+  std::ostringstream os;
+  const size_t esz = dtype_size(gpu.dtype());
+  for (int64_t i = 0; i < gpu.numel(); ++i)
+    if (std::memcmp(static_cast<const char*>(gpu.data()) + i * esz, static_cast<const char*>(cpu.data()) + i * esz,
+                    esz) != 0 &&
+        bad++ < 8)
+      os << "\n  [" << i << "] gpu " << gpu.get(i) << " cpu " << cpu.get(i);
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << gpu.numel() << " differ" << os.str();
+}
+
+// ------------------------------------------------------------------------------------ quantisation
+
+TEST_F(CudaTest, QuantRowsMatchCpuBitExact) {
+  struct RK {
+    int64_t R, K;
+  };
+  const RK shapes[] = {{1, 1}, {5, 129}, {17, 300}, {0, 64}, {3, 6}, {1024, 7168}, {257, 2048}};
+  Rng rng(100);
+  for (DType dt : kFloatTypes)
+    for (RK s : shapes) {
+      SCOPED_TRACE(std::string(name_of(dt)) + " " + shape_str({s.R, s.K}));
+      HostTensor x = spread(dt, {s.R, s.K}, rng);
+      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_rows_1x128(r.in(x), absent(), 1, r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      HostTensor qg = u8({s.R, s.K}), sg = f32({s.R, kb(s.K)}), qc = qg, sc = sg;
+      run(true, qg, sg);
+      run(false, qc, sc);
+      EXPECT_TRUE(same(qg, qc, "q"));
+      EXPECT_TRUE(same(sg, sc, "scale"));
+    }
+}
+
+TEST_F(CudaTest, PermuteQuantMatchesCpuBitExact) {
+  Rng rng(101);
+  for (DType dt : kFloatTypes)
+    for (int64_t H : {200, 2048}) {
+      const int T = 300, k = 4;
+      HostTensor src = spread(dt, {T, H}, rng);
+      std::vector<int> r2s;
+      for (int s = 0; s < T * k; ++s) {
+        r2s.push_back((s * 7919) % (T * k));  // a permutation of the slots
+        if (s % 37 == 0) r2s.push_back(-1);   // padding rows
+      }
+      HostTensor idx = ints({static_cast<int64_t>(r2s.size())}, r2s);
+      const int64_t R = idx.numel();
+      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_rows_1x128(r.in(src), r.in(idx), k, r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      HostTensor qg = u8({R, H}), sg = f32({R, kb(H)}), qc = qg, sc = sg;
+      run(true, qg, sg);
+      run(false, qc, sc);
+      EXPECT_TRUE(same(qg, qc, std::string("gathered q ") + name_of(dt)));
+      EXPECT_TRUE(same(sg, sc, std::string("gathered scale ") + name_of(dt)));
+    }
+}
+
+TEST_F(CudaTest, QuantWeightMatchesCpuBitExact) {
+  Rng rng(102);
+  const Shape shapes[] = {{2, 130, 260}, {3, 1, 5}, {1, 257, 129}, {8, 512, 1024}, {2, 3, 6}};
+  for (DType dt : kFloatTypes)
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(std::string(name_of(dt)) + " " + shape_str(s));
+      HostTensor w = spread(dt, s, rng);
+      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_weight_128x128(r.in(w), r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      HostTensor qg = u8(s), sg = f32({s[0], kb(s[1]), kb(s[2])}), qc = qg, sc = sg;
+      run(true, qg, sg);
+      run(false, qc, sc);
+      EXPECT_TRUE(same(qg, qc, "q"));
+      EXPECT_TRUE(same(sg, sc, "scale"));
+    }
+}
+
+TEST_F(CudaTest, QuantColsMatchesCpuBitExact) {
+  struct ColCase {
+    const char* name;
+    std::vector<int> counts;
+    int64_t tail, K;
+  };
+  std::vector<int> many(64);
+  for (int e = 0; e < 64; ++e) many[e] = (e * 37) % 300;
+  const ColCase cases[] = {
+      {"ragged", {0, 1, 127, 128, 129, 300, 0}, 5, 70}, {"all_empty", {0, 0, 0}, 9, 65},
+      {"padded_to_128", {128, 0, 256, 128}, 0, 2048},   {"tail_only", {0}, 300, 8},
+      {"many_groups_unaligned_rows", many, 3, 130},     {"odd_rows", {3, 5}, 1, 1},
+  };
+  Rng rng(103);
+  for (DType dt : kFloatTypes)
+    for (const ColCase& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + name_of(dt));
+      const std::vector<int> off = offsets_of(c.counts);
+      const int64_t R = off.back() + c.tail, E = static_cast<int64_t>(c.counts.size());
+      const int64_t NB = api::col_scale_blocks(R, static_cast<int>(E));
+      HostTensor x = spread(dt, {R, c.K}, rng), offs = ints({E + 1}, off);
+      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_cols_1x128(r.in(x), r.in(offs), r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      HostTensor qg = u8({c.K, R}), sg = f32({NB, c.K}), qc = qg, sc = sg;
+      run(true, qg, sg);
+      run(false, qc, sc);
+      EXPECT_TRUE(same(qg, qc, "q_t"));
+      EXPECT_TRUE(same(sg, sc, "scale"));
+    }
+}
+
+TEST_F(CudaTest, RowwiseTensorwiseDequantizeMatchCpuBitExact) {
+  Rng rng(104);
+  const Shape shapes[] = {{5, 300}, {2, 3, 7}, {1, 1}, {64, 100000}};
+  for (DType dt : kFloatTypes)
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(std::string(name_of(dt)) + " " + shape_str(s));
+      HostTensor x = spread(dt, s, rng);
+      const Shape ss(s.begin(), s.end() - 1);
+      auto rowwise = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_rowwise(r.in(x), r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      auto tensorwise = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+        Runner r(gpu);
+        api::quantize_tensorwise(r.in(x), r.out(q), r.out(sc), 0);
+        r.finish();
+      };
+      HostTensor qg = u8(s), sg = f32(ss), qc = qg, sc = sg;
+      rowwise(true, qg, sg);
+      rowwise(false, qc, sc);
+      EXPECT_TRUE(same(qg, qc, "rowwise q"));
+      EXPECT_TRUE(same(sg, sc, "rowwise scale"));
+      HostTensor tg = u8(s), tsg = f32({1}), tc = tg, tsc = tsg;
+      tensorwise(true, tg, tsg);
+      tensorwise(false, tc, tsc);
+      EXPECT_TRUE(same(tg, tc, "tensorwise q"));
+      EXPECT_TRUE(same(tsg, tsc, "tensorwise scale"));
+      if (s.size() != 2) continue;
+      // Dequantise the rowwise result as [M, K] blocks of 1 x K (scale viewed as [M, 1]).
+      HostTensor scale2 = f32({s[0], 1});
+      std::memcpy(scale2.data(), sc.data(), sc.nbytes());
+      auto deq = [&](bool gpu, HostTensor& out) {
+        Runner r(gpu);
+        api::dequantize(r.in(qc), r.in(scale2), 1, s[1], r.out(out), 0);
+        r.finish();
+      };
+      HostTensor og(dt, s), oc(dt, s);
+      deq(true, og);
+      deq(false, oc);
+      EXPECT_TRUE(same(og, oc, "dequantize"));
+    }
+}
+
+TEST_F(CudaTest, SwigluQuantFusedEqualsActivationThenQuantize) {
+  Rng rng(105);
+  ActParams ps[5];
+  ps[1].interleaved = true;
+  ps[2].kind = ActKind::kSwiGLUClamped;
+  ps[2].interleaved = true;
+  ps[3].kind = ActKind::kSiLU;
+  ps[4].kind = ActKind::kGELU;
+  struct RI {
+    int64_t R, I;
+  };
+  const RI shapes[] = {{7, 300}, {1, 1}, {3, 6}, {512, 768}};
+  for (DType dt : kFloatTypes)
+    for (const ActParams& p : ps)
+      for (RI s : shapes) {
+        SCOPED_TRACE(std::string(name_of(dt)) + " kind " + std::to_string(int(p.kind)) + " " + shape_str({s.R, s.I}));
+        HostTensor h = random_tensor(dt, {s.R, is_gated(p.kind) ? 2 * s.I : s.I}, rng, -8, 8);
+        auto fused = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+          Runner r(gpu);
+          api::swiglu_quant(r.in(h), p, r.out(q), r.out(sc), 0);
+          r.finish();
+        };
+        HostTensor qg = u8({s.R, s.I}), sg = f32({s.R, kb(s.I)}), qc = qg, sc = sg;
+        fused(true, qg, sg);
+        fused(false, qc, sc);
+        // GPU: fused == activation_forward then quantize_rows_1x128, both on the GPU, bit for bit.
+        HostTensor act(dt, {s.R, s.I});
+        {
+          Runner r(true);
+          api::activation_forward(r.in(h), p, r.out(act), 0);
+          r.finish();
+        }
+        HostTensor q2 = qg, s2 = sg;
+        {
+          Runner r(true);
+          api::quantize_rows_1x128(r.in(act), absent(), 1, r.out(q2), r.out(s2), 0);
+          r.finish();
+        }
+        EXPECT_TRUE(same(qg, q2, "fused vs separate q"));
+        EXPECT_TRUE(same(sg, s2, "fused vs separate scale"));
+        // Against the CPU: expf / erff differ from the CPU's libm by ulps, so codes may differ by one step.
+        int64_t off_by_one = 0;
+        for (int64_t i = 0; i < qg.numel(); ++i) {
+          const int a = bytes(qg)[i], b = bytes(qc)[i];
+          const bool same_sign = (a & 0x80) == (b & 0x80) || (a & 0x7F) == 0 || (b & 0x7F) == 0;
+          ASSERT_TRUE(same_sign && std::abs((a & 0x7F) - (b & 0x7F)) <= 1)
+              << "element " << i << ": gpu 0x" << std::hex << a << " cpu 0x" << b;
+          off_by_one += a != b;
+        }
+        EXPECT_LE(off_by_one, qg.numel() / 50 + 2) << "too many codes differ from the CPU";
+        // Scales: the activations are rounded to dt before the amax, so a last-ulp difference can become one
+        // ulp of dt.
+        const double rel = std::max(2 * out_rel(dt), 1e-5);
+        for (int64_t i = 0; i < sg.numel(); ++i)
+          ASSERT_NEAR(floats(sg)[i], floats(sc)[i], rel * std::fabs(floats(sc)[i])) << "scale " << i;
+      }
+}
+
+// ------------------------------------------------------------------------------------ FP8 grouped GEMM
+
+// A quantised problem made directly from codes: a [R, K] and b [E, N, K] e4m3 with positive scales
+// around 1/448 (values of order 1), offsets from counts.
+struct Fp8Problem {
+  std::vector<int> off;
+  int64_t R, N, K, E;
+  HostTensor a, sa, b, sb, offs;
+  Fp8Problem(const std::vector<int>& counts, int64_t tail, int64_t n, int64_t k, uint64_t seed)
+      : off(offsets_of(counts)), N(n), K(k), E(static_cast<int64_t>(counts.size())) {
+    R = off.back() + tail;
+    Rng rng(seed);
+    a = codes({R, K}, seed * 3 + 1);
+    b = codes({E, N, K}, seed * 3 + 2);
+    sa = random_tensor(DType::kF32, {R, kb(K)}, rng, 0.5 / 448, 2.0 / 448);
+    sb = random_tensor(DType::kF32, {E, kb(N), kb(K)}, rng, 0.5 / 448, 2.0 / 448);
+    offs = ints({E + 1}, off);
+  }
+  // e4m3 codes of uniform values in [-448, 448) (xorshift: the model shapes hold ~1e8 codes).
+  static HostTensor codes(const Shape& s, uint64_t seed) {
+    HostTensor t(DType::kU8, s);
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    uint8_t* p = static_cast<uint8_t*>(t.data());
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      x ^= x >> 12;
+      x ^= x << 25;
+      x ^= x >> 27;
+      const float f = static_cast<float>((x * 0x2545F4914F6CDD1Dull) >> 40) / 8388608.0f - 1.0f;
+      p[i] = float_to_e4m3(448.0f * f);
+    }
+    return t;
+  }
+};
+
+// c (bf16 or f32) against float64 over the rows of `rows` (all rows when empty); padding rows exactly 0.
+// Per element: output rounding plus 2^-8 of the sum of |products| (the tensor cores accumulate FP8
+// products with ~14 bits inside each 128-block, which bounds what a correct kernel can be off by); and
+// normwise within 1% (systematic errors: a wrong scale block, a shifted row).
+::testing::AssertionResult check_fp8_gemm(const Fp8Problem& p, const HostTensor& c, int per_group) {
+  int64_t bad = 0, checked = 0;
+  double err2 = 0, norm2 = 0;
+  std::ostringstream os;
+  const int64_t KB = kb(p.K), NB = kb(p.N);
+  std::vector<double> x(p.K);
+  for (int64_t e = 0; e < p.E; ++e) {
+    const int64_t r0 = p.off[e], n_rows = p.off[e + 1] - r0;
+    std::vector<int64_t> rows;
+    if (per_group <= 0 || n_rows <= per_group)
+      for (int64_t r = r0; r < r0 + n_rows; ++r) rows.push_back(r);
+    else
+      for (int i = 0; i < per_group; ++i) rows.push_back(r0 + (n_rows - 1) * i / (per_group - 1));
+    for (int64_t r : rows) {
+      for (int64_t k = 0; k < p.K; ++k) x[k] = e4m3_ref_value(bytes(p.a)[r * p.K + k]) * floats(p.sa)[r * KB + k / 128];
+      for (int64_t n = 0; n < p.N; ++n, ++checked) {
+        const uint8_t* w = bytes(p.b) + (e * p.N + n) * p.K;
+        const float* ws = floats(p.sb) + (e * NB + n / 128) * KB;
+        double acc = 0, mag = 0;
+        for (int64_t k = 0; k < p.K; ++k) {
+          const double t = x[k] * e4m3_ref_value(w[k]) * ws[k / 128];
+          acc += t;
+          mag += std::fabs(t);
+        }
+        const double got = c.get(r * p.N + n);
+        const double tol = out_rel(c.dtype()) * std::fabs(acc) + std::ldexp(mag, -8) + 1e-6;
+        err2 += (got - acc) * (got - acc);
+        norm2 += acc * acc;
+        if (!(std::fabs(got - acc) <= tol) && bad++ < 8)
+          os << "\n  row " << r << " (expert " << e << ") col " << n << ": got " << got << " want " << acc;
+      }
+    }
+  }
+  for (int64_t i = p.off.back() * p.N; i < p.R * p.N; ++i, ++checked)
+    if (c.get(i) != 0.0 && bad++ < 8) os << "\n  padding element " << i << " not zero: " << c.get(i);
+  if (norm2 > 0 && std::sqrt(err2 / norm2) > 1e-2 && bad++ < 8)
+    os << "\n  normwise relative error " << std::sqrt(err2 / norm2) << " > 1e-2";
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << checked << " checked elements off" << os.str();
+}
+
+struct GemmCase {
+  const char* name;
+  std::vector<int> counts;
+  int64_t tail, N, K;
+  int rows_per_group;  // rows checked per group (0: all)
+};
+
+std::vector<GemmCase> gemm_cases() {
+  return {
+      // R / E > 128: the 128x128 cooperative tile; empty, 1-row and tile-edge experts, padding rows
+      {"ragged_large_tile", {0, 1, 127, 128, 129, 300, 0, 1000}, 5, 384, 256, 0},
+      // few rows per expert: the 64x128 ping-pong tile
+      {"ragged_small_tile", {0, 1, 63, 64, 65, 100, 0, 7}, 3, 384, 256, 0},
+      // N, K not multiples of 128 (N % 8 == 0, K % 16 == 0 for the TMA rows)
+      {"odd_widths", {33, 0, 250, 17}, 0, 136, 208, 0},
+      // balanced 128 experts x 64 rows, Qwen3-MoE gate_up widths
+      {"balanced_128x64_qwen3", std::vector<int>(128, 64), 0, 1536, 2048, 3},
+  };
+}
+
+TEST_F(CudaTest, GroupedGemmFp8PortableMatchesReference) {
+  uint64_t seed = 200;
+  for (const GemmCase& gc : gemm_cases()) {
+    if (gc.rows_per_group > 0) continue;  // the portable kernel is slow; small cases only
+    Fp8Problem p(gc.counts, gc.tail, gc.N, gc.K, ++seed);
+    for (DType dt : kFloatTypes) {
+      SCOPED_TRACE(std::string(gc.name) + " " + name_of(dt));
+      HostTensor c(dt, {p.R, p.N});
+      Runner r(true);
+      api::grouped_gemm_fp8(r.in(p.a), r.in(p.sa), r.in(p.b), r.in(p.sb), r.in(p.offs), r.out(c), 0);
+      r.finish();
+      EXPECT_TRUE(check_fp8_gemm(p, c, 0));
+    }
+  }
+}
+
+// Skips unless the sm90 FP8 path can run here: a GPU, compute capability 9.0, moe8 built with CUTLASS.
+class Sm90Fp8Test : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (IsSkipped()) return;
+    DeviceBuffer probe(256);
+    TensorView a = make_view(probe.get(), DType::kU8, {16, 16}, DeviceType::kCUDA);
+    TensorView b = make_view(probe.get(), DType::kU8, {1, 16, 16}, DeviceType::kCUDA);
+    TensorView c = make_view(probe.get(), DType::kBF16, {16, 16}, DeviceType::kCUDA);
+    if (!cuda::grouped_gemm_fp8_sm90_supported(a, b, c)) {
+      cudaDeviceProp prop{};
+      cudaGetDeviceProperties(&prop, 0);
+      GTEST_SKIP() << "sm90 FP8 grouped GEMM unsupported here (device " << prop.name << ", cc " << prop.major << "."
+                   << prop.minor << "; needs cc 9.0 and moe8 built with CUTLASS, see cmake/cutlass.cmake)";
+    }
+  }
+};
+
+// Runs the sm90 kernel directly (no API checks) on device copies; returns c [R, N] bf16.
+struct DeviceFp8 {
+  explicit DeviceFp8(const Fp8Problem& p)
+      : p(p),
+        a(p.a.nbytes()),
+        sa(p.sa.nbytes()),
+        b(p.b.nbytes()),
+        sb(p.sb.nbytes()),
+        offs(p.offs.nbytes()),
+        ws_bytes(cuda::grouped_gemm_fp8_sm90_workspace_bytes(static_cast<int>(p.E))),
+        ws(ws_bytes),
+        c(p.R * p.N * 2) {
+    for (auto [dst, src] : {std::make_pair(&a, &p.a), std::make_pair(&sa, &p.sa), std::make_pair(&b, &p.b),
+                            std::make_pair(&sb, &p.sb), std::make_pair(&offs, &p.offs)})
+      cuda_ok(cudaMemcpy(dst->get(), src->data(), src->nbytes(), cudaMemcpyHostToDevice), "upload");
+  }
+  const Fp8Problem& p;
+  DeviceBuffer a, sa, b, sb, offs;
+  size_t ws_bytes;
+  DeviceBuffer ws, c;
+
+  void launch(cudaStream_t s) {
+    auto v = [](const DeviceBuffer& d, DType t, std::initializer_list<int64_t> shape) {
+      return make_view(d.get(), t, shape, DeviceType::kCUDA);
+    };
+    cuda::grouped_gemm_fp8_sm90(v(a, DType::kU8, {p.R, p.K}), v(sa, DType::kF32, {p.R, kb(p.K)}),
+                                v(b, DType::kU8, {p.E, p.N, p.K}), v(sb, DType::kF32, {p.E, kb(p.N), kb(p.K)}),
+                                v(offs, DType::kI32, {p.E + 1}), v(c, DType::kBF16, {p.R, p.N}), ws.get(), ws_bytes, s);
+  }
+  HostTensor run() {
+    cuda_ok(cudaMemset(c.get(), 0xFF, p.R * p.N * 2), "poison");
+    launch(nullptr);
+    return download();
+  }
+  HostTensor download() {
+    HostTensor out(DType::kBF16, {p.R, p.N});
+    cuda_ok(cudaDeviceSynchronize(), "synchronize after the op");
+    cuda_ok(cudaMemcpy(out.data(), c.get(), out.nbytes(), cudaMemcpyDeviceToHost), "download");
+    return out;
+  }
+};
+
+TEST_F(Sm90Fp8Test, MatchesReference) {
+  uint64_t seed = 300;
+  for (const GemmCase& gc : gemm_cases()) {
+    SCOPED_TRACE(gc.name);
+    Fp8Problem p(gc.counts, gc.tail, gc.N, gc.K, ++seed);
+    DeviceFp8 d(p);
+    HostTensor c = d.run();
+    EXPECT_TRUE(check_fp8_gemm(p, c, gc.rows_per_group));
+    EXPECT_TRUE(c.bitwise_equal(d.run())) << "two runs differ";
+  }
+}
+
+TEST_F(Sm90Fp8Test, ApiPicksTheHopperPath) {
+  // Through the API with a workspace (the sm90 kernel) and without (the portable one): both within the
+  // reference's bounds of each other's reference.
+  Fp8Problem p({0, 40, 200, 3}, 2, 256, 384, 400);
+  const int64_t ws = api::grouped_gemm_fp8_workspace_bytes(static_cast<int>(p.E), true);
+  ASSERT_GT(ws, 0);
+  HostTensor wsh(DType::kU8, {ws});
+  for (bool with_ws : {true, false}) {
+    HostTensor c(DType::kBF16, {p.R, p.N});
+    Runner r(true);
+    api::grouped_gemm_fp8(r.in(p.a), r.in(p.sa), r.in(p.b), r.in(p.sb), r.in(p.offs), r.out(c), 0, true,
+                          with_ws ? r.in(wsh) : absent());
+    r.finish();
+    EXPECT_TRUE(check_fp8_gemm(p, c, 0)) << (with_ws ? "sm90" : "portable");
+  }
+}
+
+TEST_F(Sm90Fp8Test, AllGroupsEmpty) {
+  Fp8Problem p({0, 0, 0}, 9, 64, 32, 500);
+  DeviceFp8 d(p);
+  EXPECT_TRUE(check_fp8_gemm(p, d.run(), 0));
+}
+
+TEST_F(Sm90Fp8Test, CapturedGraphFollowsDeviceOffsets) {
+  Fp8Problem p({0, 1, 127, 128, 129, 300, 0, 1000}, 5, 384, 256, 600);
+  DeviceFp8 d(p);
+  cudaStream_t s;
+  cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture");
+  d.launch(s);
+  cuda_ok(cudaStreamEndCapture(s, &graph), "end capture");
+  cudaGraphExec_t exec;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (const std::vector<int>& counts :
+       {std::vector<int>{500, 0, 3, 200, 1, 0, 700, 281}, std::vector<int>{0, 1, 127, 128, 129, 300, 0, 1000}}) {
+    Fp8Problem q = p;  // same data, new offsets
+    q.off = offsets_of(counts);
+    ASSERT_EQ(q.off.back(), p.off.back());
+    cuda_ok(cudaMemcpy(d.offs.get(), q.off.data(), q.off.size() * 4, cudaMemcpyHostToDevice), "offsets");
+    cuda_ok(cudaMemset(d.c.get(), 0xFF, p.R * p.N * 2), "poison");
+    cuda_ok(cudaGraphLaunch(exec, s), "graph launch");
+    cuda_ok(cudaStreamSynchronize(s), "graph sync");
+    EXPECT_TRUE(check_fp8_gemm(q, d.download(), 0));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+TEST_F(Sm90Fp8Test, SmallWorkspaceIsRejected) {
+  Fp8Problem p({4, 4}, 0, 64, 32, 700);
+  DeviceFp8 d(p);
+  d.ws_bytes -= 1;
+  EXPECT_THROW(d.launch(nullptr), Error);
+}
+
+// TFLOP/s on MoE forward shapes (useful FLOPs 2 * rows * N * K), median of timed runs, beside the bf16
+// sm90 kernel on the same shapes and the 1x128 quantisation of the activations (GB/s).
+TEST_F(Sm90Fp8Test, Speed) {
+  struct Shape {
+    const char* name;
+    int E, rows_per_expert;
+    int64_t N, K;
+  };
+  const Shape shapes[] = {
+      {"qwen3-30b gate_up 32k rows", 128, 256, 1536, 2048},
+      {"qwen3-30b down 32k rows", 128, 256, 2048, 768},
+      {"qwen3-30b gate_up 8k rows", 128, 64, 1536, 2048},
+      {"mixtral gate_up 8k rows", 8, 1024, 28672, 4096},
+      {"mixtral down 8k rows", 8, 1024, 4096, 14336},
+      {"deepseek-v3 gate_up, 32 local experts", 32, 256, 4096, 7168},
+  };
+  auto time_ms = [](auto&& fn) {
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int i = 0; i < 3; ++i) fn();
+    std::vector<float> ms;
+    for (int i = 0; i < 10; ++i) {
+      cudaEventRecord(e0);
+      fn();
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return static_cast<double>(ms[ms.size() / 2]);
+  };
+  std::printf("\n%-28s %9s %9s %7s %12s   (TFLOP/s; quantize: 1x128 of the activation, GB/s)\n", "shape", "bf16", "fp8",
+              "ratio", "quantize");
+  for (const Shape& sh : shapes) {
+    Fp8Problem p(std::vector<int>(sh.E, sh.rows_per_expert), 0, sh.N, sh.K, 800);
+    DeviceFp8 d(p);
+    const double flops = 2.0 * p.R * p.N * p.K;
+    const double fp8 = flops / (time_ms([&] { d.launch(nullptr); }) * 1e-3) / 1e12;
+    // bf16 reference kernel on the same shape (values irrelevant for timing).
+    DeviceBuffer a16(p.R * p.K * 2), b16(p.E * p.N * p.K * 2), c16(p.R * p.N * 2);
+    cuda_ok(cudaMemset(a16.get(), 0, p.R * p.K * 2), "zero");
+    cuda_ok(cudaMemset(b16.get(), 0, p.E * p.N * p.K * 2), "zero");
+    const size_t ws16 = cuda::grouped_gemm_sm90_workspace_bytes(static_cast<int>(p.E), p.R, p.N, p.K);
+    DeviceBuffer w16(ws16);
+    const TensorView av = make_view(a16.get(), DType::kBF16, {p.R, p.K}, DeviceType::kCUDA);
+    const TensorView bv = make_view(b16.get(), DType::kBF16, {p.E, p.N, p.K}, DeviceType::kCUDA);
+    const TensorView cv = make_view(c16.get(), DType::kBF16, {p.R, p.N}, DeviceType::kCUDA);
+    const TensorView ov = make_view(d.offs.get(), DType::kI32, {p.E + 1}, DeviceType::kCUDA);
+    const double bf16 =
+        flops /
+        (time_ms([&] { cuda::grouped_gemm_sm90(av, bv, ov, WeightLayout::kNK, cv, w16.get(), ws16, nullptr); }) *
+         1e-3) /
+        1e12;
+    // Quantisation of the bf16 activation [R, K] (reads 2 bytes, writes 1 + 4/128 per element).
+    const TensorView qv = make_view(d.a.get(), DType::kU8, {p.R, p.K}, DeviceType::kCUDA);
+    const TensorView sv = make_view(d.sa.get(), DType::kF32, {p.R, kb(p.K)}, DeviceType::kCUDA);
+    const double qms = time_ms([&] { cuda::quantize_rows_1x128(av, absent(), 1, qv, sv, nullptr); });
+    const double gbs = p.R * p.K * (3.0 + 4.0 / 128) / (qms * 1e-3) / 1e9;
+    cuda_ok(cudaDeviceSynchronize(), "speed");
+    std::printf("%-28s %9.1f %9.1f %7.2f %12.0f\n", sh.name, bf16, fp8, fp8 / bf16, gbs);
+  }
+}
+
+}  // namespace
+}  // namespace moe8::test
+
+#else   // built without the CUDA backend: say so instead of silently running nothing
+TEST(CudaQuantTest, Backend) {
+  GTEST_SKIP() << "no CUDA device: moe8 was built without the CUDA backend (MOE8_CUDA=OFF or no nvcc)";
+}
+#endif  // MOE8_WITH_CUDA
