@@ -107,13 +107,36 @@ def experts_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     lora: Optional[ExpertLoRA] = None,
+    fp8=None,
 ) -> Tensor:
     """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
 
     x [T, H]; ids [T, K] int; weights [T, K]; layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
     layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
     lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
+    fp8: None (bf16) or an FP8 recipe ("blockwise", "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe)
+    for the forward expert GEMMs; see moe8.fp8.experts_forward_fp8.
     """
+    if fp8 is not None:
+        if lora is not None:
+            raise ValueError("fp8: FP8 experts with LoRA are not supported yet; pass fp8=None with lora")
+        from . import fp8 as _fp8
+
+        return _fp8.experts_forward_fp8(
+            x,
+            ids,
+            weights,
+            gate_up,
+            down,
+            recipe=fp8,
+            layout=layout,
+            activation=activation,
+            interleaved=interleaved,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            alpha=alpha,
+            limit=limit,
+        )
     lay = _choice("layout", layout, ops.LAYOUTS)
     act = _choice("activation", activation, ops.ACTIVATIONS)
     if x.dim() != 2:

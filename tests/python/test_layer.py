@@ -155,3 +155,18 @@ def test_opcheck():
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fp8_option_routes_to_the_fp8_experts():
+    from moe8 import fp8
+
+    torch.manual_seed(3)
+    T, H, I, E, K = 40, 256, 128, 4, 2
+    x = torch.randn(T, H).bfloat16()
+    gu, dn = (torch.randn(E, 2 * I, H) * 0.05).bfloat16(), (torch.randn(E, H, I) * 0.05).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K)
+    y = moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise")
+    assert torch.equal(y, fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe="blockwise", cache=None))
+    with pytest.raises(ValueError, match="fp8: FP8 experts with LoRA"):
+        moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise", lora=object())
