@@ -29,7 +29,8 @@ class Config:
     model: str = _key(
         "tiny-qwen3-moe",
         "a local Hugging Face model directory (config.json + weights) of a supported MoE family, or a built-in "
-        "tiny model with random weights for trying things out: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe",
+        "model with random weights: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe (for trying things out) or "
+        "qwen3-moe-1b (Qwen3-30B-A3B proportions, ~1B parameters with the qwen3 tokenizer)",
     )
     tokenizer: str = _key(
         "auto",

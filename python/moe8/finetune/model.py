@@ -32,6 +32,27 @@ TINY = {
     ),
     "tiny-olmoe": ("olmoe", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_experts=8)),
 }
+_TINY_COMMON = dict(**_ATTN, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+# every built-in model: (family, config overrides); the ~1B one has Qwen3-30B-A3B's proportions at 1/2 width
+# (64 experts, top-8, 12 layers: 1.05B parameters with the Qwen3 vocabulary, ~0.2B active per token)
+BUILTIN = {name: (family, {**_TINY_COMMON, **kw}) for name, (family, kw) in TINY.items()}
+BUILTIN["qwen3-moe-1b"] = (
+    "qwen3_moe",
+    dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=384,
+        num_hidden_layers=12,
+        num_experts=64,
+        num_experts_per_tok=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+    ),
+)
 
 
 def model_config(cfg: Config, tok=None):
@@ -39,17 +60,16 @@ def model_config(cfg: Config, tok=None):
     directory, a model that is not a supported MoE family, or seq_len over max_position_embeddings."""
     from transformers import AutoConfig
 
-    if cfg.model in TINY:
-        family, kw = TINY[cfg.model]
-        # a stronger balance loss than Qwen3's 0.001: tiny random models otherwise collapse onto few experts
-        config = AutoConfig.for_model(family, **_ATTN, **kw, num_experts_per_tok=2, router_aux_loss_coef=0.02)
-        path = None
+    if cfg.model in BUILTIN:
+        family, kw = BUILTIN[cfg.model]
+        # tiny models use a stronger balance loss than Qwen3's 0.001: otherwise they collapse onto few experts
+        config, path = AutoConfig.for_model(family, **kw), None
         config.tie_word_embeddings = True
     else:
         path = Path(cfg.model)
         if not path.is_dir():
             raise FinetuneError(
-                f"model: {cfg.model} is neither a directory nor a built-in model ({', '.join(TINY)})"
+                f"model: {cfg.model} is neither a directory nor a built-in model ({', '.join(BUILTIN)})"
             )
         if not (path / "config.json").is_file():
             raise FinetuneError(f"model: {path} has no config.json: not a Hugging Face model directory")

@@ -25,7 +25,7 @@ from .. import hf
 from . import report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
-from .model import TINY, active_params, build_model, model_config, peak_flops
+from .model import BUILTIN, TINY, active_params, build_model, model_config, peak_flops
 from .routing import RoutingStats
 
 STATE = "training_state.pt"
@@ -142,7 +142,15 @@ class Trainer:
         ]
         self.total_params, self.active_params = active_params(self.model)
         self.peak = peak_flops(cfg, self.device)
-        lr = cfg.lr or (3e-3 if cfg.model in TINY else 2e-4 if cfg.method == "lora" else 2e-5)
+        lr = cfg.lr or (
+            3e-3
+            if cfg.model in TINY
+            else 1e-3
+            if cfg.model in BUILTIN
+            else 2e-4
+            if cfg.method == "lora"
+            else 2e-5
+        )
         groups = [[p for p in self.master if p.ndim >= 2], [p for p in self.master if p.ndim < 2]]
         self.opt = torch.optim.AdamW(
             [
