@@ -75,7 +75,8 @@ class Config:
     grad_accum: int = _key(1, "micro-batches per optimizer step")
     seq_len: int = _key(128, "tokens per sequence (documents are packed)")
     lr: Optional[float] = _key(
-        None, "peak learning rate (default: 3e-3 for built-in models, 2e-4 for lora, 2e-5 for full)"
+        None,
+        "peak learning rate (default: 3e-3 for the tiny built-in models, 1e-3 for qwen3-moe-1b, 2e-4 for lora, 2e-5 for full)",
     )
     weight_decay: float = _key(0.01, "AdamW weight decay (matrices only, not norms and biases)")
     warmup_steps: Optional[int] = _key(None, "linear warmup steps (default: 5%% of steps)")
