@@ -32,6 +32,7 @@ _state = {
     "default": False,
     "deterministic": True,
     "fuse_router": False,
+    "fp8": None,  # FP8 recipe for the expert GEMMs (moe8.fp8), None: bf16
     "kwargs": {},
     "check": None,
     "post_init": None,
@@ -152,6 +153,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
             self.lora_scaling,
             self.lora_dropout if self.training else 0.0,
         )
+    if _state["fp8"] is not None and "lora" not in extra:  # FP8 experts with LoRA are not supported yet
+        extra["fp8"] = _state["fp8"]
     return layer.experts_forward(
         hidden_states,
         top_k_index,
@@ -162,6 +165,14 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         **extra,
         **_state["kwargs"],
     ).to(hidden_states.dtype)
+
+
+def _set_fp8(fp8) -> None:
+    if fp8 is not None:
+        from moe8.fp8 import Float8Recipe, _recipe
+
+        fp8 = fp8 if isinstance(fp8, Float8Recipe) else _recipe(fp8).name  # raises on an unknown recipe
+    _state["fp8"] = fp8
 
 
 def router_forward(self, hidden_states):
@@ -280,7 +291,7 @@ def register():
     _state["kwargs"] = _layer_kwargs()
 
 
-def enable(families=None, deterministic: bool = True, fuse_router: bool = False):
+def enable(families=None, deterministic: bool = True, fuse_router: bool = False, fp8=None):
     """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
     experts on moe8, unless it asks for another `experts_implementation` explicitly.
 
@@ -289,20 +300,26 @@ def enable(families=None, deterministic: bool = True, fuse_router: bool = False)
         takes the option; moe8 is deterministic by default).
     fuse_router: also compute the routing (softmax/sigmoid, top-k, weights) with moe8.layer.route; the router
         module is still called and still returns its logits.
+    fp8: None (bf16 experts) or an FP8 recipe for the expert GEMMs: "blockwise" (1x128 / 128x128 scales, the
+        DeepSeek-V3 recipe), "rowwise" or "tensorwise" (see moe8.fp8). Experts with moe8 LoRA stay in bf16.
     """
+    _set_fp8(fp8)
     families = _families(families)
     _state.update(families=families, default=True, deterministic=deterministic, fuse_router=fuse_router)
     register()
 
 
-def accelerate(model, families=None, fuse_router: bool = False):
+def accelerate(model, families=None, fuse_router: bool = False, fp8=None):
     """Run the experts of an existing model on moe8 and return the model (switched in place).
 
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
     fuse_router: also route with moe8.layer.route (see enable).
+    fp8: an FP8 recipe for the expert GEMMs (see enable; process-wide, as enable's); None leaves the current setting.
     """
     _transformers()
+    if fp8 is not None:
+        _set_fp8(fp8)
     from transformers.modeling_utils import PreTrainedModel
 
     families = _families(families)
@@ -353,7 +370,13 @@ def disable():
     _router_classes.clear()
     ExpertsInterface._global_mapping.pop(NAME, None)
     _state.update(
-        families=frozenset(), default=False, fuse_router=False, kwargs={}, check=None, post_init=None
+        families=frozenset(),
+        default=False,
+        fuse_router=False,
+        fp8=None,
+        kwargs={},
+        check=None,
+        post_init=None,
     )
     _noticed.clear()
 

@@ -551,3 +551,19 @@ def test_cuda_bf16_matches_transformers(family, calls):
         assert ok, (
             f"{name}: moe8 vs HF bf16 {e_vs_hf:.3g}, vs fp32 {rel(g_a[name], g32[name]):.3g}, HF vs fp32 {rel(g, g32[name]):.3g}"
         )
+
+
+def test_fp8_option_runs_the_expert_gemms_in_fp8(calls):
+    """accelerate(model, fp8=...) routes the experts through moe8.fp8 (bf16 model; close to bf16, not equal)."""
+    ref = build("qwen3_moe", hidden_size=128).to(torch.bfloat16)
+    bf16 = twin(ref)
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        hf.accelerate(twin(ref, accelerate=False), fp8="e5m2-magic")
+    fp8_model = hf.accelerate(twin(ref, accelerate=False), fp8="blockwise")
+    ids = tokens()
+    with torch.no_grad():
+        a = fp8_model(input_ids=ids).logits.float()
+        hf.disable()
+        b = hf.accelerate(bf16)(input_ids=ids).logits.float()
+    err = rel(a, b)
+    assert 1e-4 < err < 0.1, err
