@@ -1,0 +1,404 @@
+"""LoRA fine-tuning step speed of the full Qwen3-30B-A3B architecture on one GPU (48 layers, 30.5B parameters,
+random init, bf16): transformers `grouped_mm` experts + PEFT LoRA (the baseline of
+shared/data/baselines/h200.md) vs moe8.lora.apply_lora (expert LoRA through moe8's grouped GEMM, B·A never
+formed). Same base weights, same batch, r=16, alpha=32, targets q,k,v,o + experts, gradient checkpointing
+(non-reentrant), AdamW on the adapters only; median of --steps steps after --warmup.
+
+    PYTHONPATH=python python bench/bench_lora_30b.py --json bench/results/lora_30b_h200.json
+    PYTHONPATH=python python bench/bench_lora_30b.py --layers 4 --steps 2     # quicker look on a GPU
+    PYTHONPATH=python python bench/bench_lora_30b.py --tiny                   # smoke test, CPU is fine
+
+Each variant runs in a child process of its own: it builds the model (no HF init, then a seeded in-place
+normal_ fill, so both children get bitwise the same base weights: their checksums are compared), adds LoRA,
+trains, and rewrites its result file after every step. So at most one 61 GB model exists at a time, PEFT's
+hooks and moe8's registration in transformers can't leak into the other variant, all GPU memory is returned
+between them, and an OOM, crash or --timeout in one still leaves the other's numbers. The parent never
+touches CUDA. --json is rewritten after each variant. Prints a table last: tokens/s, peak memory
+(torch.cuda.max_memory_allocated), the ratio, and the targets (>= 2.0x the baseline, peak <= 64 GiB)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+VARIANTS = ("peft", "moe8")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # PEFT target_parameters
+# Qwen3-30B-A3B's config.json (intermediate_size is unused: every layer is MoE)
+QWEN3_30B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+)
+TINY = dict(
+    QWEN3_30B,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
+BASELINE = {"tokens_per_s": 5035, "peak_gib": 79.6}  # shared/data/baselines/h200.md (PEFT, q,k,v,o + experts)
+TARGET_RATIO, TARGET_PEAK_GIB = 2.0, 64.0
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------------- child process
+def build(args, device, dtype):
+    """The model with uninitialised weights (HF's init skipped), then filled in place: normal(0, 0.02) for
+    matrices (embeddings, projections, router, experts), ones for norms; seeded, so every build is the same."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", num_hidden_layers=args.layers, **(TINY if args.tiny else QWEN3_30B)
+    )
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    cfg.use_cache = False
+    with torch.device(device), no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, cfg.initializer_range, generator=gen)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+        sums = torch.stack([p.sum(dtype=torch.float32) for p in model.parameters()])
+    model.train()
+    return model, float(sums.double().sum()), hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def add_peft(model, args):
+    """PEFT LoRA as the baseline measured it: target_modules q,k,v,o; target_parameters on the fused experts
+    (lora.ParamWrapper: W + s·B·A materialised per forward); adapters in fp32 (PEFT's autocast)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=args.r,
+        lora_alpha=args.alpha,
+        lora_dropout=0.0,
+        target_modules=list(ATTN),
+        target_parameters=list(EXPERT_PARAMS),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # checkpointing is already on: PEFT adds enable_input_require_grads(), as in any PEFT run
+    return peft.get_peft_model(model, config)
+
+
+def add_moe8(model, args):
+    from moe8.lora import apply_lora
+
+    return apply_lora(model, r=args.r, alpha=args.alpha, targets=(*ATTN, "experts"))
+
+
+def child(args):
+    import torch
+
+    v = args.only
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    res = dict(variant=v, device=str(device), dtype=str(dtype).removeprefix("torch."), step_s=[], losses=[])
+
+    def save():
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+
+    def gib(x):
+        return round(x / GiB, 2) if cuda else None
+
+    def log(msg):
+        print(f"[{v}] {msg}", flush=True)
+
+    try:
+        import peft
+        import transformers
+
+        import moe8
+
+        res["meta"] = dict(
+            gpu=torch.cuda.get_device_name(0) if cuda else "cpu",
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            peft=peft.__version__,
+            moe8=moe8.__version__,
+            moe8_cuda=moe8.cuda_available(),
+        )
+        if not cuda and not args.tiny and args.layers > 2:
+            raise RuntimeError(
+                "needs a CUDA GPU; on CPU use --tiny, or --layers 1 for a slow full-width check"
+            )
+        if v == "moe8" and cuda and not moe8.cuda_available():
+            raise RuntimeError("moe8 is built without CUDA kernels (build it with nvcc first)")
+        t = time.perf_counter()
+        model, res["weights_sum"], res["weights_fingerprint"] = build(args, device, dtype)
+        res["params"] = sum(p.numel() for p in model.parameters())
+        res["build_s"], res["weights_gib"] = time.perf_counter() - t, gib(torch.cuda.memory_allocated())
+        log(
+            f"built {args.layers}-layer {'tiny ' if args.tiny else ''}Qwen3-30B-A3B: {res['params']:,} params, "
+            f"{res['dtype']} on {device}, {res['build_s']:.1f} s, allocated {res['weights_gib']} GiB, "
+            f"weights {res['weights_fingerprint']}"
+        )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        t = time.perf_counter()
+        model = (add_peft if v == "peft" else add_moe8)(model, args)
+        params = [p for p in model.parameters() if p.requires_grad]
+        adapter_dtype = getattr(torch, args.adapter_dtype)
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(adapter_dtype)
+        res["trainable"] = sum(p.numel() for p in params)
+        res["lora_s"] = time.perf_counter() - t
+        res["adapter_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        res["with_lora_gib"] = gib(torch.cuda.memory_allocated())
+        base = model.get_base_model() if v == "peft" else model
+        res["experts_implementation"] = base.config._experts_implementation
+        res["gradient_checkpointing"] = base.is_gradient_checkpointing
+        log(
+            f"LoRA r={args.r} alpha={args.alpha}: {res['trainable']:,} trainable "
+            f"({', '.join(res['adapter_dtypes'])}), {res['lora_s']:.1f} s, allocated {res['with_lora_gib']} GiB, "
+            f"experts on {res['experts_implementation']}, checkpointing {res['gradient_checkpointing']}"
+        )
+        ids = torch.randint(
+            0,
+            model.config.vocab_size,
+            (args.batch, args.seq),
+            device=device,
+            generator=torch.Generator(device).manual_seed(args.seed + 1),
+        )
+        opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        save()
+        for i in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            res["step_s"].append(time.perf_counter() - t)
+            res["losses"].append(loss.item())
+            del loss
+            if cuda:
+                res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+                res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+            timed = res["step_s"][args.warmup :]
+            if timed:
+                res["tokens_per_s"] = args.batch * args.seq / statistics.median(timed)
+            log(
+                f"step {i} ({'warm-up' if i < args.warmup else 'timed'}): {res['step_s'][-1]:.3f} s, "
+                f"loss {res['losses'][-1]:.5f}, peak {res.get('peak_gib')} GiB"
+            )
+            save()
+        res["steady_gib"] = gib(torch.cuda.memory_allocated())  # weights + adapters + AdamW state
+    except torch.cuda.OutOfMemoryError as e:
+        res["error"] = "out of memory: " + str(e).split("\n")[0][:300]
+        log(res["error"])
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        traceback.print_exc()
+        log(res["error"])
+    finally:
+        if cuda:
+            res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+            res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+        save()
+
+
+# ------------------------------------------------------------------------------------------ parent process
+def run_variant(v, args, path):
+    """Runs one variant in a child process (its output streams through); returns its result dict."""
+    cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--only", v, "--result", path]
+    t = time.perf_counter()
+    try:
+        rc = subprocess.run(cmd, timeout=args.timeout or None).returncode
+        why = None if rc == 0 else f"child exited with {rc}"
+    except subprocess.TimeoutExpired:
+        why = f"timed out after {args.timeout} s (killed)"
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        res = dict(variant=v, step_s=[], losses=[])
+    res["wall_s"] = time.perf_counter() - t
+    if why and "error" not in res:
+        res["error"] = why
+    return res
+
+
+def summary(args, results):
+    peft, m8 = results.get("peft", {}), results.get("moe8", {})
+    meta = next((r["meta"] for r in results.values() if "meta" in r), {})
+    out = dict(
+        meta=dict(meta, date=time.strftime("%Y-%m-%d"), optimizer="AdamW (fused on CUDA), adapters only"),
+        setup=dict(
+            model="Qwen3-30B-A3B" + (" (tiny)" if args.tiny else ""),
+            layers=args.layers,
+            batch=args.batch,
+            seq=args.seq,
+            tokens_per_step=args.batch * args.seq,
+            steps=args.steps,
+            warmup=args.warmup,
+            r=args.r,
+            alpha=args.alpha,
+            targets=[*ATTN, "experts"],
+            adapter_dtype=args.adapter_dtype,
+            gradient_checkpointing="non-reentrant",
+            lr=args.lr,
+            seed=args.seed,
+        ),
+        variants=results,
+        baseline_h200_md=BASELINE,
+        targets=dict(ratio=TARGET_RATIO, peak_gib=TARGET_PEAK_GIB),
+    )
+    if "weights_sum" in peft and "weights_sum" in m8:
+        out["same_base_weights"] = peft["weights_fingerprint"] == m8["weights_fingerprint"] and (
+            peft["weights_sum"] == m8["weights_sum"]
+        )
+    if "trainable" in peft and "trainable" in m8:
+        out["same_trainable"] = peft["trainable"] == m8["trainable"]
+    if peft.get("losses") and m8.get("losses"):
+        out["step0_loss_diff"] = abs(peft["losses"][0] - m8["losses"][0])
+    if peft.get("tokens_per_s") and m8.get("tokens_per_s"):
+        out["ratio"] = m8["tokens_per_s"] / peft["tokens_per_s"]
+    return out
+
+
+def _count(n):
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def table(out):
+    s, res = out["setup"], out["variants"]
+    print(f"\n{out['meta']}")
+    print(
+        f"{s['model']}, {s['layers']} layers, {s['batch']}x{s['seq']} tokens, LoRA r={s['r']} alpha={s['alpha']} "
+        f"on q,k,v,o + experts ({s['adapter_dtype']} adapters), non-reentrant checkpointing, median of "
+        f"{s['steps']} after {s['warmup']}"
+    )
+    print(
+        f"{'variant':<8} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
+        f"{'weights':>8} {'steady':>7}  losses / error"
+    )
+    for v, r in res.items():
+        timed = r["step_s"][s["warmup"] :]
+        cells = [
+            _count(r["trainable"]) if "trainable" in r else "-",
+            f"{r['build_s']:.1f}" if "build_s" in r else "-",
+            f"{statistics.median(timed):.3f}" if timed else "-",
+            f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
+            *(
+                f"{r[k]:.1f}" if r.get(k) is not None else "-"
+                for k in ("peak_gib", "weights_gib", "steady_gib")
+            ),
+        ]
+        shown = [f"{x:.4f}" for x in r["losses"]]
+        if len(shown) > 8:
+            shown = [*shown[:6], "...", shown[-1]]
+        tail = ", ".join(shown) + (f"  ERROR {r['error']}" if "error" in r else "")
+        print(
+            f"{v:<8} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
+            f"{cells[6]:>7}  {tail}"
+        )
+    b = out["baseline_h200_md"]
+    print(f"baseline in shared/data/baselines/h200.md: {b['tokens_per_s']:,} tokens/s, {b['peak_gib']} GiB")
+    if "same_base_weights" in out:
+        print(f"same base weights in both variants: {out['same_base_weights']}")
+    if "same_trainable" in out:
+        print(f"same trainable parameter count in both variants: {out['same_trainable']}")
+    if "step0_loss_diff" in out:
+        print(f"step-0 loss |peft - moe8| = {out['step0_loss_diff']:.2e} (LoRA B starts at zero)")
+    ratio, peak = out.get("ratio"), res.get("moe8", {}).get("peak_gib")
+    t = out["targets"]
+    print(
+        "moe8 / peft tokens/s: "
+        + (f"{ratio:.2f}x" if ratio else "n/a")
+        + f" (target >= {t['ratio']}x: {'met' if ratio and ratio >= t['ratio'] else 'NOT met'}); "
+        + "moe8 peak: "
+        + (f"{peak:.1f} GiB" if peak is not None else "n/a")
+        + f" (target <= {t['peak_gib']:.0f} GiB: {'met' if peak is not None and peak <= t['peak_gib'] else 'NOT met'})"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; --tiny: 2)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --tiny: 64)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {VARIANTS}")
+    ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=32)
+    ap.add_argument(
+        "--adapter-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="LoRA parameters' (and so AdamW state's) dtype; float32 as PEFT keeps them",
+    )
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tiny", action="store_true", help="hidden 64, 4 experts, vocab 512: a smoke test, CPU ok"
+    )
+    ap.add_argument("--timeout", type=float, default=280, help="seconds per variant, 0: none")
+    ap.add_argument("--json", default=None, help="write the results here (rewritten after each variant)")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child: run this variant
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # child: its result file
+    args = ap.parse_args()
+    args.layers = args.layers or (2 if args.tiny else 48)
+    args.batch = args.batch or 2
+    args.seq = args.seq or (64 if args.tiny else 4096)
+    if args.only:
+        child(args)  # its outcome is in its result file, errors included
+        return 0
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}, expected from {VARIANTS}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            results[v] = run_variant(v, args, os.path.join(tmp, f"{v}.json"))
+            out = summary(args, results)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
+    table(out)
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
