@@ -189,19 +189,9 @@ def _(q, scale, block_rows, block_cols, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
-_fp8_ws_bytes: dict = {}
-
-
 def _fp8_workspace(a: Tensor, num_experts: int) -> Optional[Tensor]:
     """Scratch that lets grouped_gemm_fp8 take the Hopper (CUTLASS sm_90a) path; None where there is none."""
-    if not a.is_cuda:
-        return None
-    key = (a.device.index, num_experts)
-    if key not in _fp8_ws_bytes:
-        with torch.cuda.device(a.device):
-            _fp8_ws_bytes[key] = _C.grouped_gemm_fp8_workspace_bytes(num_experts, True)
-    n = _fp8_ws_bytes[key]
-    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+    return ops.sm90_workspace(a, num_experts, "grouped_gemm_fp8_workspace_bytes")
 
 
 @torch.library.custom_op("moe8::grouped_gemm_fp8", mutates_args=())

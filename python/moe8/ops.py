@@ -51,14 +51,17 @@ def _stream(t: Tensor) -> int:
 _ws_bytes: dict = {}
 
 
-def _gemm_workspace(a: Tensor, num_experts: int) -> Optional[Tensor]:
-    """Scratch that lets the grouped GEMMs take the Hopper (CUTLASS sm_90a) path; None where there is none."""
+def sm90_workspace(
+    a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes"
+) -> Optional[Tensor]:
+    """Scratch that lets a grouped GEMM take the Hopper (CUTLASS sm_90a) path (`query` names the _C function
+    giving its size); None where there is no such path. Sizes are cached per (device, experts, query)."""
     if not a.is_cuda:
         return None
-    key = (a.device.index, num_experts)
+    key = (a.device.index, num_experts, query)
     if key not in _ws_bytes:
         with torch.cuda.device(a.device):
-            _ws_bytes[key] = _C.grouped_gemm_workspace_bytes(num_experts, True)
+            _ws_bytes[key] = getattr(_C, query)(num_experts, True)
     n = _ws_bytes[key]
     return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
 
@@ -337,7 +340,7 @@ def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optio
     """c[r] = a[r] . op(b[e]) + bias[e] for rows r of expert e. layout 0: b [E, N, K]; 1: b [E, K, N]."""
     n = b.shape[1] if layout == 0 else b.shape[2]
     c = a.new_empty(a.shape[0], n)
-    _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False, _gemm_workspace(a, b.shape[0]))
+    _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False, sm90_workspace(a, b.shape[0]))
     return c
 
 
@@ -363,7 +366,7 @@ def grouped_gemm_wgrad(
         dbias if with_bias else None,
         _stream(a),
         False,
-        _gemm_workspace(a, num_experts),
+        sm90_workspace(a, num_experts),
     )
     return db, dbias
 
