@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
+from moe8 import cuda_available as moe8_cuda  # noqa: E402
 from moe8 import finetune  # noqa: E402
 from moe8.finetune import report, routing  # noqa: E402
 from moe8.finetune.config import KEYS, Config, FinetuneError, make_config  # noqa: E402
@@ -517,3 +518,17 @@ def test_trainer_callback_collects_routing(tmp_path):
     assert (tmp_path / "r.html").read_text().count('<svg class="heat"') == 2
     logged = [x for x in trainer.state.log_history if "routing/max_imbalance" in x]
     assert len(logged) == 2 and all(x["routing/max_imbalance"] >= 1 for x in logged)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and moe8_cuda()), reason="needs a CUDA GPU and moe8 CUDA")
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_cuda_bf16_run(tmp_path, text_file, capsys, method):
+    """On the GPU: bf16 by default, the loss falls, MFU and GPU memory are reported."""
+    out = tmp_path / method
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--method", method, "--device", "cuda"))
+    assert rc == 0, text
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["eval_loss"] < lines[0]["eval_loss"]
+    for x in lines[1:]:
+        assert x["mfu"] is not None and x["mfu"] > 0 and x["memory_gib"] > 0
+    assert "bfloat16" in text
