@@ -36,7 +36,7 @@ if [ "$STAGE" != bench ]; then
   cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
   echo "== ctest"
   ctest --test-dir build/gpu -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
-  tail -5 "$OUT/ctest.log"
+  grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/ctest.log" | tail -12
   echo "== pytest"
   XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
   PYTHONPATH=python timeout 400 $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 tests/python \
