@@ -28,6 +28,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -125,10 +126,11 @@ __host__ __device__ Stride stride_with_ld(int64_t ld) {
 // ---------------------------------------------------------------------------------------------------
 // Workspace: per-group arrays (fixed slot sizes, so one layout serves every kernel) then CUTLASS's own.
 
-constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kAlignWs = 256;
+using sm90_util::align_up;
+using sm90_util::kAlignWs;
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16;
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 
-inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 3 * align_up(g * kSlotPtr, kAlignWs) +
@@ -167,80 +169,21 @@ inline GroupArrays carve(void* workspace, int groups) {
   return w;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Device facts, cached per device: multiprocessor count, compute capability, and per kernel the number
-// of clusters that fit at once (the persistent grid size).
+// Device facts (multiprocessor count, compute capability), the persistent grid size of each kernel and
+// CUTLASS's workspace size: shared with the FP8 GEMM (sm90_util.cuh).
+using sm90_util::device_facts;
+using sm90_util::DeviceFacts;
 
-constexpr int kMaxDevices = 64;
+inline int current_device() { return sm90_util::current_device("grouped_gemm_sm90: cudaGetDevice"); }
 
-struct DeviceFacts {
-  int sms = 0, major = 0, minor = 0;
-};
-
-inline DeviceFacts device_facts(int device) {
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<DeviceFacts, kMaxDevices> facts;
-  if (device < 0 || device >= kMaxDevices) return {};
-  std::call_once(once[device], [device] {
-    DeviceFacts f;
-    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      f = DeviceFacts{};
-    }
-    facts[device] = f;
-  });
-  return facts[device];
-}
-
-inline int current_device() {
-  int d = 0;
-  cuda_check(cudaGetDevice(&d), "grouped_gemm_sm90: cudaGetDevice");
-  return d;
-}
-
-// Raises the kernel's dynamic shared-memory limit (needed before any launch or occupancy query) and
-// returns how many clusters of it fit on `device` at once (0 if the query fails: CUTLASS then sizes the
-// grid by its own heuristic).
 template <class G>
 int max_active_clusters(int device) {
-  using Kernel = typename G::Kernel;
-  static std::array<std::atomic<int>, kMaxDevices> cache{};  // -1 - value once known
-  int cached = cache[device].load(std::memory_order_relaxed);
-  if (cached < 0) return -1 - cached;
-  const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
-  cuda_check(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize),
-             "grouped_gemm_sm90: cudaFuncSetAttribute");
-  using Cluster = typename G::Kernel::ClusterShape;
-  const dim3 cluster(size<0>(Cluster{}), size<1>(Cluster{}), size<2>(Cluster{}));
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster.x;
-  attr[0].val.clusterDim.y = cluster.y;
-  attr[0].val.clusterDim.z = cluster.z;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = cluster;
-  cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
-  cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, fn, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  cache[device].store(-1 - n, std::memory_order_relaxed);
-  return n;
+  return sm90_util::max_active_clusters<typename G::Kernel>(device, "grouped_gemm_sm90: cudaFuncSetAttribute");
 }
 
 template <class G>
 size_t cutlass_workspace_bytes(int groups, int sms) {
-  typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {groups, nullptr, nullptr};
-  args.hw_info.sm_count = sms;
-  return G::Gemm::get_workspace_size(args);
+  return sm90_util::cutlass_workspace_bytes<typename G::Gemm>(groups, sms);
 }
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
