@@ -26,6 +26,7 @@ class _Core:
         def call(*args):
             return fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
 
+        setattr(self, name, call)  # built once per function: later lookups skip __getattr__
         return call
 
 
