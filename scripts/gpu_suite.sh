@@ -5,8 +5,10 @@
 # (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), bench (build, benchmarks) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
-# GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); pinned
-# nanobind / CUTLASS wheels in .carry/wheels are used when present (see docs/gpu.md).
+# GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
+# wheels in .carry/wheels (nanobind, CUTLASS, peft, pytest-xdist, ...) are installed into /tmp/moe8-site and
+# put on PYTHONPATH when present (see docs/gpu.md). PYTEST_TIMEOUT (default 400 s), PYTEST_WORKERS (default
+# 6, when pytest-xdist is importable) and PYTEST_ARGS (default tests/python) shape the pytest step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_run}
@@ -16,14 +18,15 @@ PY=$(command -v python3)
 mkdir -p "$OUT"
 [ -d .carry/gtest/usr ] && export CMAKE_PREFIX_PATH=$PWD/.carry/gtest/usr
 SITE=
-for whl in .carry/wheels/nanobind-*.whl .carry/wheels/nvidia_cutlass-*.whl; do
-  [ -f "$whl" ] && $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site "$whl" && SITE=/tmp/moe8-site
-done
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site .carry/wheels/*.whl && SITE=/tmp/moe8-site
+fi
+export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
 echo "== build" | tee "$OUT/build.log"
-PYTHONPATH=$SITE cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
+cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
   >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" --target _C >>"$OUT/build.log" 2>&1 || {
   grep -B2 -A12 -E "error|FAILED" "$OUT/build.log" | head -80
   exit 1
@@ -38,17 +41,18 @@ if [ "$STAGE" != bench ]; then
   ctest --test-dir build/gpu -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/ctest.log" | tail -12
   echo "== pytest"
-  XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-  PYTHONPATH=python timeout 400 $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 tests/python \
+  XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-6}")
+  # shellcheck disable=SC2086
+  timeout "${PYTEST_TIMEOUT:-400}" $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 ${PYTEST_ARGS:-tests/python} \
     >"$OUT/pytest.log" 2>&1
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
   echo "t $(($(date +%s) - t0)) s"
 fi
 if [ "$STAGE" != test ]; then
   echo "== bench"
-  PYTHONPATH=python timeout 200 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
+  timeout 200 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
   tail -14 "$OUT/bench.log"
-  PYTHONPATH=python timeout 200 $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 3 --warmup 1 \
+  timeout 200 $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 3 --warmup 1 \
     --json "$OUT/hf_train.json" >"$OUT/hf_train.log" 2>&1
   tail -4 "$OUT/hf_train.log"
 fi

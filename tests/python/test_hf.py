@@ -9,7 +9,6 @@ tells an integration bug from a kernel bug."""
 import copy
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 import moe8  # noqa: E402, F401
 from moe8 import hf, layer  # noqa: E402
+from moe8.finetune.data import shared  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 VOCAB = 128
 TOL = 1e-5
 STANDIN = os.environ.get("MOE8_HF_STANDIN") == "1"
@@ -410,8 +409,8 @@ def test_gradient_checkpointing(family, calls):
 
 def text_batches(steps, batch, seq):
     """Real English text as bytes (ASCII < 128 = VOCAB), or generated text when the shared data is missing."""
-    path = DATA / "text" / "sentences.txt"
-    if path.exists():
+    path = shared("text", "sentences.txt")
+    if path is not None:
         with open(path, "rb") as f:
             data = f.read(steps * batch * (seq + 1) * 2)
     else:

@@ -5,6 +5,7 @@ loader whose order is a pure function of (seed, micro-batch index), so a resumed
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -18,9 +19,13 @@ AUTO_DOCUMENTS = 20000  # documents read from the shared sample text when data =
 
 
 def shared(*parts: str) -> Path | None:
-    """A file under ../shared/data, relative to the working directory or to the checkout; None if absent."""
-    for root in (Path.cwd(), REPO):
-        p = root.parent / "shared" / "data" / Path(*parts)
+    """A file under the shared data folder: $MOE8_SHARED_DATA when set, else ../shared/data relative to the
+    working directory or to the checkout; None if absent."""
+    env = os.environ.get("MOE8_SHARED_DATA")
+    roots = [Path(env)] if env else []
+    roots += [root.parent / "shared" / "data" for root in (Path.cwd(), REPO)]
+    for root in roots:
+        p = root / Path(*parts)
         if p.exists():
             return p
     return None
