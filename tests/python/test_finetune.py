@@ -59,7 +59,8 @@ def write_jsonl(path, records):
 
 
 def flags(out, data, *extra):
-    """6 steps of 2 x 32 tokens; a metrics line every step, eval and checkpoint every 3."""
+    """6 steps of 2 x 32 tokens on the CPU (extra flags may say --device cuda); a metrics line every step, eval
+    and checkpoint every 3."""
     small = (
         "--no-progress --steps 6 --micro_batch 2 --seq_len 32 --log_every 1 --eval_every 3 --eval_batches 2"
     )
@@ -71,6 +72,8 @@ def flags(out, data, *extra):
         *small.split(),
         "--save_every",
         "3",
+        "--device",
+        "cpu",
         *map(str, extra),
     ]
 
@@ -306,7 +309,7 @@ def test_lora_adapter_loads_in_peft(tmp_path, text_file, capsys):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "lora"
-    small = dict(steps=4, micro_batch=2, seq_len=32, progress=False, lora_r=4, eval_every=0)
+    small = dict(steps=4, micro_batch=2, seq_len=32, progress=False, lora_r=4, eval_every=0, device="cpu")
     cfg = make_config(overrides=dict(small, output_dir=str(out), data=str(text_file), method="lora"))
     trainer = run(cfg, log=lambda *a: None)
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()

@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0", reason="moe8.hf needs transformers>=5")
 
+from conftest import devices  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
@@ -527,28 +528,80 @@ def test_notice_lines_are_short():
     assert len(record) == 1 and "\n" not in str(record[0].message)
 
 
-@CUDA
+def captured_experts_calls(model, ids):
+    """(module, hidden_states, top_k_index, top_k_weights) of every experts call in one forward of `model`."""
+    seen, hooks = [], []
+    for m in experts_modules(model):
+        hooks.append(
+            m.register_forward_hook(lambda mod, args, out: seen.append((mod, *(a.detach() for a in args))))
+        )
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def experts_call_grads(fn, module, x, ids, w, dy):
+    """Output and the gradients of input, routing weights and every parameter of one experts call."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    params = [p for p in module.parameters() if p.requires_grad]
+    y = fn(module, x, ids, w)
+    return [y, *torch.autograd.grad(y, [x, w, *params], dy)]
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", hf.FAMILIES)
-def test_cuda_bf16_matches_transformers(family, calls):
-    """On the GPU in bf16: moe8 vs transformers' default experts on the same bf16 model, and both against the
-    same model in fp32. Logits and loss agree within 1e-2; every gradient agrees within 1e-2, or else moe8's
-    error against fp32 is no larger than transformers' own bf16 error (+10%)."""
-    base = build(family, hidden_size=64).cuda()
+def test_bf16_matches_transformers(family, device, calls):
+    """bf16, moe8 vs transformers' grouped_mm on the same model, in two parts.
+
+    1. Every experts call of a bf16 forward, on the exact inputs transformers gave it (captured by a hook):
+       output and the gradients of hidden states, routing weights and every expert parameter agree < 1e-2,
+       or else moe8 is no farther from the fp32 result than transformers' bf16 is (+10%, +1e-3).
+    2. The whole model: loss agrees < 1e-2; logits and every parameter gradient agree < 1e-2, or else are
+       within three times transformers' own bf16 error against the fp32 model (+1e-2; a wrong gradient is off
+       by ~100%). Two bf16 implementations of a tiny random model cannot always agree to 1e-2 there: a
+       last-bit difference in one layer flips near-tied top-k choices in the next (transformers' bf16 itself
+       is 1-11% off fp32 on these models, and moe8 is closer to fp32 than it in every call of part 1)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    base = build(family, hidden_size=64).to(device)
     ref32 = twin(base, accelerate=False)
     ref = twin(base, accelerate=False).to(torch.bfloat16)
+    ids = tokens(batch=4, seq=32).to(device)
+    seen = captured_experts_calls(ref, ids)
+    assert len(seen) == len(experts_modules(ref)) > 0
+    fp32_twin = dict(zip(experts_modules(ref), experts_modules(ref32)))
+    gen = torch.Generator(device).manual_seed(0)
+    for i, (module, x, top_ids, top_w) in enumerate(seen):
+        dy = torch.randn(x.shape, generator=gen, device=device).to(x.dtype)
+        want = experts_call_grads(grouped_mm_experts_forward, module, x, top_ids, top_w, dy)
+        got = experts_call_grads(hf.experts_forward, module, x, top_ids, top_w, dy)
+        exact = experts_call_grads(
+            grouped_mm_experts_forward, fp32_twin[module], x.float(), top_ids, top_w.float(), dy.float()
+        )
+        names = ["output", "d hidden", "d weights"]
+        names += [n for n, p in module.named_parameters() if p.requires_grad]
+        for name, a, b, f32 in zip(names, got, want, exact):
+            assert a.dtype == b.dtype, name
+            ok = rel(a, b) < 1e-2 or rel(a, f32) <= 1.1 * rel(b, f32) + 1e-3
+            assert ok, (
+                f"experts call {i}, {name}: moe8 vs HF {rel(a, b):.3g}, vs fp32 {rel(a, f32):.3g}, HF vs fp32 {rel(b, f32):.3g}"
+            )
+    assert calls["n"] == len(seen)
+
     acc = hf.accelerate(twin(ref, accelerate=False))
-    ids = tokens(batch=4, seq=32).cuda()
-    (_, g32), (o_r, g_r), (o_a, g_a) = run(ref32, ids), run(ref, ids), run(acc, ids)
-    assert calls["n"] > 0 and o_a.logits.dtype == torch.bfloat16
-    assert rel(o_a.logits, o_r.logits) < 1e-2
+    (o32, g32), (o_r, g_r), (o_a, g_a) = run(ref32, ids), run(ref, ids), run(acc, ids)
+    assert calls["n"] > len(seen) and o_a.logits.dtype == torch.bfloat16
     assert rel(o_a.loss, o_r.loss) < 1e-2
-    for name, g in g_r.items():
-        if g is None:
-            continue
-        e_vs_hf = rel(g_a[name], g)
-        ok = e_vs_hf < 1e-2 or rel(g_a[name], g32[name]) <= 1.1 * rel(g, g32[name]) + 1e-3
+    pairs = [("logits", o_a.logits, o_r.logits, o32.logits)]
+    pairs += [(n, g_a[n], g, g32[n]) for n, g in g_r.items() if g is not None]
+    for name, a, r, f32 in pairs:
+        ok = rel(a, r) < 1e-2 or rel(a, f32) <= 3 * rel(r, f32) + 1e-2
         assert ok, (
-            f"{name}: moe8 vs HF bf16 {e_vs_hf:.3g}, vs fp32 {rel(g_a[name], g32[name]):.3g}, HF vs fp32 {rel(g, g32[name]):.3g}"
+            f"{name}: moe8 vs HF bf16 {rel(a, r):.3g}, vs fp32 {rel(a, f32):.3g}, HF vs fp32 {rel(r, f32):.3g}"
         )
 
 
