@@ -195,6 +195,12 @@ def child(args):
             generator=torch.Generator(device).manual_seed(args.seed + 1),
         )
         opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
+        chunked = v == "moe8" and args.moe8_loss == "chunked"
+        res["loss"] = "moe8.loss.chunked_cross_entropy" if chunked else "transformers (labels=)"
+        if chunked:
+            from moe8.loss import chunked_cross_entropy, hidden_states_as_logits
+
+            target = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1).flatten()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         save()
@@ -202,7 +208,13 @@ def child(args):
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
+            if chunked:  # what `moe8 finetune` does: the LM head's logits a chunk at a time
+                with hidden_states_as_logits(model) as head:
+                    hidden = model(input_ids=ids).logits
+                loss = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, target, reduction="mean")
+                del hidden
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -275,6 +287,7 @@ def summary(args, results):
             alpha=args.alpha,
             targets=[*ATTN, "experts"],
             adapter_dtype=args.adapter_dtype,
+            moe8_loss=args.moe8_loss,
             gradient_checkpointing="non-reentrant",
             lr=args.lr,
             seed=args.seed,
@@ -367,6 +380,12 @@ def main():
         default="float32",
         choices=("float32", "bfloat16"),
         help="LoRA parameters' (and so AdamW state's) dtype; float32 as PEFT keeps them",
+    )
+    ap.add_argument(
+        "--moe8-loss",
+        default="chunked",
+        choices=("chunked", "hf"),
+        help="moe8's loss: chunked (moe8.loss, as `moe8 finetune` runs it) or hf (the model's labels= loss)",
     )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import hf
+from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
@@ -183,11 +184,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ pieces
     def loss_sum(self, x, y):
         """(summed cross-entropy of next-token predictions, aux loss or None); x, y [B, S] on the device."""
-        out = self.model(input_ids=x)
         target = torch.cat([y[:, 1:], torch.full_like(y[:, :1], IGNORE)], 1)  # position t predicts y[t + 1]
-        ce = F.cross_entropy(
-            out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
+        if plain_lm_head(self.model) is not None:  # logits a chunk at a time: no [tokens, vocab] fp32 tensors
+            with hidden_states_as_logits(self.model) as head:
+                out = self.model(input_ids=x)
+            ce = chunked_cross_entropy(
+                out.logits.flatten(0, 1), head.weight, target.flatten(), ignore_index=IGNORE
+            )
+        else:
+            out = self.model(input_ids=x)
+            ce = F.cross_entropy(
+                out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
+            )
         return ce, getattr(out, "aux_loss", None)
 
     @torch.no_grad()

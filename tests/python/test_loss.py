@@ -1,0 +1,96 @@
+"""moe8.loss: chunked cross-entropy against torch's cross_entropy of the full logits, values and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import devices
+
+from moe8.loss import chunked_cross_entropy, hidden_states_as_logits
+
+
+def full(h, w, t, reduction):
+    return F.cross_entropy((h @ w.t()).float(), t, ignore_index=-100, reduction=reduction)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_matches_full_logits(device, dtype, reduction, chunk):
+    g = torch.Generator().manual_seed(chunk)
+    n, hdim, vocab = 50, 24, 97
+    h0 = torch.randn(n, hdim, generator=g).to(device, dtype)
+    w0 = (torch.randn(vocab, hdim, generator=g) * 0.3).to(device, dtype)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::5] = -100  # ignored rows
+    t = t.to(device)
+    grads = []
+    for fn in (full, lambda h, w, t, r: chunked_cross_entropy(h, w, t, chunk=chunk, reduction=r)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = fn(h, w, t, reduction)
+        loss.backward()
+        grads.append((loss.detach(), h.grad, w.grad))
+    (la, ha, wa), (lb, hb, wb) = grads
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    assert lb.dtype == torch.float32
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)  # same logits rounding, fp32 sums
+    torch.testing.assert_close(hb, ha, **tol)
+    torch.testing.assert_close(wb, wa, **tol)
+    assert not hb[::5].any() and hb[1::5].all(dim=1).any()  # ignored rows get no gradient
+
+
+def test_ignored_rows_get_no_gradient():
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8)
+    t = torch.tensor([1, -100, 3, -100, 5, 7])
+    chunked_cross_entropy(h, w, t, chunk=4).backward()
+    assert h.grad[[1, 3]].abs().sum() == 0 and h.grad[[0, 2, 4, 5]].abs().sum() > 0
+    assert chunked_cross_entropy(h, w, torch.full((6,), -100), reduction="mean") == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 9)), "hidden, weight: expected"),
+        (dict(weight=torch.randn(10, 8, dtype=torch.float64)), "weight: expected torch.float32"),
+        (dict(target=torch.zeros(3, dtype=torch.long)), r"target: expected integer class ids of shape \[4\]"),
+        (dict(target=torch.zeros(4)), "target: expected integer"),
+        (dict(chunk=0), "chunk: expected a positive"),
+        (dict(reduction="none"), "reduction: expected"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long))
+    args.update(kwargs)
+    h, w, t = args.pop("hidden"), args.pop("weight"), args.pop("target")
+    with pytest.raises(ValueError, match=match):
+        chunked_cross_entropy(h, w, t, **args)
+
+
+def test_hidden_states_as_logits_on_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    want = model(input_ids=ids, labels=ids).loss
+    with hidden_states_as_logits(model) as head:
+        h = model(input_ids=ids).logits
+    assert h.shape == (2, 9, 32) and model.get_output_embeddings() is head
+    target = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    got = chunked_cross_entropy(h.flatten(0, 1), head.weight, target.flatten(), chunk=5, reduction="mean")
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="output embeddings"):
+        with hidden_states_as_logits(torch.nn.Module()):
+            pass
