@@ -83,7 +83,7 @@ def check_accuracy(block, x, K):
     return {"output": rel(y, yr), **{f"grad_{n}": rel(a, b) for n, a, b in zip(names, g, gr)}}
 
 
-def bench_shape(name, T, check, dtype=torch.bfloat16):
+def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
     block = hf_block(H, I, E, K).cuda().to(dtype)
@@ -101,9 +101,43 @@ def bench_shape(name, T, check, dtype=torch.bfloat16):
         )
         torch.autograd.backward(y, dy.view(T, H))
 
+    def moe8_fp8_step(recipe):
+        y, _ = moe8.moe_forward(
+            x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True, fp8=recipe
+        )
+        torch.autograd.backward(y, dy.view(T, H))
+        return y
+
     moe8.ops.set_index_validation(False)
     hf_ms, hf_mem = timed(hf_step)
     m_ms, m_mem = timed(moe8_step)
+    fp8_rows = {}
+    for recipe in fp8:
+        try:
+            f_ms, f_mem = timed(lambda r=recipe: moe8_fp8_step(r))
+            with torch.no_grad():
+                y16, _ = moe8.moe_forward(
+                    x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True
+                )
+                y8, _ = moe8.moe_forward(
+                    x.view(T, H),
+                    gate.weight,
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    K,
+                    "softmax",
+                    True,
+                    fp8=recipe,
+                )
+            fp8_rows[recipe] = {
+                "ms": f_ms,
+                "speedup_vs_hf": hf_ms / f_ms,
+                "peak_extra_gib": f_mem,
+                "output_rel_error_vs_bf16": rel(y8, y16),
+            }
+        except Exception as e:  # report and go on: one recipe failing must not lose the others
+            fp8_rows[recipe] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  fp8 {recipe}: {fp8_rows[recipe]}", flush=True)
     moe8.ops.set_index_validation(True)
     flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
     row = {
@@ -124,6 +158,8 @@ def bench_shape(name, T, check, dtype=torch.bfloat16):
         "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
     }
     row["moe8_pct_of_bf16_ceiling"] = 100 * row["moe8_expert_tflops"] * 1e12 / BF16_CEILING
+    if fp8_rows:
+        row["fp8"] = fp8_rows  # expert GEMM forwards in FP8, backward in bf16 (moe8.fp8)
     if check:
         row["accuracy_vs_fp32_reference"] = check_accuracy(block, x.view(T, H), K)
     return row
@@ -188,6 +224,12 @@ def main():
     ap.add_argument(
         "--gemm", action="store_true", help="also time the grouped GEMMs alone vs torch._grouped_mm"
     )
+    ap.add_argument(
+        "--fp8",
+        default="",
+        help="comma-separated FP8 recipes to time too (blockwise,rowwise,tensorwise): the layer with FP8 expert "
+        "GEMM forwards, and its output's relative error vs the bf16 layer",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if not moe8.cuda_available():
@@ -209,7 +251,8 @@ def main():
     layers = []
     for n in names:
         print(f"[bench] {n} ...", flush=True)
-        layers.append(bench_shape(n, args.tokens, check=not args.no_check and n == "qwen3"))
+        fp8 = [r for r in args.fp8.split(",") if r]
+        layers.append(bench_shape(n, args.tokens, check=not args.no_check and n == "qwen3", fp8=fp8))
         print(json.dumps(layers[-1]), flush=True)
     gemms = bench_gemm(args.tokens) if args.gemm else []
     if args.json:
@@ -231,6 +274,14 @@ def main():
             f"{r['speedup']:>5.2f}x {r['moe8_expert_tflops']:>8.0f} {r['moe8_pct_of_bf16_ceiling']:>5.0f}% "
             f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f}"
         )
+        for recipe, f in r.get("fp8", {}).items():
+            if "error" in f:
+                print(f"  fp8 {recipe}: {f['error']}")
+            else:
+                print(
+                    f"  fp8 {recipe:<10} {f['ms']:>8.2f} ms {f['speedup_vs_hf']:>5.2f}x vs HF, "
+                    f"{f['peak_extra_gib']:.2f} GiB, output vs bf16 {f['output_rel_error_vs_bf16']:.2e}"
+                )
         if "accuracy_vs_fp32_reference" in r:
             print("  accuracy vs fp32 reference (relative error):", r["accuracy_vs_fp32_reference"])
 

@@ -2,7 +2,7 @@
 # The GPU half of the test suite plus the benchmarks, for a machine with an NVIDIA GPU: builds libmoe8
 # with CUDA (kernels, CUTLASS sm_90a kernels when the headers are found, GoogleTest suite, Python extension)
 # in build/gpu, runs ctest and pytest (CUDA tests included), then the benchmarks. Logs and JSON go to $OUT
-# (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), bench (build, benchmarks) or all.
+# (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C only), bench (build _C, benchmarks) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
@@ -34,12 +34,15 @@ cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -D
 grep -E "moe8: (CUDA|CUTLASS)" "$OUT/build.log"
 ln -sf "$PWD"/build/gpu/_C*.so python/moe8/
 echo "build took $(($(date +%s) - t0)) s"
+[ "$STAGE" = build ] && exit 0
 
-if [ "$STAGE" != bench ]; then
+if [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
   cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
   echo "== ctest"
   ctest --test-dir build/gpu -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/ctest.log" | tail -12
+fi
+if [ "$STAGE" != bench ]; then
   echo "== pytest"
   XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-6}")
   # shellcheck disable=SC2086
@@ -48,7 +51,7 @@ if [ "$STAGE" != bench ]; then
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
   echo "t $(($(date +%s) - t0)) s"
 fi
-if [ "$STAGE" != test ]; then
+if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   echo "== bench"
   timeout 200 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
   tail -14 "$OUT/bench.log"

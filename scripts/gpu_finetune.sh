@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 5's real-text runs on a GPU: LoRA and full fine-tuning of the built-in ~1B Qwen3-MoE (qwen3-moe-1b) with
+# the Qwen3 tokenizer on the shared English text, each through moe8 and through plain transformers
+# (--no-moe8), then bench/finetune_compare.py writes the side-by-side JSON + markdown. Run directories go to
+# $RUNS (checkpoints are large); metrics.jsonl, report.html and each run's log are copied to $OUT.
+#   MOE8_SHARED_DATA=.carry/shared/data OUT=/tmp/out STEPS=100 bash scripts/gpu_finetune.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/finetune_run}
+RUNS=${RUNS:-/tmp/moe8-finetune}
+STEPS=${STEPS:-100}
+DATA=${MOE8_SHARED_DATA:-../shared/data}
+PY=$(command -v python3)
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH=${PYTHONPATH:-python}
+for method in lora full; do
+  for impl in moe8 no-moe8; do
+    name=$method-$impl
+    rm -rf "${RUNS:?}/$name"
+    t0=$(date +%s)
+    timeout "${RUN_TIMEOUT:-150}" $PY -m moe8.cli finetune --model qwen3-moe-1b --tokenizer "$DATA/tokenizers/qwen3" \
+      --data "$DATA/text/sentences.txt" --method $method --$impl --steps "$STEPS" --micro_batch 8 --seq_len 1024 \
+      --eval_every 25 --eval_batches 4 --log_every 5 --save_every 0 --no-progress --output_dir "$RUNS/$name" \
+      >"$OUT/$name.log" 2>&1
+    echo "$name: rc $? in $(($(date +%s) - t0)) s: $(tail -2 "$OUT/$name.log" | head -1)"
+    mkdir -p "$OUT/$name"
+    cp "$RUNS/$name"/{metrics.jsonl,report.html,finetune.toml} "$OUT/$name/" 2>/dev/null
+  done
+done
+$PY bench/finetune_compare.py "$OUT" --json "$OUT/finetune_1b.json" --md "$OUT/finetune_1b.md"
