@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5's real-text runs on a GPU: LoRA and full fine-tuning of the built-in ~1B Qwen3-MoE (qwen3-moe-1b) with
 # the Qwen3 tokenizer on the shared English text, each through moe8 and through plain transformers
-# (--no-moe8), then bench/finetune_compare.py writes the side-by-side JSON + markdown. Run directories go to
+# (--no-moe8: transformers' experts, and PEFT's LoRA for lora), then bench/finetune_compare.py writes the side-by-side JSON + markdown. Run directories go to
 # $RUNS (checkpoints are large); metrics.jsonl, report.html and each run's log are copied to $OUT.
 #   MOE8_SHARED_DATA=.carry/shared/data OUT=/tmp/out STEPS=100 bash scripts/gpu_finetune.sh
 set -uo pipefail
@@ -13,7 +13,7 @@ DATA=${MOE8_SHARED_DATA:-../shared/data}
 PY=$(command -v python3)
 mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH=${PYTHONPATH:-python}
-for method in lora full; do
+for method in ${METHODS:-lora full}; do
   for impl in moe8 no-moe8; do
     name=$method-$impl
     rm -rf "${RUNS:?}/$name"

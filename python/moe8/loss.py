@@ -69,7 +69,7 @@ def chunked_cross_entropy(
     weight: Tensor,
     target: Tensor,
     *,
-    chunk: int = 2048,
+    chunk: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
 ) -> Tensor:

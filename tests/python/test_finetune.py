@@ -535,3 +535,16 @@ def test_cuda_bf16_run(tmp_path, text_file, capsys, method):
     for x in lines[1:]:
         assert x["mfu"] is not None and x["mfu"] > 0 and x["memory_gib"] > 0
     assert "bfloat16" in text
+
+
+def test_lora_without_moe8_runs_peft(tmp_path, text_file, capsys):
+    """--method lora --no-moe8 is the comparison baseline: PEFT's LoRA on transformers' experts."""
+    pytest.importorskip("peft", minversion="0.17", reason="expert LoRA through PEFT needs peft>=0.17")
+    out = tmp_path / "peft"
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--method", "lora", "--no-moe8", "--lora_r", "4"))
+    assert rc == 0, text
+    assert "experts on transformers" in text
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(config["target_modules"])

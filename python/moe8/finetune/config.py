@@ -89,7 +89,10 @@ class Config:
     dtype: str = _key("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
     device: str = _key("auto", "auto (cuda when available), cuda or cpu")
     seed: int = _key(0, "seed of the initialisation, the data order and dropout")
-    moe8: bool = _key(True, "run the experts on moe8 (--no-moe8: transformers' own, for comparison)")
+    moe8: bool = _key(
+        True,
+        "run the experts on moe8 (--no-moe8: transformers' own experts and, with lora, PEFT's LoRA, for comparison)",
+    )
     # output
     output_dir: str = _key("", "where everything goes (default: runs/finetune-YYYYmmdd-HHMMSS)")
     resume: bool = _key(False, "continue from the last checkpoint in output_dir")

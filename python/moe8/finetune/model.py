@@ -131,6 +131,8 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
                 log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.method == "lora" and not cfg.moe8:
+        return peft_lora(model, cfg), coef
     if cfg.method == "lora":
         from moe8.lora import TARGETS, apply_lora
 
@@ -145,6 +147,31 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
     return model, coef
+
+
+def peft_lora(model, cfg: Config):
+    """--method lora --no-moe8: the same LoRA through PEFT (target_modules for the attention projections,
+    target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to."""
+    from moe8.lora import TARGETS
+
+    try:
+        import peft
+    except ImportError:
+        raise FinetuneError(
+            "--no-moe8 with --method lora runs PEFT's LoRA (the comparison baseline): pip install 'peft>=0.17'"
+        ) from None
+    targets = list(cfg.lora_targets or TARGETS)
+    config = peft.LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=[t for t in targets if t != "experts"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if "experts" in targets
+        else None,
+        bias="none",
+    )
+    return peft.get_peft_model(model, config)
 
 
 def active_params(model) -> tuple[int, int]:

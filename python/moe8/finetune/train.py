@@ -249,7 +249,11 @@ class Trainer:
         if self.cfg.method == "lora":
             from moe8.lora import save_adapter
 
-            save_adapter(self.model, self.out)
+            if hasattr(self.model, "peft_config"):  # --no-moe8: PEFT's own LoRA
+                with _quiet_saving():
+                    self.model.save_pretrained(self.out)
+            else:
+                save_adapter(self.model, self.out)
             if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
                 from transformers import AutoModelForCausalLM
 
