@@ -204,10 +204,8 @@ def child(args):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         save()
-        for i in range(args.warmup + args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
+
+        def step():
             if chunked:  # what `moe8 finetune` does: the LM head's logits a chunk at a time
                 with hidden_states_as_logits(model) as head:
                     hidden = model(input_ids=ids).logits
@@ -218,11 +216,17 @@ def child(args):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        for i in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = step()
             if cuda:
                 torch.cuda.synchronize()
             res["step_s"].append(time.perf_counter() - t)
-            res["losses"].append(loss.item())
-            del loss
+            res["losses"].append(loss)
             if cuda:
                 res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
                 res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
@@ -235,6 +239,9 @@ def child(args):
             )
             save()
         res["steady_gib"] = gib(torch.cuda.memory_allocated())  # weights + adapters + AdamW state
+        if args.profile:
+            res["profile_top"] = profile_step(step, args.profile)
+            save()
     except torch.cuda.OutOfMemoryError as e:
         res["error"] = "out of memory: " + str(e).split("\n")[0][:300]
         log(res["error"])
@@ -247,6 +254,38 @@ def child(args):
             res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
             res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
         save()
+
+
+def profile_step(step, rows):
+    """One more step under torch.profiler: prints the `rows` kernels/ops with the most self device time and
+    returns them as [name, self device ms, calls]."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def self_us(e):
+        for name in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            if getattr(e, name, None):
+                return getattr(e, name)
+        return 0.0
+
+    top = sorted(events, key=self_us, reverse=True)[:rows]
+    total = sum(self_us(e) for e in events) or 1.0
+    print(f"profile: {len(events)} ops, self time {total / 1e3:.1f} ms; top {rows}:", flush=True)
+    out = []
+    for e in top:
+        out.append([e.key[:120], round(self_us(e) / 1e3, 3), e.count])
+        print(
+            f"  {self_us(e) / 1e3:9.2f} ms {100 * self_us(e) / total:5.1f}% x{e.count:<6} {e.key[:100]}",
+            flush=True,
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------ parent process
@@ -386,6 +425,13 @@ def main():
         default="chunked",
         choices=("chunked", "hf"),
         help="moe8's loss: chunked (moe8.loss, as `moe8 finetune` runs it) or hf (the model's labels= loss)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, profile one more step and print the N ops with the most self device time",
     )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
