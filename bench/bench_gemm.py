@@ -1,0 +1,227 @@
+"""Expert grouped GEMMs alone, moe8 vs torch in the same run (issue 4): BF16 forward (ragged M), dgrad and
+wgrad (ragged K) against torch._grouped_mm, and the FP8 e4m3 forward (moe8 blockwise: 1x128 activations,
+128x128 weights; quantization not timed) against torch._scaled_grouped_mm rowwise, on the expert shapes
+of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 and GPT-OSS-20B with balanced and Zipf-skewed routing.
+Prints TFLOP/s, % of the measured H200 ceilings (dense bf16 780, dense FP8 1418 TFLOP/s:
+shared/data/baselines/h200.md) and moe8 / torch.
+
+    PYTHONPATH=python python bench/bench_gemm.py --json bench/results/gemm_h200.json
+    PYTHONPATH=python python bench/bench_gemm.py --shapes qwen3 --routing zipf --kinds fwd,fp8_fwd
+    PYTHONPATH=python python bench/bench_gemm.py --tiny        # smoke test of the script, CPU is fine
+
+Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
+random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import moe8
+from moe8 import fp8, ops
+
+SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
+    "qwen3": (2048, 768, 128, 8),
+    "mixtral": (4096, 14336, 8, 2),
+    "deepseek": (7168, 2048, 256, 8),
+    "gptoss": (2880, 2880, 32, 4),
+}
+TINY = {"tiny": (256, 128, 8, 2)}
+CEILING = {"bf16": 780e12, "fp8": 1418e12}
+KINDS = ("fwd", "dgrad", "wgrad", "fp8_fwd")
+
+
+def counts_for(routing: str, rows: int, experts: int, s: float, gen: torch.Generator) -> torch.Tensor:
+    if routing == "balanced":
+        c = torch.full((experts,), rows // experts, dtype=torch.long)
+        c[: rows - int(c.sum())] += 1
+        return c
+    w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
+    c = (w / w.sum() * rows / 16).floor().long() * 16
+    c[0] += rows - int(c.sum())  # the busiest expert takes the rest
+    return c[torch.randperm(experts, generator=gen)]
+
+
+def timed(fn, device, warmup=3, iters=10) -> float:
+    """Median milliseconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def cases(a, w, dc, offsets, ends, E, kinds):
+    """{kind: (moe8 fn, torch fn or None, flops, ceiling)}; a [R, K], w [E, N, K], dc [R, N]."""
+    R, K = a.shape
+    N = w.shape[1]
+    flops = 2 * R * K * N
+    out = {}
+    if "fwd" in kinds:
+        out["fwd"] = (
+            lambda: ops.grouped_gemm(a, w, offsets, 0, None),
+            lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=ends),
+            flops,
+            "bf16",
+        )
+    if "dgrad" in kinds:
+        out["dgrad"] = (
+            lambda: ops.grouped_gemm(dc, w, offsets, 1, None),
+            lambda: torch._grouped_mm(dc, w, offs=ends),
+            flops,
+            "bf16",
+        )
+    if "wgrad" in kinds:
+        out["wgrad"] = (
+            lambda: ops.grouped_gemm_wgrad(a, dc, offsets, 0, E, False),
+            lambda: torch._grouped_mm(dc.t(), a, offs=ends),
+            flops,
+            "bf16",
+        )
+    if "fp8_fwd" in kinds:
+        aq, a_scale = fp8.quantize_rows_1x128(a, None, 1)
+        wq, w_scale = fp8.quantize_weight_128x128(w)
+        mine = lambda: fp8.grouped_gemm_fp8(aq, a_scale, wq, w_scale, offsets, a.dtype)  # noqa: E731
+        theirs = None
+        if a.is_cuda and hasattr(torch, "_scaled_grouped_mm"):
+            ar, sa = fp8.quantize_rowwise(a)  # [R, K] e4m3, [R] fp32
+            wr, sw = fp8.quantize_rowwise(w)  # [E, N, K], [E, N]
+            theirs = lambda: torch._scaled_grouped_mm(  # noqa: E731
+                ar, wr.transpose(1, 2), sa, sw, offs=ends, out_dtype=a.dtype, use_fast_accum=True
+            )
+        out["fp8_fwd"] = (mine, theirs, flops, "fp8")
+    return out
+
+
+def bench(shape, dims, routing, args, device, gen):
+    H, I, E, k = dims
+    R = args.tokens * k
+    counts = counts_for(routing, R, E, args.zipf, gen)
+    ends = counts.cumsum(0).to(device, torch.int32)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    rows = []
+    for proj, kd, n in (("gate_up", H, 2 * I), ("down", I, H)):
+        a = torch.randn(R, kd, generator=gen).to(device, torch.bfloat16)
+        w = (torch.randn(E, n, kd, generator=gen) * kd**-0.5).to(device, torch.bfloat16)
+        dc = torch.randn(R, n, generator=gen).to(device, torch.bfloat16)
+        for kind, (mine, theirs, flops, ceil) in cases(a, w, dc, offsets, ends, E, args.kinds).items():
+            row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
+            row["max_rows_per_expert"] = int(counts.max())
+            try:
+                row["moe8_ms"] = timed(mine, device, args.warmup, args.iters)
+                row["moe8_tflops"] = flops / row["moe8_ms"] / 1e9
+                row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
+            except Exception as e:  # one failing kernel must not lose the other rows
+                row["moe8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if theirs is not None:
+                try:
+                    row["torch_ms"] = timed(theirs, device, args.warmup, args.iters)
+                    row["torch_tflops"] = flops / row["torch_ms"] / 1e9
+                except Exception as e:
+                    row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if "moe8_ms" in row and "torch_ms" in row:
+                row["ratio"] = row["torch_ms"] / row["moe8_ms"]
+            rows.append(row)
+            print(line(row), flush=True)
+        del a, w, dc
+    return rows
+
+
+def line(r) -> str:
+    def num(key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    err = "  " + "; ".join(r[k] for k in ("moe8_error", "torch_error") if k in r)
+    return (
+        f"{r['shape']:<9} {r['routing']:<9} {r['gemm']:<8} {r['kind']:<8} "
+        f"{num('moe8_ms', '8.3f')} ms {num('moe8_tflops', '6.0f')} TF/s {num('moe8_pct_of_ceiling', '4.0f')}% | "
+        f"torch {num('torch_ms', '8.3f')} ms {num('torch_tflops', '6.0f')} TF/s | {num('ratio', '5.2f')}x"
+        + (err if err.strip() else "")
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {sorted(SHAPES)}")
+    ap.add_argument("--routing", default="balanced,zipf", help="comma-separated, from balanced, zipf")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {KINDS}")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens (rows = tokens x top-k; default 16384)")
+    ap.add_argument(
+        "--zipf", type=float, default=1.0, help="Zipf exponent of the skewed routing (default 1.0)"
+    )
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--tiny", action="store_true", help="one tiny shape, 64 tokens: a smoke test, CPU is fine"
+    )
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    shapes = TINY if args.tiny else SHAPES
+    names = list(shapes) if args.tiny else args.shapes.split(",")
+    args.kinds = args.kinds.split(",")
+    routings = args.routing.split(",")
+    for flag, given, allowed in (
+        ("--shapes", names, shapes),
+        ("--kinds", args.kinds, KINDS),
+        ("--routing", routings, ("balanced", "zipf")),
+    ):
+        bad = [x for x in given if x not in allowed]
+        if bad:
+            raise SystemExit(f"{flag}: unknown {bad}, expected from {sorted(allowed)}")
+    if args.tiny:
+        args.tokens = 64
+    cuda = torch.cuda.is_available() and moe8.cuda_available()
+    if not cuda and not args.tiny:
+        raise SystemExit(
+            "bench_gemm: needs a CUDA GPU and moe8 built with CUDA (or --tiny for a CPU smoke test)"
+        )
+    device = torch.device("cuda" if cuda else "cpu")
+    meta = dict(
+        gpu=torch.cuda.get_device_name(0) if cuda else "cpu",
+        torch=torch.__version__,
+        moe8=moe8.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        tokens=args.tokens,
+        zipf=args.zipf,
+        ceilings_tflops={k: v / 1e12 for k, v in CEILING.items()},
+    )
+    print(meta, flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    ops.set_index_validation(False)  # as in training: offsets come from moe8's own plan
+    try:
+        for name in names:
+            for routing in routings:
+                rows += bench(name, shapes[name], routing, args, device, gen)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(dict(meta=meta, gemms=rows), f, indent=1)
+    finally:
+        ops.set_index_validation(True)
+    ratios = [r["ratio"] for r in rows if "ratio" in r and r["kind"] != "fp8_fwd"]
+    if ratios:
+        print(f"bf16 moe8 / torch: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x")
+    return 1 if any("moe8_error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
