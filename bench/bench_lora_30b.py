@@ -171,7 +171,7 @@ def child(args):
         t = time.perf_counter()
         model = (add_peft if v == "peft" else add_moe8)(model, args)
         params = [p for p in model.parameters() if p.requires_grad]
-        adapter_dtype = getattr(torch, args.adapter_dtype)
+        adapter_dtype = getattr(torch, args.peft_adapter_dtype if v == "peft" else args.adapter_dtype)
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(adapter_dtype)
@@ -326,6 +326,7 @@ def summary(args, results):
             alpha=args.alpha,
             targets=[*ATTN, "experts"],
             adapter_dtype=args.adapter_dtype,
+            peft_adapter_dtype=args.peft_adapter_dtype,
             moe8_loss=args.moe8_loss,
             gradient_checkpointing="non-reentrant",
             lr=args.lr,
@@ -357,7 +358,7 @@ def table(out):
     print(f"\n{out['meta']}")
     print(
         f"{s['model']}, {s['layers']} layers, {s['batch']}x{s['seq']} tokens, LoRA r={s['r']} alpha={s['alpha']} "
-        f"on q,k,v,o + experts ({s['adapter_dtype']} adapters), non-reentrant checkpointing, median of "
+        f"on q,k,v,o + experts (moe8 {s['adapter_dtype']}, peft {s['peft_adapter_dtype']} adapters), non-reentrant checkpointing, median of "
         f"{s['steps']} after {s['warmup']}"
     )
     print(
@@ -410,7 +411,7 @@ def main():
     ap.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 2)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --tiny: 64)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {VARIANTS}")
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32)
@@ -418,7 +419,14 @@ def main():
         "--adapter-dtype",
         default="float32",
         choices=("float32", "bfloat16"),
-        help="LoRA parameters' (and so AdamW state's) dtype; float32 as PEFT keeps them",
+        help="moe8's LoRA parameters' (and so AdamW state's) dtype (default float32)",
+    )
+    ap.add_argument(
+        "--peft-adapter-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="the PEFT baseline's adapter dtype (default: --adapter-dtype); float32 is how PEFT keeps them "
+        "(the baseline of shared/data/baselines/h200.md)",
     )
     ap.add_argument(
         "--moe8-loss",
@@ -444,6 +452,7 @@ def main():
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # child: its result file
     args = ap.parse_args()
     args.layers = args.layers or (2 if args.tiny else 48)
+    args.peft_adapter_dtype = args.peft_adapter_dtype or args.adapter_dtype
     args.batch = args.batch or 2
     args.seq = args.seq or (64 if args.tiny else 4096)
     if args.only:
