@@ -83,6 +83,16 @@ def check_accuracy(block, x, K):
     return {"output": rel(y, yr), **{f"grad_{n}": rel(a, b) for n, a, b in zip(names, g, gr)}}
 
 
+def recipe_of(name: str):
+    """ "blockwise", "rowwise", "tensorwise", each optionally with "+dgrad" (the input-gradient GEMM in FP8)."""
+    from moe8.fp8 import Float8Recipe
+
+    base, _, extra = name.partition("+")
+    if extra not in ("", "dgrad"):
+        raise SystemExit(f"--fp8: unknown suffix {extra!r} in {name!r}, expected +dgrad or nothing")
+    return Float8Recipe(base, dgrad="fp8" if extra else "bf16")
+
+
 def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
@@ -103,7 +113,14 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
 
     def moe8_fp8_step(recipe):
         y, _ = moe8.moe_forward(
-            x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True, fp8=recipe
+            x.view(T, H),
+            gate.weight,
+            experts.gate_up_proj,
+            experts.down_proj,
+            K,
+            "softmax",
+            True,
+            fp8=recipe_of(recipe),
         )
         torch.autograd.backward(y, dy.view(T, H))
         return y
@@ -127,7 +144,7 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
                     K,
                     "softmax",
                     True,
-                    fp8=recipe,
+                    fp8=recipe_of(recipe),
                 )
             fp8_rows[recipe] = {
                 "ms": f_ms,
@@ -227,8 +244,9 @@ def main():
     ap.add_argument(
         "--fp8",
         default="",
-        help="comma-separated FP8 recipes to time too (blockwise,rowwise,tensorwise): the layer with FP8 expert "
-        "GEMM forwards, and its output's relative error vs the bf16 layer",
+        help="comma-separated FP8 recipes to time too (blockwise,rowwise,tensorwise; +dgrad: the input-gradient "
+        "GEMM in FP8 too, e.g. blockwise+dgrad): the layer with FP8 expert GEMMs, and its output's relative "
+        "error vs the bf16 layer",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -252,6 +270,8 @@ def main():
     for n in names:
         print(f"[bench] {n} ...", flush=True)
         fp8 = [r for r in args.fp8.split(",") if r]
+        for r in fp8:
+            recipe_of(r)  # an unknown name fails before any timing
         layers.append(bench_shape(n, args.tokens, check=not args.no_check and n == "qwen3", fp8=fp8))
         print(json.dumps(layers[-1]), flush=True)
     gemms = bench_gemm(args.tokens) if args.gemm else []

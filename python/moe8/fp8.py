@@ -14,8 +14,9 @@ Raw ops (torch.library custom ops with fake implementations; CPU reference or CU
     quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8
 Layers:
     grouped_linear(a, w, offsets, layout, bias, recipe)  drop-in for ops.grouped_gemm with an FP8 forward
-        (backward in bf16 until the FP8 dgrad / wgrad GEMMs land); quantised weights come from a cache that
-        refreshes when the weight changes (once per optimizer step), not per micro-batch
+        (backward in bf16; Float8Recipe(..., dgrad="fp8") runs the input-gradient GEMM in FP8 too, the FP8
+        wgrad GEMM has not landed); quantised weights come from a cache that refreshes when the weight
+        changes (once per optimizer step), not per micro-batch
     experts_forward_fp8(...)  the experts of an MoE layer with both GEMMs in FP8
 """
 
@@ -36,15 +37,23 @@ BLOCK = 128  # edge of the 1x128 / 128x128 blocks
 E4M3_MAX = 448.0
 
 
+DGRAD = ("bf16", "fp8")
+
+
 @dataclass(frozen=True)
 class Float8Recipe:
-    """Which FP8 scaling the expert GEMMs use: "blockwise" (default), "rowwise" or "tensorwise"."""
+    """Which FP8 scaling the expert GEMMs use: "blockwise" (default), "rowwise" or "tensorwise"; and whether
+    the backward's input-gradient GEMM (dgrad) runs in bf16 (default) or FP8 too (dgrad="fp8": the output
+    gradient quantised like an activation, the weight like a weight, transposed; weight gradients stay bf16)."""
 
     name: str = "blockwise"
+    dgrad: str = "bf16"
 
     def __post_init__(self):
         if self.name not in RECIPES:
             raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {self.name!r}")
+        if self.dgrad not in DGRAD:
+            raise ValueError(f"dgrad: expected one of {list(DGRAD)}, got {self.dgrad!r}")
 
     @property
     def id(self) -> int:
@@ -302,35 +311,42 @@ def _fp8_grouped_linear(
     offsets: Tensor,
     layout: int,
     recipe: int,
+    fp8_dgrad: bool,
 ) -> Tensor:
-    name = next(n for n, i in RECIPES.items() if i == recipe)
-    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, Float8Recipe(name))
+    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, _recipe_of(recipe, fp8_dgrad))
 
 
 @_fp8_grouped_linear.register_fake
-def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe):
+def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad):
     return a.new_empty(a.shape[0], w_q.shape[1])
 
 
+def _recipe_of(recipe_id: int, fp8_dgrad: bool) -> Float8Recipe:
+    name = next(n for n, i in RECIPES.items() if i == recipe_id)
+    return Float8Recipe(name, "fp8" if fp8_dgrad else "bf16")
+
+
 def _gl_setup(ctx, inputs, output):
-    a, w, _, _, _, offsets, layout, _ = inputs
-    ctx.layout = layout
+    a, w, _, _, _, offsets, layout, recipe, fp8_dgrad = inputs
+    ctx.layout, ctx.recipe = layout, _recipe_of(recipe, fp8_dgrad)
     ctx.save_for_backward(a, w, offsets)
 
 
 def _gl_bwd(ctx, g):
-    # Backward in the inputs' precision for now: dgrad and wgrad through the bf16 grouped GEMMs.
+    # dgrad: bf16 grouped GEMM, or FP8 (recipe.dgrad == "fp8": g quantised like an activation, the weight
+    # quantised in the transposed layout, cached like the forward's); wgrad: bf16 grouped GEMM.
     a, w, offsets = ctx.saved_tensors
     g = g.contiguous()
-    da = (
-        ops.grouped_gemm(g, w.contiguous(), offsets, 1 - ctx.layout, None)
-        if ctx.needs_input_grad[0]
-        else None
-    )
+    da = None
+    if ctx.needs_input_grad[0] and ctx.recipe.dgrad == "fp8":
+        wt = default_cache.get(w, 1 - ctx.layout, ctx.recipe)
+        da = _fp8_forward(g, wt, offsets, ctx.recipe)
+    elif ctx.needs_input_grad[0]:
+        da = ops.grouped_gemm(g, w.contiguous(), offsets, 1 - ctx.layout, None)
     dw = None
     if ctx.needs_input_grad[1]:
         dw = ops.grouped_gemm_wgrad(a, g, offsets, ctx.layout, w.shape[0], False)[0].to(w.dtype)
-    return da, dw, None, None, None, None, None, None
+    return da, dw, None, None, None, None, None, None, None
 
 
 _fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -347,10 +363,12 @@ def grouped_linear(
 ) -> Tensor:
     """Drop-in for ops.grouped_gemm(a, w, offsets, layout, bias) with the forward GEMM in FP8:
     a [R, K] (rows in expert order), w [E, N, K] (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N]
-    in a's dtype. Gradients flow to a, w and bias (computed in a's precision)."""
+    in a's dtype. Gradients flow to a, w and bias: in a's precision, a's in FP8 when recipe.dgrad is "fp8"."""
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
-    c = _fp8_grouped_linear(a.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, r.id)
+    c = _fp8_grouped_linear(
+        a.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, r.id, r.dgrad == "fp8"
+    )
     if bias is not None:  # added in fp32 (so its gradient, a sum over rows, is accumulated in fp32 too)
         c = (c.float() + _per_row(bias.float(), offsets, a.shape[0])).to(c.dtype)
     return c

@@ -326,6 +326,31 @@ def test_grouped_linear_backward_is_the_bf16_backward(device):
     assert 1e-3 < rel < 5e-2
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_grouped_linear_fp8_dgrad(device, recipe, layout):
+    """dgrad="fp8": d a is the FP8 GEMM of the output gradient with the transposed weight (exactly), close
+    to the bf16 d a; d w stays the bf16 weight gradient."""
+    offsets = torch.tensor([0, 3, 3, 43, 64], dtype=torch.int32, device=device)
+    a = torch.randn(64, 256, device=device).to(torch.bfloat16).requires_grad_()
+    shape = (4, 136, 256) if layout == 0 else (4, 256, 136)
+    w = (torch.randn(*shape, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(64, 136, device=device).to(torch.bfloat16)
+    r = fp8.Float8Recipe(recipe, dgrad="fp8")
+    c = fp8.grouped_linear(a, w, offsets, layout, None, r, cache=None)
+    da, dw = torch.autograd.grad(c, (a, w), g)
+    want = fp8._fp8_forward(g, fp8.quantize_weight(w, 1 - layout, r), offsets, r)
+    assert torch.equal(da, want)
+    c16 = moe8.ops.grouped_gemm(a, w, offsets, layout, None)
+    da16, dw16 = torch.autograd.grad(c16, (a, w), g)
+    rel = ((da.float() - da16.float()).norm() / da16.float().norm()).item()
+    assert 1e-3 < rel < 8e-2, rel
+    assert torch.allclose(dw.float(), dw16.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="dgrad: expected one of"):
+        fp8.Float8Recipe(recipe, dgrad="e5m2")
+
+
 def test_weight_cache_refreshes_after_an_update():
     cache = fp8.Fp8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
