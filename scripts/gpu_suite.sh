@@ -5,6 +5,8 @@
 # (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C only), bench (build _C, benchmarks) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
+# STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
+# bench_hf_train.py, LORA30B=1 bench_lora_30b.py (moe8 bf16 adapters vs PEFT fp32, profiled).
 # GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
 # wheels in .carry/wheels (nanobind, CUTLASS, peft, pytest-xdist, ...) are installed into /tmp/moe8-site and
 # put on PYTHONPATH when present (see docs/gpu.md). PYTEST_TIMEOUT (default 400 s), PYTEST_WORKERS (default
@@ -55,8 +57,17 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   echo "== bench"
   timeout 200 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
   tail -14 "$OUT/bench.log"
-  timeout 200 $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 3 --warmup 1 \
-    --json "$OUT/hf_train.json" >"$OUT/hf_train.log" 2>&1
-  tail -4 "$OUT/hf_train.log"
+  timeout 150 $PY bench/bench_gemm.py --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
+  grep -E "moe8 / torch|Error" "$OUT/gemm.log" | tail -4
+  if [ -n "${HF_TRAIN:-}" ]; then
+    timeout 200 $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 3 --warmup 1 \
+      --json "$OUT/hf_train.json" >"$OUT/hf_train.log" 2>&1
+    tail -4 "$OUT/hf_train.log"
+  fi
+  if [ -n "${LORA30B:-}" ]; then  # issue 5: moe8 (bf16 adapters) vs PEFT as users run it (fp32 adapters)
+    timeout 300 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 25 \
+      --timeout 140 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
+    tail -6 "$OUT/lora_30b.log"
+  fi
 fi
 echo "total $(($(date +%s) - t0)) s"
