@@ -105,25 +105,20 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
         out = block(x)
         torch.autograd.backward(out, dy)
 
-    def moe8_step():
+    def layer(recipe=None):
+        """bf16, or the FP8 recipe's training path (under grad: not the fused inference path)."""
+        extra = {} if recipe is None else {"fp8": recipe_of(recipe)}
         y, _ = moe8.moe_forward(
-            x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True
+            x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True, **extra
         )
-        torch.autograd.backward(y, dy.view(T, H))
-
-    def moe8_fp8_step(recipe):
-        y, _ = moe8.moe_forward(
-            x.view(T, H),
-            gate.weight,
-            experts.gate_up_proj,
-            experts.down_proj,
-            K,
-            "softmax",
-            True,
-            fp8=recipe_of(recipe),
-        )
-        torch.autograd.backward(y, dy.view(T, H))
         return y
+
+    def moe8_step(recipe=None):
+        torch.autograd.backward(layer(recipe), dy.view(T, H))
+
+    def out_and_dx(recipe=None):
+        y = layer(recipe)
+        return y.detach(), torch.autograd.grad(y, x, dy.view(T, H))[0]
 
     moe8.ops.set_index_validation(False)
     hf_ms, hf_mem = timed(hf_step)
@@ -131,26 +126,14 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
     fp8_rows = {}
     for recipe in fp8:
         try:
-            f_ms, f_mem = timed(lambda r=recipe: moe8_fp8_step(r))
-            with torch.no_grad():
-                y16, _ = moe8.moe_forward(
-                    x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True
-                )
-                y8, _ = moe8.moe_forward(
-                    x.view(T, H),
-                    gate.weight,
-                    experts.gate_up_proj,
-                    experts.down_proj,
-                    K,
-                    "softmax",
-                    True,
-                    fp8=recipe_of(recipe),
-                )
+            f_ms, f_mem = timed(lambda r=recipe: moe8_step(r))
+            (y16, g16), (y8, g8) = out_and_dx(), out_and_dx(recipe)
             fp8_rows[recipe] = {
                 "ms": f_ms,
                 "speedup_vs_hf": hf_ms / f_ms,
                 "peak_extra_gib": f_mem,
                 "output_rel_error_vs_bf16": rel(y8, y16),
+                "grad_x_rel_error_vs_bf16": rel(g8, g16),
             }
         except Exception as e:  # report and go on: one recipe failing must not lose the others
             fp8_rows[recipe] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -300,7 +283,8 @@ def main():
             else:
                 print(
                     f"  fp8 {recipe:<10} {f['ms']:>8.2f} ms {f['speedup_vs_hf']:>5.2f}x vs HF, "
-                    f"{f['peak_extra_gib']:.2f} GiB, output vs bf16 {f['output_rel_error_vs_bf16']:.2e}"
+                    f"{f['peak_extra_gib']:.2f} GiB, vs bf16: output {f['output_rel_error_vs_bf16']:.2e}, "
+                    f"grad x {f['grad_x_rel_error_vs_bf16']:.2e}"
                 )
         if "accuracy_vs_fp32_reference" in r:
             print("  accuracy vs fp32 reference (relative error):", r["accuracy_vs_fp32_reference"])
