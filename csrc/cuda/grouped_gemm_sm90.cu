@@ -64,6 +64,15 @@ struct TileLarge {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
+// TileLarge without the cluster, for an odd number of 256-wide tiles along N: the scheduler rounds each
+// group's tile grid up to whole clusters, so a 1x2 cluster would leave one tile in four idle at N = 768
+// (Qwen3-30B-A3B's down-projection dgrad and wgrad, which ran at 0.66x torch._grouped_mm with the cluster).
+struct TileLargeSolo {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
 struct TileSmall {
   using Tile = Shape<_64, _128, _64>;
   using Cluster = Shape<_1, _2, _1>;
@@ -109,8 +118,11 @@ template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
 using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
 // M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Large tile only: on the H200
 // the ping-pong tile was slower for every shape measured (e.g. 88 vs 142 TFLOP/s at 64 rows per expert).
-template <class T>
-using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, TileLarge>;
+template <class T, class Config = TileLarge>
+using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
+
+// Whether the GEMM's N spans an odd number of large tiles (then TileLargeSolo, see there).
+inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
 
 // Every grouped stride has one dynamic extent (the leading dimension); the others are static 1 and 0.
 template <class Stride>
@@ -347,9 +359,12 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
     using T = decltype(t);
     cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<T, TileLarge>>(num_experts, sms),
                     cutlass_workspace_bytes<FwdGemm<T, TileSmall>>(num_experts, sms),
+                    cutlass_workspace_bytes<FwdGemm<T, TileLargeSolo>>(num_experts, sms),
                     cutlass_workspace_bytes<DgradGemm<T, TileLarge>>(num_experts, sms),
                     cutlass_workspace_bytes<DgradGemm<T, TileSmall>>(num_experts, sms),
-                    cutlass_workspace_bytes<WgradGemm<T>>(num_experts, sms)});
+                    cutlass_workspace_bytes<DgradGemm<T, TileLargeSolo>>(num_experts, sms),
+                    cutlass_workspace_bytes<WgradGemm<T>>(num_experts, sms),
+                    cutlass_workspace_bytes<WgradGemm<T, TileLargeSolo>>(num_experts, sms)});
   };
   take_max(cutlass::bfloat16_t{});
   take_max(cutlass::half_t{});
@@ -392,10 +407,15 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
+    const bool solo = !small && odd_large_tiles(n);
     if (layout == WeightLayout::kNK)
-      small ? launch(FwdGemm<T, TileSmall>{}) : launch(FwdGemm<T, TileLarge>{});
+      small  ? launch(FwdGemm<T, TileSmall>{})
+      : solo ? launch(FwdGemm<T, TileLargeSolo>{})
+             : launch(FwdGemm<T, TileLarge>{});
     else
-      small ? launch(DgradGemm<T, TileSmall>{}) : launch(DgradGemm<T, TileLarge>{});
+      small  ? launch(DgradGemm<T, TileSmall>{})
+      : solo ? launch(DgradGemm<T, TileLargeSolo>{})
+             : launch(DgradGemm<T, TileLarge>{});
   });
 }
 
@@ -412,11 +432,15 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
   const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
   dispatch_dtype(a.dtype, what, [&](auto t) {
-    using G = WgradGemm<decltype(t)>;
-    prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
-        offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
-    check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+    auto launch = [&](auto g) {
+      using G = decltype(g);
+      prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
+          offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
+      check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
+      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+    };
+    using T = decltype(t);
+    odd_large_tiles(kd) ? launch(WgradGemm<T, TileLargeSolo>{}) : launch(WgradGemm<T>{});  // the GEMM's N is kd
   });
 }
 

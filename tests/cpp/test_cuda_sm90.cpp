@@ -272,6 +272,8 @@ std::vector<Case> cases() {
       {"ragged_small_tile", {0, 1, 63, 64, 65, 100, 0, 7}, 3, 384, 256, 0, 0},
       // Kd, N not multiples of the tile
       {"odd_widths", {33, 0, 250, 17}, 0, 136, 200, 0, 0},
+      // an odd number of 256-wide tiles along N (forward, dgrad) and along Kd (wgrad): the unclustered tile
+      {"odd_256_tiles", {200, 0, 300, 129, 513}, 4, 768, 768, 0, 0},
       // balanced 128 experts x 64 rows, Qwen3-MoE gate_up widths
       {"balanced_128x64_qwen3", std::vector<int>(128, 64), 0, 1536, 2048, 3, 256},
   };
@@ -387,9 +389,10 @@ TEST_F(Sm90Test, Speed) {
     int64_t N, Kd;
   };
   const Shape shapes[] = {
-      {"qwen3-30b gate_up 32k rows", 128, 256, 1536, 2048}, {"qwen3-30b down 32k rows", 128, 256, 2048, 768},
-      {"qwen3-30b gate_up 8k rows", 128, 64, 1536, 2048},   {"mixtral gate_up 8k rows", 8, 1024, 28672, 4096},
-      {"mixtral down 8k rows", 8, 1024, 4096, 14336},
+      {"qwen3-30b gate_up 32k rows", 128, 256, 1536, 2048},   {"qwen3-30b down 32k rows", 128, 256, 2048, 768},
+      {"qwen3-30b 16k tok gate_up", 128, 1024, 1536, 2048},   {"qwen3-30b 16k tok down", 128, 1024, 2048, 768},
+      {"qwen3-30b 16k tok down dgrad", 128, 1024, 768, 2048}, {"qwen3-30b gate_up 8k rows", 128, 64, 1536, 2048},
+      {"mixtral gate_up 8k rows", 8, 1024, 28672, 4096},      {"mixtral down 8k rows", 8, 1024, 4096, 14336},
   };
   std::printf("\n%-30s %10s %10s %10s   (TFLOP/s, bf16, sm90 CUTLASS grouped GEMM)\n", "shape", "fwd", "dgrad",
               "wgrad");
