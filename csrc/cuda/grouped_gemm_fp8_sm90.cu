@@ -77,6 +77,14 @@ struct TileLarge {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
+// TileLarge without the cluster, for an odd number of 128-wide tiles along N (GPT-OSS: N = 2880 or 5760),
+// where the 1x2 cluster would round each group's tile grid up by an idle tile (as in grouped_gemm_sm90.cu).
+struct TileLargeSolo {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
 struct TileSmall {
   using Tile = Shape<_64, _128, _128>;
   using Cluster = Shape<_1, _2, _1>;
@@ -129,6 +137,7 @@ struct Fp8Gemm {
 };
 
 using FwdLarge = Fp8Gemm<TileLarge>;
+using FwdLargeSolo = Fp8Gemm<TileLargeSolo>;
 using FwdSmall = Fp8Gemm<TileSmall>;
 
 // ---------------------------------------------------------------------------------------------------
@@ -140,6 +149,10 @@ static_assert(sizeof(LayoutSFA) <= kSlotLayout && sizeof(LayoutSFB) <= kSlotLayo
 static_assert(sizeof(FwdLarge::StrideA) <= kSlotStride && sizeof(FwdLarge::StrideB) <= kSlotStride &&
                   sizeof(FwdLarge::StrideD) <= kSlotStride,
               "stride slot");
+static_assert(std::is_same_v<FwdLarge::StrideA, FwdLargeSolo::StrideA> &&
+                  std::is_same_v<FwdLarge::StrideB, FwdLargeSolo::StrideB> &&
+                  std::is_same_v<FwdLarge::StrideD, FwdLargeSolo::StrideD>,
+              "one stride layout serves every kernel");
 static_assert(std::is_same_v<FwdLarge::StrideA, FwdSmall::StrideA> &&
                   std::is_same_v<FwdLarge::StrideB, FwdSmall::StrideB> &&
                   std::is_same_v<FwdLarge::StrideD, FwdSmall::StrideD>,
@@ -269,8 +282,9 @@ size_t grouped_gemm_fp8_sm90_workspace_bytes(int num_experts) {
   using namespace sm90_fp8;
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
-  const size_t cut = std::max(cutlass_workspace_bytes<FwdLarge::Gemm>(num_experts, sms),
-                              cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms));
+  const size_t cut = std::max({cutlass_workspace_bytes<FwdLarge::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<FwdLargeSolo::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms)});
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -319,6 +333,8 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
   };
   if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
     launch(FwdSmall{});
+  else if (((n + 127) / 128) % 2 == 1)
+    launch(FwdLargeSolo{});
   else
     launch(FwdLarge{});
 }

@@ -345,8 +345,10 @@ struct GemmCase {
 
 std::vector<GemmCase> gemm_cases() {
   return {
-      // R / E > 128: the 128x128 cooperative tile; empty, 1-row and tile-edge experts, padding rows
+      // R / E > 128: the 128x128 cooperative tile; empty, 1-row and tile-edge experts, padding rows; N = 384
+      // is 3 tiles wide (odd: the unclustered tile), N = 256 two (the 1x2 cluster)
       {"ragged_large_tile", {0, 1, 127, 128, 129, 300, 0, 1000}, 5, 384, 256, 0},
+      {"ragged_large_tile_clustered", {0, 1, 127, 128, 129, 300, 0, 1000}, 5, 256, 256, 0},
       // few rows per expert: the 64x128 ping-pong tile
       {"ragged_small_tile", {0, 1, 63, 64, 65, 100, 0, 7}, 3, 384, 256, 0},
       // N, K not multiples of 128 (N % 8 == 0, K % 16 == 0 for the TMA rows)
