@@ -209,7 +209,9 @@ def child(args):
             if chunked:  # what `moe8 finetune` does: the LM head's logits a chunk at a time
                 with hidden_states_as_logits(model) as head:
                     hidden = model(input_ids=ids).logits
-                loss = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, target, reduction="mean")
+                loss = chunked_cross_entropy(
+                    hidden.flatten(0, 1), head.weight, target, chunk=args.ce_chunk, reduction="mean"
+                )
                 del hidden
             else:
                 loss = model(input_ids=ids, labels=ids).loss
@@ -328,6 +330,7 @@ def summary(args, results):
             adapter_dtype=args.adapter_dtype,
             peft_adapter_dtype=args.peft_adapter_dtype,
             moe8_loss=args.moe8_loss,
+            ce_chunk=args.ce_chunk,
             gradient_checkpointing="non-reentrant",
             lr=args.lr,
             seed=args.seed,
@@ -440,6 +443,9 @@ def main():
         default=0,
         metavar="N",
         help="after the timed steps, profile one more step and print the N ops with the most self device time",
+    )
+    ap.add_argument(
+        "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"
     )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
