@@ -1,0 +1,65 @@
+"""The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
+in scarce GPU time: bench_gemm.py --tiny, bench_lora_30b.py --tiny, finetune_compare.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV_PATH = str(ROOT / "python")
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ENV_PATH, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+def test_bench_gemm_tiny(tmp_path):
+    out = tmp_path / "gemm.json"
+    p = run("bench/bench_gemm.py", "--tiny", "--iters", "1", "--warmup", "0", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    kinds = {(r["routing"], r["gemm"], r["kind"]) for r in rows}
+    assert len(kinds) == 2 * 2 * 4  # balanced/zipf x gate_up/down x fwd/dgrad/wgrad/fp8_fwd
+    assert all(r["moe8_ms"] > 0 for r in rows)
+    bad = run("bench/bench_gemm.py", "--tiny", "--kinds", "fwd,nope")
+    assert bad.returncode != 0 and "--kinds: unknown ['nope']" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_lora_30b_tiny(tmp_path):
+    pytest.importorskip("peft", minversion="0.17")
+    out = tmp_path / "lora.json"
+    p = run(
+        "bench/bench_lora_30b.py", "--tiny", "--steps", "1", "--warmup", "1", "--adapter-dtype", "bfloat16",
+        "--peft-adapter-dtype", "float32", "--profile", "3", "--json", out,
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    v = res["variants"]
+    assert v["peft"]["adapter_dtypes"] == ["float32"] and v["moe8"]["adapter_dtypes"] == ["bfloat16"]
+    assert res["same_base_weights"] and res["same_trainable"]
+    assert len(v["moe8"]["profile_top"]) == 3 and v["moe8"]["loss"].startswith("moe8.loss")
+    assert "profile:" in p.stdout
+
+
+def test_finetune_compare(tmp_path):
+    for run_name, tps in (("lora-moe8", 200.0), ("lora-no-moe8", 100.0)):
+        d = tmp_path / run_name
+        d.mkdir()
+        lines = [dict(step=0, eval_loss=3.0)]
+        lines += [
+            dict(step=s, loss=3.0 - s / 10, tokens_per_s=tps, mfu=None, memory_gib=1.5) for s in (5, 10)
+        ]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    p = run("bench/finetune_compare.py", tmp_path, "--json", tmp_path / "c.json")
+    assert p.returncode == 1  # the full runs are missing, and it says so
+    assert "| full-moe8 | - | - | - | - | missing | - |" in p.stdout
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["moe8_over_transformers"]["lora"]["tokens_per_s"] == pytest.approx(2.0)
