@@ -162,9 +162,12 @@ def experts_forward(
     h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
     if lora is not None:
         h = h + _low_rank(xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
-    a = ops.activation(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
-    o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
-    if lora is not None:
+    act_args = (act, bool(interleaved), float(alpha), float(limit))
+    if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
+        o = ops.activation_grouped_gemm(h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args)
+    else:  # the LoRA branch keeps them anyway
+        a = ops.activation(h, *act_args)  # [R, I]
+        o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
         o = o + _low_rank(a, lora.down_A, lora.down_B, offsets, lay, lora)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
 

@@ -152,6 +152,10 @@ def test_opcheck():
         (moe8.ops.permute, (x, r2s, s2r, 2)),
         (moe8.ops.grouped_gemm, (torch.randn(24, 8), b, offsets, 0, None)),
         (moe8.ops.activation, (torch.randn(24, 12), 0, False, 1.702, 7.0)),
+        (
+            moe8.ops.activation_grouped_gemm,
+            (torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, None) + (0, False, 1.702, 7.0),
+        ),
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -170,3 +174,37 @@ def test_fp8_option_routes_to_the_fp8_experts():
     assert torch.equal(y, fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe="blockwise", cache=None))
     with pytest.raises(ValueError, match="fp8: FP8 experts with LoRA"):
         moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise", lora=object())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act, layout, bias", [("swiglu", "nk", False), ("swiglu_clamped", "kn", True)])
+def test_activation_gemm_is_activation_then_gemm_keeping_less(device, act, layout, bias):
+    """activation_grouped_gemm gives the bits of activation -> grouped_gemm, forward and every gradient,
+    while keeping h but not the activations between forward and backward."""
+    torch.manual_seed(4)
+    R, I, H, E = 40, 24, 16, 3
+    offsets = torch.tensor([0, 11, 11, 40], dtype=torch.int32, device=device)
+    kind, lay = moe8.ops.ACTIVATIONS[act], moe8.ops.LAYOUTS[layout]
+    h0 = torch.randn(R, 2 * I, device=device)
+    b0 = torch.randn(*((E, H, I) if lay == 0 else (E, I, H)), device=device)
+    c0 = torch.randn(E, H, device=device) if bias else None
+    g = torch.randn(R, H, device=device)
+
+    def run(fused):
+        h, b = h0.clone().requires_grad_(), b0.clone().requires_grad_()
+        c = c0.clone().requires_grad_() if bias else None
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            if fused:
+                o = moe8.ops.activation_grouped_gemm(h, b, offsets, lay, c, kind, False, 1.702, 7.0)
+            else:
+                a = moe8.ops.activation(h, kind, False, 1.702, 7.0)
+                o = moe8.ops.grouped_gemm(a, b, offsets, lay, c)
+        grads = torch.autograd.grad(o, [h, b] + ([c] if bias else []), g)
+        return o, grads, sum(kept)
+
+    (o1, g1, kept1), (o2, g2, kept2) = run(True), run(False)
+    assert torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert kept2 - kept1 == R * I  # the activations [R, I]
