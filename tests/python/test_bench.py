@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+import moe8
+
 ROOT = Path(__file__).resolve().parents[2]
-ENV_PATH = str(ROOT / "python")
+ENV_PATH = str(Path(moe8.__file__).resolve().parents[1])  # the moe8 this test runs (installed or checkout)
 
 
 def run(*args, timeout=300):
