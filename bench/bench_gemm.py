@@ -1,6 +1,7 @@
 """Expert grouped GEMMs alone, moe8 vs torch in the same run (issue 4): BF16 forward (ragged M), dgrad and
-wgrad (ragged K) against torch._grouped_mm, and the FP8 e4m3 forward (moe8 blockwise: 1x128 activations,
-128x128 weights; quantization not timed) against torch._scaled_grouped_mm rowwise, on the expert shapes
+wgrad (ragged K) against torch._grouped_mm, the FP8 e4m3 forward (moe8 blockwise: 1x128 activations,
+128x128 weights; quantization not timed) against torch._scaled_grouped_mm rowwise, and the FP8 wgrad (1x128
+blocks along the rows of both operands; no torch counterpart), on the expert shapes
 of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 and GPT-OSS-20B with balanced and Zipf-skewed routing.
 Prints TFLOP/s, % of the measured H200 ceilings (dense bf16 780, dense FP8 1418 TFLOP/s:
 shared/data/baselines/h200.md) and moe8 / torch.
@@ -35,7 +36,7 @@ SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
 }
 TINY = {"tiny": (256, 128, 8, 2)}
 CEILING = {"bf16": 780e12, "fp8": 1418e12}
-KINDS = ("fwd", "dgrad", "wgrad", "fp8_fwd")
+KINDS = ("fwd", "dgrad", "wgrad", "fp8_fwd", "fp8_wgrad")
 
 
 def counts_for(routing: str, rows: int, experts: int, s: float, gen: torch.Generator) -> torch.Tensor:
@@ -108,6 +109,15 @@ def cases(a, w, dc, offsets, ends, E, kinds):
                 ar, wr.transpose(1, 2), sa, sw, offs=ends, out_dtype=a.dtype, use_fast_accum=True
             )
         out["fp8_fwd"] = (mine, theirs, flops, "fp8")
+    if "fp8_wgrad" in kinds:  # 1x128 blocks along the rows on both operands (transposed quantisations)
+        dq, ds = fp8.quantize_cols_1x128(dc, offsets)
+        aq2, as2 = fp8.quantize_cols_1x128(a, offsets)
+        out["fp8_wgrad"] = (
+            lambda: fp8.grouped_gemm_fp8_wgrad(dq, ds, aq2, as2, offsets, a.dtype),
+            None,  # no torch FP8 grouped GEMM with ragged K and 1x128 scales to compare with
+            flops,
+            "fp8",
+        )
     return out
 
 

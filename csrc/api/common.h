@@ -40,8 +40,8 @@ inline void check_range(const char* name, const TensorView& t, int64_t lo, int64
   MOE8_CHECK(bad == 0, name, ": expected values in [", lo, ", ", hi, "), found ", bad, " out of range");
 }
 
-// offsets[0] == 0, nondecreasing, offsets[E] <= rows.
-inline void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stream) {
+// The int32 offsets on the host (a synchronising copy when they live on a GPU).
+inline std::vector<int32_t> host_offsets(const TensorView& offsets, intptr_t stream) {
   (void)stream;
   std::vector<int32_t> off(offsets.numel());
   if (offsets.is_cuda()) {
@@ -55,6 +55,12 @@ inline void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stre
   } else {
     std::copy(offsets.ptr<int32_t>(), offsets.ptr<int32_t>() + off.size(), off.begin());
   }
+  return off;
+}
+
+// offsets[0] == 0, nondecreasing, offsets[E] <= rows.
+inline void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stream) {
+  const std::vector<int32_t> off = host_offsets(offsets, stream);
   MOE8_CHECK(off[0] == 0, "offsets: expected offsets[0] == 0, got ", off[0]);
   for (size_t e = 1; e < off.size(); ++e)
     MOE8_CHECK(off[e] >= off[e - 1], "offsets: expected nondecreasing values, got offsets[", e, "] = ", off[e],

@@ -104,4 +104,17 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
                       const TensorView& offsets, const TensorView& c, intptr_t stream, bool check_indices = true,
                       const TensorView& workspace = TensorView{});
 
+// Bytes of uint8 workspace that lets grouped_gemm_fp8_wgrad take the Hopper (CUTLASS sm_90a) path; 0 where
+// that path is not available.
+int64_t grouped_gemm_fp8_wgrad_workspace_bytes(int num_experts, bool on_cuda);
+
+// FP8 weight gradient (see cpu::grouped_gemm_fp8_wgrad): dc_t [N,R] fp8 and dc_scale [NBLK,N], a_t [K,R]
+// fp8 and a_scale [NBLK,K] (both from quantize_cols_1x128 with the same offsets), offsets [E+1] -> db [E,N,K]
+// float (bf16 for the Hopper path). On CUDA only the sm_90a kernel exists: it needs `workspace`
+// (grouped_gemm_fp8_wgrad_workspace_bytes long), db bf16, N, K multiples of 8, R and every offsets[e]
+// multiples of 16 (TMA rows; plan with pad_multiple 16); check_indices checks the offsets on the host.
+void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                            const TensorView& a_scale, const TensorView& offsets, const TensorView& db, intptr_t stream,
+                            bool check_indices = true, const TensorView& workspace = TensorView{});
+
 }  // namespace moe8::api

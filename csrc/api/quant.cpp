@@ -274,4 +274,72 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   }
 }
 
+int64_t grouped_gemm_fp8_wgrad_workspace_bytes(int num_experts, bool on_cuda) {
+#ifdef MOE8_WITH_CUDA
+  if (on_cuda && num_experts >= 1) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    if (cuda::grouped_gemm_fp8_wgrad_sm90_available(device))
+      return static_cast<int64_t>(cuda::grouped_gemm_fp8_wgrad_sm90_workspace_bytes(num_experts));
+  }
+#else
+  (void)num_experts;
+  (void)on_cuda;
+#endif
+  return 0;
+}
+
+void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                            const TensorView& a_scale, const TensorView& offsets, const TensorView& db, intptr_t stream,
+                            bool check_indices, const TensorView& workspace) {
+  check_present("dc_t", dc_t);
+  check_ndim("dc_t", dc_t, 2);
+  check_fp8("dc_t", dc_t);
+  check_contiguous("dc_t", dc_t);
+  const int64_t N = dc_t.size(0), R = dc_t.size(1);
+  check_tensor("a_t", a_t, "dc_t", dc_t);
+  check_fp8("a_t", a_t);
+  check_ndim("a_t", a_t, 2);
+  const int64_t K = a_t.size(0);
+  check_shape("a_t", a_t, {K, R});
+  check_tensor("offsets", offsets, "dc_t", dc_t);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_ndim("offsets", offsets, 1);
+  const int64_t E = offsets.size(0) - 1;
+  MOE8_CHECK(E >= 1, "offsets: expected at least 2 values (E + 1, E >= 1), got shape ", offsets.shape_str());
+  const int64_t NBLK = moe8::col_scale_blocks(R, static_cast<int>(E));
+  check_scale("dc_scale", dc_scale, "dc_t", dc_t, {NBLK, N});
+  check_scale("a_scale", a_scale, "dc_t", dc_t, {NBLK, K});
+  check_tensor("db", db, "dc_t", dc_t);
+  check_float("db", db);
+  check_shape("db", db, {E, N, K});
+  const bool cuda = on_cuda(dc_t, "grouped_gemm_fp8_wgrad");
+  if (check_indices) {
+    const std::vector<int32_t> off = host_offsets(offsets, stream);
+    check_offsets(offsets, R, stream);
+    for (int64_t e = 0; cuda && e <= E; ++e)
+      MOE8_CHECK(off[e] % 16 == 0, "offsets: the GPU kernel expects multiples of 16 (plan with pad_multiple 16), got ",
+                 "offsets[", e, "] = ", off[e]);
+  }
+  if (cuda) {
+#ifdef MOE8_WITH_CUDA
+    const int64_t need = grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true);
+    MOE8_CHECK(need > 0, "grouped_gemm_fp8_wgrad: on a GPU only the sm_90a (CUTLASS) kernel exists, and it is not ",
+               "available here; use the bf16 grouped_gemm_wgrad");
+    MOE8_CHECK(workspace.present, "workspace: expected ", need, " bytes of uint8 scratch, got none");
+    check_tensor("workspace", workspace, "dc_t", dc_t);
+    check_dtype("workspace", workspace, {DType::kU8});
+    MOE8_CHECK(workspace.numel() >= need, "workspace: expected at least ", need, " bytes, got ", workspace.numel());
+    MOE8_CHECK(db.dtype == DType::kBF16, "db: the GPU kernel writes bfloat16, got ", dtype_name(db.dtype));
+    MOE8_CHECK(N % 8 == 0 && K % 8 == 0 && R % 16 == 0, "dc_t, a_t: the GPU kernel needs N, K multiples of 8 and R ",
+               "of 16, got N = ", N, ", K = ", K, ", R = ", R);
+    cuda::grouped_gemm_fp8_wgrad_sm90(dc_t, dc_scale, a_t, a_scale, offsets, db, workspace.data,
+                                      static_cast<size_t>(workspace.numel()), as_ptr(stream));
+#endif
+  } else {
+    (void)workspace;
+    cpu::grouped_gemm_fp8_wgrad(dc_t, dc_scale, a_t, a_scale, offsets, db);
+  }
+}
+
 }  // namespace moe8::api

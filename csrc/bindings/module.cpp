@@ -250,4 +250,15 @@ NB_MODULE(_C, m) {
       },
       nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"), nb::arg("offsets"), nb::arg("c"),
       nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def("grouped_gemm_fp8_wgrad_workspace_bytes", &moe8::api::grouped_gemm_fp8_wgrad_workspace_bytes,
+        nb::arg("num_experts"), nb::arg("on_cuda"));
+  m.def(
+      "grouped_gemm_fp8_wgrad",
+      [](Array dc_t, Array dc_scale, Array a_t, Array a_scale, Array offsets, Array db, intptr_t stream,
+         bool check_indices, OptArray workspace) {
+        moe8::api::grouped_gemm_fp8_wgrad(V(dc_t), V(dc_scale), V(a_t), V(a_scale), V(offsets), V(db), stream,
+                                          check_indices, V(workspace));
+      },
+      nb::arg("dc_t"), nb::arg("dc_scale"), nb::arg("a_t"), nb::arg("a_scale"), nb::arg("offsets"), nb::arg("db"),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
 }

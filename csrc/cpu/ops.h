@@ -99,4 +99,11 @@ void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows
 void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
                       const TensorView& offsets, const TensorView& c);
 
+// FP8 weight gradient from the transposed quantisations quantize_cols_1x128 writes: for each expert e,
+// db[e, n, k] = sum over e's 128-row blocks j of dc_scale[j, n] * a_scale[j, k] * sum_{r in j} dc_t[n, r] *
+// a_t[k, r]. dc_t [N,R] u8, dc_scale [NBLK,N], a_t [K,R] u8, a_scale [NBLK,K], db [E,N,K] float; blocks
+// numbered expert by expert (quantize_cols_1x128); an expert without rows gets zeros. Accumulates in double.
+void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                            const TensorView& a_scale, const TensorView& offsets, const TensorView& db);
+
 }  // namespace moe8::cpu

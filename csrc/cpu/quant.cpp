@@ -200,4 +200,36 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   });
 }
 
+void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                            const TensorView& a_scale, const TensorView& offsets, const TensorView& db) {
+  const int64_t N = dc_t.size(0), R = dc_t.size(1), K = a_t.size(0), E = offsets.size(0) - 1;
+  const int32_t* off = offsets.ptr<int32_t>();
+  const uint8_t* DC = dc_t.ptr<uint8_t>();
+  const uint8_t* A = a_t.ptr<uint8_t>();
+  const float* SD = dc_scale.ptr<float>();
+  const float* SA = a_scale.ptr<float>();
+  std::vector<float> lut(256);  // e4m3 code -> value
+  for (int i = 0; i < 256; ++i) lut[i] = e4m3_to_float(static_cast<uint8_t>(i));
+  MOE8_CPU_DISPATCH_FLOAT(db.dtype, "grouped_gemm_fp8_wgrad", [&] {
+    scalar_t* D = db.ptr<scalar_t>();
+    int64_t block0 = 0;  // the first scale block of expert e
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], r1 = off[e + 1], nblk = quant_blocks(r1 - r0);
+      parallel_for(N, 4, [&](int64_t n) {
+        for (int64_t k = 0; k < K; ++k) {
+          double acc = 0;
+          for (int64_t j = 0; j < nblk; ++j) {
+            double part = 0;  // products of two e4m3 values are exact in double, and so are these sums
+            const int64_t b0 = r0 + j * kQuantBlock, b1 = std::min(r1, b0 + kQuantBlock);
+            for (int64_t r = b0; r < b1; ++r) part += static_cast<double>(lut[DC[n * R + r]]) * lut[A[k * R + r]];
+            acc += part * SD[(block0 + j) * N + n] * SA[(block0 + j) * K + k];
+          }
+          D[(e * N + n) * K + k] = from_f<scalar_t>(static_cast<float>(acc));
+        }
+      });
+      block0 += nblk;
+    }
+  });
+}
+
 }  // namespace moe8::cpu

@@ -61,11 +61,13 @@ using namespace sm90_util;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// Scale granularity (M, N, K) = (1, 128, 128); both scale tensors K-major (see the file comment).
+// Forward: scale granularity (M, N, K) = (1, 128, 128), both scale tensors K-major (see the file comment).
 using ScaleConfig =
     cutlass::detail::Sm90BlockwiseScaleConfig<1, kQuantBlock, kQuantBlock, cute::GMMA::Major::K, cute::GMMA::Major::K>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+// Weight gradient: (1, 1, 128) and both MN-major: quantize_cols_1x128's scale[block, column], where one
+// group's blocks are a packed [blocks, columns] chunk.
+using ScaleConfigWgrad =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, kQuantBlock, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
 
 // Two tile configurations, both with a K step of one scale block. Large: two consumer warpgroups share a
 // 128x128 tile (cooperative); small: each consumer warpgroup owns a 64x128 tile and the two alternate
@@ -98,8 +100,11 @@ constexpr int64_t kSmallRowsPerGroup = 128;
 
 // D[g] (M x N, row-major, bf16) = A[g] (M x K, row-major) · B[g] (N x K, row-major)^T with block scales.
 // NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0.
-template <class Config>
+template <class Config, class Scales = ScaleConfig>
 struct Fp8Gemm {
+  using ScaleCfg = Scales;
+  using LayoutSFA = decltype(Scales::deduce_layoutSFA());
+  using LayoutSFB = decltype(Scales::deduce_layoutSFB());
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;
@@ -129,23 +134,36 @@ struct Fp8Gemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
 
-  // What the scale pointers of the prep kernel assume.
-  static_assert(!Mainloop::MMajorSFA && !Mainloop::NMajorSFB, "scales must be read K-major");
-  static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == kQuantBlock &&
-                    Mainloop::ScaleGranularityK == kQuantBlock,
-                "1x128 activation and 128x128 weight scales");
+  static_assert(sizeof(LayoutSFA) <= 32 && sizeof(LayoutSFB) <= 32, "scale layout slot");
 };
 
 using FwdLarge = Fp8Gemm<TileLarge>;
 using FwdLargeSolo = Fp8Gemm<TileLargeSolo>;
 using FwdSmall = Fp8Gemm<TileSmall>;
+// Weight gradient: M = N_out and N = K_in are model widths, K = the group's rows; no cluster.
+using Wgrad = Fp8Gemm<TileLargeSolo, ScaleConfigWgrad>;
+
+// What the scale pointers of the prep kernels assume.
+static_assert(!FwdLarge::Mainloop::MMajorSFA && !FwdLarge::Mainloop::NMajorSFB, "forward scales are read K-major");
+static_assert(FwdLarge::Mainloop::ScaleGranularityM == 1 && FwdLarge::Mainloop::ScaleGranularityN == kQuantBlock &&
+                  FwdLarge::Mainloop::ScaleGranularityK == kQuantBlock,
+              "1x128 activation and 128x128 weight scales");
+static_assert(Wgrad::Mainloop::MMajorSFA && Wgrad::Mainloop::NMajorSFB, "wgrad scales are read MN-major");
+static_assert(Wgrad::Mainloop::ScaleGranularityM == 1 && Wgrad::Mainloop::ScaleGranularityN == 1 &&
+                  Wgrad::Mainloop::ScaleGranularityK == kQuantBlock,
+              "1x128 scales on both wgrad operands");
+static_assert(std::is_same_v<FwdLarge::StrideA, Wgrad::StrideA> && std::is_same_v<FwdLarge::StrideB, Wgrad::StrideB> &&
+                  std::is_same_v<FwdLarge::StrideD, Wgrad::StrideD>,
+              "the wgrad kernel shares the forward's stride layout");
 
 // ---------------------------------------------------------------------------------------------------
 // Workspace: per-group arrays (fixed slot sizes), then CUTLASS's own.
 
 constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotLayout = 32;
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
-static_assert(sizeof(LayoutSFA) <= kSlotLayout && sizeof(LayoutSFB) <= kSlotLayout, "scale layout slot");
+static_assert(sizeof(FwdLarge::LayoutSFA) <= kSlotLayout && sizeof(FwdLarge::LayoutSFB) <= kSlotLayout &&
+                  sizeof(Wgrad::LayoutSFA) <= kSlotLayout && sizeof(Wgrad::LayoutSFB) <= kSlotLayout,
+              "scale layout slot");
 static_assert(sizeof(FwdLarge::StrideA) <= kSlotStride && sizeof(FwdLarge::StrideB) <= kSlotStride &&
                   sizeof(FwdLarge::StrideD) <= kSlotStride,
               "stride slot");
@@ -174,8 +192,8 @@ struct GroupArrays {
   void* stride_a;
   void* stride_b;
   void* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
+  void* layout_sfa;  // G::LayoutSFA[groups]
+  void* layout_sfb;  // G::LayoutSFB[groups]
   void* cutlass_ws;  // kAlignWs-aligned
 };
 
@@ -192,8 +210,8 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.stride_a = c.take(g * kSlotStride);
   w.stride_b = c.take(g * kSlotStride);
   w.stride_d = c.take(g * kSlotStride);
-  w.layout_sfa = static_cast<LayoutSFA*>(c.take(g * kSlotLayout));
-  w.layout_sfb = static_cast<LayoutSFB*>(c.take(g * kSlotLayout));
+  w.layout_sfa = c.take(g * kSlotLayout);
+  w.layout_sfb = c.take(g * kSlotLayout);
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -225,13 +243,58 @@ __global__ void __launch_bounds__(kPrepThreads)
     static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(kd);
     static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(n);
     // Not read by the grouped kernel today (it derives the same layouts from the shape); kept consistent.
-    w.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, ni, ki, 1));
-    w.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, ni, ki, 1));
+    static_cast<typename G::LayoutSFA*>(w.layout_sfa)[e] =
+        G::ScaleCfg::tile_atom_to_shape_SFA(make_shape(m, ni, ki, 1));
+    static_cast<typename G::LayoutSFB*>(w.layout_sfb)[e] =
+        G::ScaleCfg::tile_atom_to_shape_SFB(make_shape(m, ni, ki, 1));
   }
   // n % 8 == 0, so bf16 rows start on 16-byte boundaries.
   const int64_t last = offsets[groups], used = last < 0 ? 0 : (last > rows ? rows : last);
   uint4* c16 = static_cast<uint4*>(c);
   for (int64_t i = used * n / 8 + tid; i < rows * n / 8; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Wgrad prep: group e is (M = N, N = K, K = its rows) over the columns [offsets[e], offsets[e+1]) of dc_t
+// [N, R] and a_t [K, R]; its scales are the packed [blocks_e, N] / [blocks_e, K] chunks starting at its
+// first block (blocks numbered expert by expert, as quantize_cols_1x128 numbers them). Empty groups get
+// shape (0, 0, 0) (no tiles, no K = 0 mainloop) and their db[e] is zeroed here.
+template <class G>
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_fp8_wgrad_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd,
+                          const uint8_t* dc_t, const float* dc_scale, const uint8_t* a_t, const float* a_scale,
+                          void* db, GroupArrays w) {
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = tid; e < groups; e += nthreads) {
+    int64_t block0 = 0, begin, end;
+    for (int j = 0; j < e; ++j) {  // E is at most a few hundred: a scan per thread is cheaper than a launch
+      group_range(offsets, j, rows, begin, end);
+      block0 += quant_blocks(end - begin);
+    }
+    group_range(offsets, static_cast<int>(e), rows, begin, end);
+    const int len = static_cast<int>(end - begin), ni = static_cast<int>(n), ki = static_cast<int>(kd);
+    w.shapes[e] = len == 0 ? GroupShape(0, 0, 0) : GroupShape(ni, ki, len);
+    w.ptr_a[e] = dc_t + begin;
+    w.ptr_b[e] = a_t + begin;
+    w.ptr_d[e] = static_cast<cutlass::bfloat16_t*>(db) + e * n * kd;
+    w.ptr_sfa[e] = dc_scale + block0 * n;
+    w.ptr_sfb[e] = a_scale + block0 * kd;
+    static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(rows);
+    static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(rows);
+    static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(kd);
+    static_cast<typename G::LayoutSFA*>(w.layout_sfa)[e] =
+        G::ScaleCfg::tile_atom_to_shape_SFA(make_shape(ni, ki, len, 1));
+    static_cast<typename G::LayoutSFB*>(w.layout_sfb)[e] =
+        G::ScaleCfg::tile_atom_to_shape_SFB(make_shape(ni, ki, len, 1));
+  }
+  const int64_t per_group = n * kd / 8;  // 16-byte vectors of one bf16 db[e] (kd % 8 == 0)
+  uint4* db16 = static_cast<uint4*>(db);
+  for (int e = 0; e < groups; ++e) {
+    int64_t begin, end;
+    group_range(offsets, e, rows, begin, end);
+    if (end != begin) continue;
+    for (int64_t i = tid; i < per_group; i += nthreads) db16[e * per_group + i] = make_uint4(0, 0, 0, 0);
+  }
 }
 
 inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
@@ -255,8 +318,8 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {groups, w.shapes, nullptr},  // shapes only on the device
       {reinterpret_cast<const AB**>(w.ptr_a), static_cast<typename G::StrideA*>(w.stride_a),
-       reinterpret_cast<const AB**>(w.ptr_b), static_cast<typename G::StrideB*>(w.stride_b), w.ptr_sfa, w.layout_sfa,
-       w.ptr_sfb, w.layout_sfb},
+       reinterpret_cast<const AB**>(w.ptr_b), static_cast<typename G::StrideB*>(w.stride_b), w.ptr_sfa,
+       static_cast<typename G::LayoutSFA*>(w.layout_sfa), w.ptr_sfb, static_cast<typename G::LayoutSFB*>(w.layout_sfb)},
       {{}, nullptr, nullptr, reinterpret_cast<D**>(w.ptr_d), static_cast<typename G::StrideD*>(w.stride_d)},
       hw};
   args.epilogue.thread.alpha = 1.0f;
@@ -339,7 +402,55 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
     launch(FwdLarge{});
 }
 
+bool grouped_gemm_fp8_wgrad_sm90_available(int device) {
+  const sm90_util::DeviceFacts f = sm90_util::device_facts(device);
+  return f.major == 9 && f.minor == 0;
+}
+
+size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int num_experts) {
+  using namespace sm90_fp8;
+  const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice"));
+  const int sms = f.sms > 0 ? f.sms : 1;
+  return kAlignWs + group_arrays_bytes(num_experts) +
+         align_up(cutlass_workspace_bytes<Wgrad::Gemm>(num_experts, sms), kAlignWs);
+}
+
+void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                                 const TensorView& a_scale, const TensorView& offsets, const TensorView& db,
+                                 void* workspace, size_t workspace_bytes, void* stream) {
+  using namespace sm90_fp8;
+  const char* what = "grouped_gemm_fp8_wgrad_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t n = dc_t.shape[0], rows = dc_t.shape[1], kd = a_t.shape[0];
+  MOE8_CHECK(db.dtype == DType::kBF16 && n % 8 == 0 && kd % 8 == 0 && rows % 16 == 0, what,
+             ": needs db bfloat16, N and K multiples of 8 and R of 16");
+  const int device = dc_t.device_index;
+  MOE8_CHECK(grouped_gemm_fp8_wgrad_sm90_available(device), what, ": needs a compute capability 9.0 device");
+  const int current = current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice");
+  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
+  const size_t need = grouped_gemm_fp8_wgrad_sm90_workspace_bytes(groups);
+  MOE8_CHECK(workspace != nullptr && workspace_bytes >= need, what, ": expected a workspace of at least ", need,
+             " bytes, got ", workspace_bytes, workspace ? "" : " (null)");
+  const DeviceFacts f = device_facts(device);
+  const GroupArrays w = carve(workspace, groups);
+  cudaStream_t s = as_stream(stream);
+  prep_fp8_wgrad_kernel<Wgrad><<<prep_blocks(groups, n * kd / 8, f.sms), kPrepThreads, 0, s>>>(
+      offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
+      a_scale.ptr<float>(), db.data, w);
+  check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
+  if (groups > 0 && rows > 0) run_cutlass<Wgrad>(w, groups, device, f.sms, s);
+}
+
 #else  // !MOE8_WITH_CUTLASS: stubs
+
+bool grouped_gemm_fp8_wgrad_sm90_available(int) { return false; }
+
+size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int) { return 0; }
+
+void grouped_gemm_fp8_wgrad_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                 const TensorView&, const TensorView&, void*, size_t, void*) {
+  fail("grouped_gemm_fp8_wgrad_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS)");
+}
 
 size_t grouped_gemm_fp8_sm90_workspace_bytes(int) { return 0; }
 

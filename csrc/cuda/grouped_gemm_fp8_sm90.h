@@ -32,4 +32,14 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
                            const TensorView& b_scale, const TensorView& offsets, const TensorView& c, void* workspace,
                            size_t workspace_bytes, void* stream);
 
+// The FP8 weight gradient (see api::grouped_gemm_fp8_wgrad): db[e] (bf16 [N, K]) = the 1x128-block-scaled
+// product of dc_t[:, rows of e] and a_t[:, rows of e] (the transposed quantisations quantize_cols_1x128
+// writes), a grouped GEMM with ragged K. Preconditions, checked by the caller: every offsets[e] and R
+// multiples of 16 (TMA), N and K multiples of 8, a CUTLASS build on a compute capability 9.0 device.
+bool grouped_gemm_fp8_wgrad_sm90_available(int device);
+size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int num_experts);
+void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
+                                 const TensorView& a_scale, const TensorView& offsets, const TensorView& db,
+                                 void* workspace, size_t workspace_bytes, void* stream);
+
 }  // namespace moe8::cuda

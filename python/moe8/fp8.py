@@ -220,6 +220,26 @@ def _(a, a_scale, b, b_scale, offsets, dtype):
     return a.new_empty(a.shape[0], b.shape[1], dtype=dtype)
 
 
+@torch.library.custom_op("moe8::grouped_gemm_fp8_wgrad", mutates_args=())
+def grouped_gemm_fp8_wgrad(
+    dc_t: Tensor, dc_scale: Tensor, a_t: Tensor, a_scale: Tensor, offsets: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """The FP8 weight gradient: db[e] = dc[rows of e]^T . a[rows of e] from the transposed 1x128 quantisations
+    quantize_cols_1x128(dc, offsets) -> (dc_t [N, R], dc_scale) and quantize_cols_1x128(a, offsets) -> (a_t
+    [K, R], a_scale) -> db [E, N, K] of `dtype`. On a GPU only the Hopper kernel exists (bfloat16 out, every
+    offsets[e] a multiple of 16: plan with pad_multiple 16)."""
+    E = offsets.shape[0] - 1
+    db = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=dtype, device=dc_t.device)
+    ws = ops.sm90_workspace(dc_t, E, "grouped_gemm_fp8_wgrad_workspace_bytes")
+    _C.grouped_gemm_fp8_wgrad(dc_t, dc_scale, a_t, a_scale, offsets, db, _stream(dc_t), False, ws)
+    return db
+
+
+@grouped_gemm_fp8_wgrad.register_fake
+def _(dc_t, dc_scale, a_t, a_scale, offsets, dtype):
+    return dc_t.new_empty(offsets.shape[0] - 1, dc_t.shape[0], a_t.shape[0], dtype=dtype)
+
+
 # -------------------------------------------------------------------------------- recipes in one place
 class Fp8Weight(NamedTuple):
     """An expert weight quantised for the forward GEMM, always [E, N, K] ("nk") in e4m3."""

@@ -464,6 +464,60 @@ TEST_F(Sm90Fp8Test, ApiPicksTheHopperPath) {
   }
 }
 
+// The FP8 weight gradient: codes and scales as quantize_cols_1x128 lays them out (q_t [N, R], [K, R];
+// scale [NBLK, N], [NBLK, K], blocks expert by expert), the sm90 kernel (bf16) against the CPU reference
+// (float32 from a float64 sum): per element within bf16 rounding plus 2^-8 of the sum of |products| (FP8
+// accumulation inside a block), normwise within 1e-2; an expert without rows gets zeros.
+TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) {
+  struct WCase {
+    const char* name;
+    std::vector<int> counts;  // multiples of 16, as the kernel needs
+    int64_t tail, N, K;
+  };
+  const WCase wcases[] = {
+      {"ragged_with_empty", {0, 16, 128, 272, 0, 48, 160}, 16, 136, 264},
+      {"qwen3_down_like", {256, 256, 256, 256}, 0, 512, 384},
+  };
+  uint64_t seed = 800;
+  for (const WCase& wc : wcases) {
+    SCOPED_TRACE(wc.name);
+    const std::vector<int> off = offsets_of(wc.counts);
+    const int64_t R = off.back() + wc.tail, E = static_cast<int64_t>(wc.counts.size());
+    const int64_t NBLK = col_scale_blocks(R, E);
+    Rng rng(++seed);
+    HostTensor dc_t = Fp8Problem::codes({wc.N, R}, seed * 5 + 1), a_t = Fp8Problem::codes({wc.K, R}, seed * 5 + 2);
+    HostTensor sd = random_tensor(DType::kF32, {NBLK, wc.N}, rng, 0.5 / 448, 2.0 / 448);
+    HostTensor sa = random_tensor(DType::kF32, {NBLK, wc.K}, rng, 0.5 / 448, 2.0 / 448);
+    HostTensor offs = ints({E + 1}, off);
+    HostTensor want(DType::kF32, {E, wc.N, wc.K});
+    Runner cpu(false);
+    api::grouped_gemm_fp8_wgrad(cpu.in(dc_t), cpu.in(sd), cpu.in(a_t), cpu.in(sa), cpu.in(offs), cpu.out(want), 0);
+    const int64_t ws = api::grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true);
+    ASSERT_GT(ws, 0);
+    HostTensor wsh(DType::kU8, {ws});
+    HostTensor got(DType::kBF16, {E, wc.N, wc.K});
+    Runner gpu(true);
+    api::grouped_gemm_fp8_wgrad(gpu.in(dc_t), gpu.in(sd), gpu.in(a_t), gpu.in(sa), gpu.in(offs), gpu.out(got), 0, true,
+                                gpu.in(wsh));
+    gpu.finish();
+    int64_t bad = 0;
+    double err2 = 0, norm2 = 0, mag_max = 0;
+    for (int64_t i = 0; i < want.numel(); ++i) mag_max = std::max(mag_max, std::fabs(want.get(i)));
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      const double w = want.get(i), g = got.get(i);
+      err2 += (g - w) * (g - w);
+      norm2 += w * w;
+      if (!(std::fabs(g - w) <= std::ldexp(std::fabs(w), -7) + 1e-3 * mag_max) && bad++ < 8)
+        ADD_FAILURE() << "db[" << i << "]: got " << g << " want " << w;
+    }
+    EXPECT_EQ(bad, 0);
+    EXPECT_LT(std::sqrt(err2 / std::max(norm2, 1e-30)), 1e-2);
+    for (int64_t e = 0; e < E; ++e)
+      if (wc.counts[e] == 0)
+        for (int64_t i = 0; i < wc.N * wc.K; ++i) ASSERT_EQ(got.get(e * wc.N * wc.K + i), 0.0) << "empty expert " << e;
+  }
+}
+
 TEST_F(Sm90Fp8Test, AllGroupsEmpty) {
   Fp8Problem p({0, 0, 0}, 9, 64, 32, 500);
   DeviceFp8 d(p);

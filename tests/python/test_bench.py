@@ -28,7 +28,7 @@ def test_bench_gemm_tiny(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())["gemms"]
     kinds = {(r["routing"], r["gemm"], r["kind"]) for r in rows}
-    assert len(kinds) == 2 * 2 * 4  # balanced/zipf x gate_up/down x fwd/dgrad/wgrad/fp8_fwd
+    assert len(kinds) == 2 * 2 * 5  # balanced/zipf x gate_up/down x fwd/dgrad/wgrad/fp8_fwd/fp8_wgrad
     assert all(r["moe8_ms"] > 0 for r in rows)
     bad = run("bench/bench_gemm.py", "--tiny", "--kinds", "fwd,nope")
     assert bad.returncode != 0 and "--kinds: unknown ['nope']" in bad.stderr

@@ -189,6 +189,40 @@ def test_cols_1x128_blocks_stay_within_groups(device):
     assert torch.equal(q_t[:, int(offsets[-1]) :], torch.zeros(33, 3, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("counts", [[0, 16, 128, 272, 0, 48], [160, 0, 0, 32]])
+def test_grouped_gemm_fp8_wgrad(device, counts):
+    """db[e] = dc[rows of e]^T . a[rows of e] from the transposed quantisations: equal (to fp32 rounding) to
+    the float64 product of the dequantised operands block by block, and close to the bf16 weight gradient.
+    Offsets are multiples of 16 and R too, as the GPU kernel needs."""
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    R, N, K, E = int(offsets[-1]) + 16, 136, 264, len(counts)
+    dc = spread((R, N), torch.float32, 7).bfloat16()
+    a = spread((R, K), torch.float32, 8).bfloat16()
+    dc_t, dc_s = fp8.quantize_cols_1x128(dc.to(device), offsets.to(device))
+    a_t, a_s = fp8.quantize_cols_1x128(a.to(device), offsets.to(device))
+    db = fp8.grouped_gemm_fp8_wgrad(dc_t, dc_s, a_t, a_s, offsets.to(device), torch.bfloat16).float().cpu()
+    dq_dc = bits(dc_t).view(E4M3).double()  # [N, R]
+    dq_a = bits(a_t).view(E4M3).double()  # [K, R]
+    dc_s, a_s = dc_s.cpu().double(), a_s.cpu().double()
+    want = torch.zeros(E, N, K, dtype=torch.float64)
+    b = 0
+    for e in range(E):
+        for r0 in range(int(offsets[e]), int(offsets[e + 1]), 128):
+            r1 = min(int(offsets[e + 1]), r0 + 128)
+            part = dq_dc[:, r0:r1] @ dq_a[:, r0:r1].t()
+            want[e] += part * dc_s[b][:, None] * a_s[b][None, :]
+            b += 1
+    torch.testing.assert_close(db.double(), want.float().bfloat16().double(), rtol=1e-2, atol=1e-3)
+    assert torch.equal(
+        db[[e for e, c in enumerate(counts) if c == 0]],
+        torch.zeros_like(db[:1]).expand(sum(c == 0 for c in counts), N, K),
+    )
+    bf16 = moe8.ops.grouped_gemm_wgrad(a, dc, offsets, 0, E, False)[0].float()
+    rel = ((db - bf16).norm() / bf16.norm()).item()
+    assert 1e-3 < rel < 8e-2, rel
+
+
 # ---------------------------------------------------------------------------------- fused definitions
 @pytest.mark.parametrize("device", devices())
 def test_permute_quantize_is_gather_then_quantize(device):
@@ -376,6 +410,27 @@ def test_errors_name_the_argument():
         _C.quantize_rows_1x128(x, None, 1, torch.empty(4, 130), torch.empty(4, 2))
     with pytest.raises(ValueError, match="scale: expected shape"):
         _C.quantize_rows_1x128(x, None, 1, torch.empty(4, 130, dtype=torch.uint8), torch.empty(4, 1))
+
+
+def test_fp8_wgrad_errors_name_the_argument():
+    u8 = dict(dtype=torch.uint8)
+    off = torch.tensor([0, 16, 32], dtype=torch.int32)
+    dc_t, a_t = torch.zeros(8, 32, **u8), torch.zeros(24, 32, **u8)
+    nblk = fp8.col_scale_blocks(32, 2)
+    args = [dc_t, torch.ones(nblk, 8), a_t, torch.ones(nblk, 24), off, torch.empty(2, 8, 24)]
+    _C.grouped_gemm_fp8_wgrad(*args)  # well-formed
+    for i, bad, match in [
+        (2, torch.zeros(24, 31, **u8), r"a_t: expected shape \[24, 32\]"),
+        (1, torch.ones(nblk, 9), "dc_scale: expected shape"),
+        (3, torch.ones(nblk + 1, 24), "a_scale: expected shape"),
+        (5, torch.empty(2, 24, 8), r"db: expected shape \[2, 8, 24\]"),
+        (4, torch.tensor([0, 20, 16], dtype=torch.int32), "offsets: expected nondecreasing"),
+        (0, torch.zeros(8, 32), "dc_t: expected dtype"),
+    ]:
+        call = list(args)
+        call[i] = bad
+        with pytest.raises(ValueError, match=match):
+            _C.grouped_gemm_fp8_wgrad(*call)
 
 
 def test_fake_implementations():
