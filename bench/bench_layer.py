@@ -84,13 +84,16 @@ def check_accuracy(block, x, K):
 
 
 def recipe_of(name: str):
-    """ "blockwise", "rowwise", "tensorwise", each optionally with "+dgrad" (the input-gradient GEMM in FP8)."""
+    """ "blockwise", "rowwise" or "tensorwise", optionally with "+dgrad" and/or "+wgrad": those backward GEMMs
+    in FP8 too (e.g. blockwise+dgrad+wgrad)."""
     from moe8.fp8 import Float8Recipe
 
-    base, _, extra = name.partition("+")
-    if extra not in ("", "dgrad"):
-        raise SystemExit(f"--fp8: unknown suffix {extra!r} in {name!r}, expected +dgrad or nothing")
-    return Float8Recipe(base, dgrad="fp8" if extra else "bf16")
+    base, *extra = name.split("+")
+    unknown = sorted(set(extra) - {"dgrad", "wgrad"})
+    if unknown:
+        raise SystemExit(f"--fp8: unknown suffix {unknown} in {name!r}, expected +dgrad and/or +wgrad")
+    fp8 = lambda part: "fp8" if part in extra else "bf16"  # noqa: E731
+    return Float8Recipe(base, dgrad=fp8("dgrad"), wgrad=fp8("wgrad"))
 
 
 def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
@@ -227,9 +230,9 @@ def main():
     ap.add_argument(
         "--fp8",
         default="",
-        help="comma-separated FP8 recipes to time too (blockwise,rowwise,tensorwise; +dgrad: the input-gradient "
-        "GEMM in FP8 too, e.g. blockwise+dgrad): the layer with FP8 expert GEMMs, and its output's relative "
-        "error vs the bf16 layer",
+        help="comma-separated FP8 recipes to time too (blockwise,rowwise,tensorwise; +dgrad / +wgrad: those "
+        "backward GEMMs in FP8 too, e.g. blockwise+dgrad+wgrad): the layer with FP8 expert GEMMs, and its "
+        "output's and input gradient's relative error vs the bf16 layer",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()

@@ -132,7 +132,8 @@ int64_t plan_workspace_elems(int64_t num_slots, int num_experts, bool cuda) {
 }
 
 int64_t plan_max_rows(int64_t num_slots, int num_experts, int pad_multiple) {
-  return num_slots + static_cast<int64_t>(num_experts) * (pad_multiple - 1);
+  const int64_t rows = num_slots + static_cast<int64_t>(num_experts) * (pad_multiple - 1);
+  return pad_multiple > 1 ? (rows + pad_multiple - 1) / pad_multiple * pad_multiple : rows;  // R a multiple too
 }
 
 void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multiple, const TensorView& counts,

@@ -23,7 +23,8 @@ void route_backward(const TensorView& logits, const TensorView& bias, const Rout
 // Elements of the int32 workspace build_dispatch_plan needs (0 on the CPU).
 int64_t plan_workspace_elems(int64_t num_slots, int num_experts, bool on_cuda);
 
-// Rows a plan can use at most: T*K + E*(pad_multiple-1); row_to_slot must have at least that many.
+// Rows a plan can use at most: T*K + E*(pad_multiple-1), rounded up to a multiple of pad_multiple (so a
+// padded plan's R is aligned like its offsets); row_to_slot must have at least that many.
 int64_t plan_max_rows(int64_t num_slots, int num_experts, int pad_multiple);
 
 void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multiple, const TensorView& counts,

@@ -43,17 +43,22 @@ DGRAD = ("bf16", "fp8")
 @dataclass(frozen=True)
 class Float8Recipe:
     """Which FP8 scaling the expert GEMMs use: "blockwise" (default), "rowwise" or "tensorwise"; and whether
-    the backward's input-gradient GEMM (dgrad) runs in bf16 (default) or FP8 too (dgrad="fp8": the output
-    gradient quantised like an activation, the weight like a weight, transposed; weight gradients stay bf16)."""
+    the backward's GEMMs run in bf16 (default) or FP8 too: dgrad="fp8" (the output gradient quantised like an
+    activation, the weight like a weight, transposed), wgrad="fp8" (both operands quantised 1x128 along the
+    rows, grouped_gemm_fp8_wgrad; on a GPU it needs the Hopper kernel and expert row offsets that are
+    multiples of 16, which experts_forward_fp8 plans for, and falls back to bf16 without the kernel)."""
 
     name: str = "blockwise"
     dgrad: str = "bf16"
+    wgrad: str = "bf16"
 
     def __post_init__(self):
         if self.name not in RECIPES:
             raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {self.name!r}")
         if self.dgrad not in DGRAD:
             raise ValueError(f"dgrad: expected one of {list(DGRAD)}, got {self.dgrad!r}")
+        if self.wgrad not in DGRAD:
+            raise ValueError(f"wgrad: expected one of {list(DGRAD)}, got {self.wgrad!r}")
 
     @property
     def id(self) -> int:
@@ -231,7 +236,9 @@ def grouped_gemm_fp8_wgrad(
     E = offsets.shape[0] - 1
     db = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=dtype, device=dc_t.device)
     ws = ops.sm90_workspace(dc_t, E, "grouped_gemm_fp8_wgrad_workspace_bytes")
-    _C.grouped_gemm_fp8_wgrad(dc_t, dc_scale, a_t, a_scale, offsets, db, _stream(dc_t), False, ws)
+    _C.grouped_gemm_fp8_wgrad(
+        dc_t, dc_scale, a_t, a_scale, offsets, db, _stream(dc_t), ops._validate["indices"], ws
+    )
     return db
 
 
@@ -332,23 +339,38 @@ def _fp8_grouped_linear(
     layout: int,
     recipe: int,
     fp8_dgrad: bool,
+    fp8_wgrad: bool,
 ) -> Tensor:
-    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, _recipe_of(recipe, fp8_dgrad))
+    wq = Fp8Weight(w_q, w_scale, w_row_scale)
+    return _fp8_forward(a, wq, offsets, _recipe_of(recipe, fp8_dgrad, fp8_wgrad))
 
 
 @_fp8_grouped_linear.register_fake
-def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad):
+def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_wgrad):
     return a.new_empty(a.shape[0], w_q.shape[1])
 
 
-def _recipe_of(recipe_id: int, fp8_dgrad: bool) -> Float8Recipe:
+def _recipe_of(recipe_id: int, fp8_dgrad: bool, fp8_wgrad: bool) -> Float8Recipe:
     name = next(n for n, i in RECIPES.items() if i == recipe_id)
-    return Float8Recipe(name, "fp8" if fp8_dgrad else "bf16")
+    return Float8Recipe(name, "fp8" if fp8_dgrad else "bf16", "fp8" if fp8_wgrad else "bf16")
+
+
+def _fp8_wgrad(a: Tensor, g: Tensor, offsets: Tensor, layout: int, num_experts: int) -> Optional[Tensor]:
+    """The weight gradient of c = a . w[e] (layout 0: w [E, N, K]; 1: [E, K, N]) through the FP8 grouped GEMM,
+    or None where that kernel is not available (a GPU without the Hopper kernel)."""
+    if a.is_cuda and _C.grouped_gemm_fp8_wgrad_workspace_bytes(num_experts, True) <= 0:
+        return None
+    gq, gs = quantize_cols_1x128(g, offsets)
+    aq, a_s = quantize_cols_1x128(a, offsets)
+    out = torch.bfloat16 if a.is_cuda else torch.float32
+    if layout == 0:  # dW[e] [N, K] = g_e^T . a_e
+        return grouped_gemm_fp8_wgrad(gq, gs, aq, a_s, offsets, out)
+    return grouped_gemm_fp8_wgrad(aq, a_s, gq, gs, offsets, out)  # [K, N] = a_e^T . g_e
 
 
 def _gl_setup(ctx, inputs, output):
-    a, w, _, _, _, offsets, layout, recipe, fp8_dgrad = inputs
-    ctx.layout, ctx.recipe = layout, _recipe_of(recipe, fp8_dgrad)
+    a, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad = inputs
+    ctx.layout, ctx.recipe = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
     ctx.save_for_backward(a, w, offsets)
 
 
@@ -364,9 +386,12 @@ def _gl_bwd(ctx, g):
     elif ctx.needs_input_grad[0]:
         da = ops.grouped_gemm(g, w.contiguous(), offsets, 1 - ctx.layout, None)
     dw = None
-    if ctx.needs_input_grad[1]:
-        dw = ops.grouped_gemm_wgrad(a, g, offsets, ctx.layout, w.shape[0], False)[0].to(w.dtype)
-    return da, dw, None, None, None, None, None, None, None
+    if ctx.needs_input_grad[1] and ctx.recipe.wgrad == "fp8":
+        dw = _fp8_wgrad(a, g, offsets, ctx.layout, w.shape[0])
+    if ctx.needs_input_grad[1] and dw is None:
+        dw = ops.grouped_gemm_wgrad(a, g, offsets, ctx.layout, w.shape[0], False)[0]
+    dw = dw.to(w.dtype) if dw is not None else None
+    return da, dw, None, None, None, None, None, None, None, None
 
 
 _fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -387,7 +412,16 @@ def grouped_linear(
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
     c = _fp8_grouped_linear(
-        a.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, r.id, r.dgrad == "fp8"
+        a.contiguous(),
+        w,
+        wq.q,
+        wq.scale,
+        wq.row_scale,
+        offsets,
+        layout,
+        r.id,
+        r.dgrad == "fp8",
+        r.wgrad == "fp8",
     )
     if bias is not None:  # added in fp32 (so its gradient, a sum over rows, is accumulated in fp32 too)
         c = (c.float() + _per_row(bias.float(), offsets, a.shape[0])).to(c.dtype)
@@ -422,7 +456,9 @@ def experts_forward_fp8(
     num_experts, k = gate_up.shape[0], ids.shape[1]
     dtype = gate_up.dtype
     x = x.to(dtype).contiguous()
-    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, 1)
+    # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: pad the groups to 16
+    pad = 16 if r.wgrad == "fp8" else 1
+    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, pad)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weights, gate_up, down, gate_up_bias, down_bias)
     )

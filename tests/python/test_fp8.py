@@ -385,6 +385,48 @@ def test_grouped_linear_fp8_dgrad(device, recipe, layout):
         fp8.Float8Recipe(recipe, dgrad="e5m2")
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", [0, 1])
+def test_grouped_linear_fp8_wgrad(device, layout):
+    """wgrad="fp8": d w is grouped_gemm_fp8_wgrad of the transposed quantisations of the output gradient and
+    the input (exactly), close to the bf16 d w; d a stays bf16. Offsets are multiples of 16."""
+    offsets = torch.tensor([0, 32, 32, 160, 208], dtype=torch.int32, device=device)
+    a = torch.randn(224, 256, device=device).to(torch.bfloat16).requires_grad_()
+    shape = (4, 136, 256) if layout == 0 else (4, 256, 136)
+    w = (torch.randn(*shape, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(224, 136, device=device).to(torch.bfloat16)
+    r = fp8.Float8Recipe("blockwise", wgrad="fp8")
+    c = fp8.grouped_linear(a, w, offsets, layout, None, r, cache=None)
+    da, dw = torch.autograd.grad(c, (a, w), g)
+    gq, gs = fp8.quantize_cols_1x128(g, offsets)
+    aq, a_s = fp8.quantize_cols_1x128(a.detach(), offsets)
+    out = torch.bfloat16 if device == "cuda" else torch.float32
+    pair = (gq, gs, aq, a_s) if layout == 0 else (aq, a_s, gq, gs)
+    assert torch.equal(dw, fp8.grouped_gemm_fp8_wgrad(*pair, offsets, out).to(w.dtype))
+    c16 = moe8.ops.grouped_gemm(a, w, offsets, layout, None)
+    da16, dw16 = torch.autograd.grad(c16, (a, w), g)
+    assert torch.allclose(da.float(), da16.float(), rtol=1e-2, atol=1e-2)
+    rel = ((dw.float() - dw16.float()).norm() / dw16.float().norm()).item()
+    assert 1e-3 < rel < 8e-2, rel
+
+
+@pytest.mark.parametrize("device", devices())
+def test_experts_fp8_backward_recipes(device):
+    """The FP8 experts with bf16, FP8-dgrad and FP8-dgrad+wgrad backward: every gradient close to the bf16
+    experts' (the FP8 wgrad plans 16-row aligned expert groups; padding rows change nothing)."""
+    x, ids, w, gate_up, down = moe_inputs(device)
+    leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+    y16 = moe8.experts_forward(leaves[0], ids, w, leaves[1], leaves[2])
+    g = torch.randn_like(y16)
+    ref = torch.autograd.grad(y16, leaves, g)
+    for r in (fp8.Float8Recipe(), fp8.Float8Recipe(dgrad="fp8"), fp8.Float8Recipe(dgrad="fp8", wgrad="fp8")):
+        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        y = fp8.experts_forward_fp8(leaves[0], ids, w, leaves[1], leaves[2], recipe=r, cache=None)
+        for name, got, want in zip(("x", "gate_up", "down"), torch.autograd.grad(y, leaves, g), ref):
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel < 0.12, f"{r}: d {name} relative error {rel:.3f}"
+
+
 def test_weight_cache_refreshes_after_an_update():
     cache = fp8.Fp8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
