@@ -287,14 +287,15 @@ __global__ void __launch_bounds__(kPrepThreads)
     static_cast<typename G::LayoutSFB*>(w.layout_sfb)[e] =
         G::ScaleCfg::tile_atom_to_shape_SFB(make_shape(ni, ki, len, 1));
   }
-  const int64_t per_group = n * kd / 8;  // 16-byte vectors of one bf16 db[e] (kd % 8 == 0)
-  uint4* db16 = static_cast<uint4*>(db);
-  for (int e = 0; e < groups; ++e) {
-    int64_t begin, end;
-    group_range(offsets, e, rows, begin, end);
-    if (end != begin) continue;
-    for (int64_t i = tid; i < per_group; i += nthreads) db16[e * per_group + i] = make_uint4(0, 0, 0, 0);
-  }
+  zero_empty_groups(offsets, groups, rows, db, n * kd / 8 /* bf16, kd % 8 == 0 */, tid, nthreads);
+}
+
+// The tensors' device is the current one, and the caller's workspace holds `need` bytes.
+inline void check_device_and_workspace(const char* what, int device, size_t need, const void* workspace, size_t bytes) {
+  const int current = current_device(what);
+  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
+  MOE8_CHECK(workspace != nullptr && bytes >= need, what, ": expected a workspace of at least ", need, " bytes, got ",
+             bytes, workspace ? "" : " (null)");
 }
 
 inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
@@ -378,11 +379,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
   const int groups = static_cast<int>(offsets.shape[0] - 1);
   const int64_t rows = a.shape[0], kd = a.shape[1], n = c.shape[1];
   const int device = a.device_index;
-  const int current = current_device("grouped_gemm_fp8_sm90: cudaGetDevice");
-  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
-  const size_t need = grouped_gemm_fp8_sm90_workspace_bytes(groups);
-  MOE8_CHECK(workspace != nullptr && workspace_bytes >= need, what, ": expected a workspace of at least ", need,
-             " bytes, got ", workspace_bytes, workspace ? "" : " (null)");
+  check_device_and_workspace(what, device, grouped_gemm_fp8_sm90_workspace_bytes(groups), workspace, workspace_bytes);
   const DeviceFacts f = device_facts(device);
   const GroupArrays w = carve(workspace, groups);
   cudaStream_t s = as_stream(stream);
@@ -426,11 +423,8 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
              ": needs db bfloat16, N and K multiples of 8 and R of 16");
   const int device = dc_t.device_index;
   MOE8_CHECK(grouped_gemm_fp8_wgrad_sm90_available(device), what, ": needs a compute capability 9.0 device");
-  const int current = current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice");
-  MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
-  const size_t need = grouped_gemm_fp8_wgrad_sm90_workspace_bytes(groups);
-  MOE8_CHECK(workspace != nullptr && workspace_bytes >= need, what, ": expected a workspace of at least ", need,
-             " bytes, got ", workspace_bytes, workspace ? "" : " (null)");
+  check_device_and_workspace(what, device, grouped_gemm_fp8_wgrad_sm90_workspace_bytes(groups), workspace,
+                             workspace_bytes);
   const DeviceFacts f = device_facts(device);
   const GroupArrays w = carve(workspace, groups);
   cudaStream_t s = as_stream(stream);

@@ -294,14 +294,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(kd);
     static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(kd);
   }
-  const int64_t per_group = n * kd / 8;  // 16-byte vectors of one db[e]
-  uint4* db16 = static_cast<uint4*>(db);
-  for (int e = 0; e < groups; ++e) {
-    int64_t begin, end;
-    group_range(offsets, e, rows, begin, end);
-    if (end != begin) continue;
-    for (int64_t i = tid; i < per_group; i += nthreads) db16[e * per_group + i] = make_uint4(0, 0, 0, 0);
-  }
+  sm90_util::zero_empty_groups(offsets, groups, rows, db, n * kd / 8 /* 16-byte vectors of one db[e] */, tid, nthreads);
 }
 
 inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {

@@ -115,6 +115,19 @@ __device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets,
   end = x < begin ? begin : (x > rows ? rows : x);
 }
 
+// Zeroes db[e] (per_group 16-byte vectors each) of every group without rows: a wgrad prep kernel gives those
+// groups shape (0, 0, 0), so CUTLASS never writes them. Run by every thread of the prep grid.
+__device__ __forceinline__ void zero_empty_groups(const int32_t* __restrict__ offsets, int groups, int64_t rows,
+                                                  void* db, int64_t per_group, int64_t tid, int64_t nthreads) {
+  uint4* db16 = static_cast<uint4*>(db);
+  for (int e = 0; e < groups; ++e) {
+    int64_t begin, end;
+    group_range(offsets, e, rows, begin, end);
+    if (end != begin) continue;
+    for (int64_t i = tid; i < per_group; i += nthreads) db16[e * per_group + i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Bump allocator over the caller's workspace: take(bytes) returns the next kAlignWs-aligned slice.
 struct Carver {
   uintptr_t p;
