@@ -408,7 +408,9 @@ def grouped_linear(
 ) -> Tensor:
     """Drop-in for ops.grouped_gemm(a, w, offsets, layout, bias) with the forward GEMM in FP8:
     a [R, K] (rows in expert order), w [E, N, K] (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N]
-    in a's dtype. Gradients flow to a, w and bias: in a's precision, a's in FP8 when recipe.dgrad is "fp8"."""
+    in a's dtype. Gradients flow to a, w and bias: in a's precision, a's in FP8 when recipe.dgrad is "fp8", w's
+    when recipe.wgrad is "fp8" (on a GPU every offsets[e] and R must then be multiples of 16: plan with
+    pad_multiple 16, as experts_forward_fp8 does; checked when index validation is on)."""
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
     c = _fp8_grouped_linear(
