@@ -168,6 +168,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _set_fp8(fp8) -> None:
+    if fp8 == "none":  # the spelling of "off" in configs and flags
+        fp8 = None
     if fp8 is not None:
         from moe8.fp8 import Float8Recipe, _recipe
 
@@ -315,7 +317,8 @@ def accelerate(model, families=None, fuse_router: bool = False, fp8=None):
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
     fuse_router: also route with moe8.layer.route (see enable).
-    fp8: an FP8 recipe for the expert GEMMs (see enable; process-wide, as enable's); None leaves the current setting.
+    fp8: an FP8 recipe for the expert GEMMs (see enable; process-wide, as enable's); "none" switches FP8 off;
+        None leaves the current setting.
     """
     _transformers()
     if fp8 is not None:

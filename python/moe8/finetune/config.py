@@ -93,6 +93,11 @@ class Config:
         True,
         "run the experts on moe8 (--no-moe8: transformers' own experts and, with lora, PEFT's LoRA, for comparison)",
     )
+    fp8: str = _key(
+        "none",
+        "FP8 expert GEMMs (moe8.fp8): none, blockwise, rowwise or tensorwise (forward in FP8, backward bf16); "
+        "full fine-tuning on moe8 only",
+    )
     # output
     output_dir: str = _key("", "where everything goes (default: runs/finetune-YYYYmmdd-HHMMSS)")
     resume: bool = _key(False, "continue from the last checkpoint in output_dir")
@@ -111,7 +116,7 @@ _TYPES = typing.get_type_hints(Config)
 # keys that decide the model, the data order or the optimizer: a resumed run must keep them
 RESUME_KEYS = (
     "model tokenizer data data_format text_field messages_field max_documents eval_fraction method lora_r "
-    "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8"
+    "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8 fp8"
 ).split()
 
 
@@ -194,6 +199,7 @@ def validate(cfg: Config) -> None:
         ("dtype", ("auto", "bf16", "fp32")),
         ("device", ("auto", "cuda", "cpu")),
         ("data_format", ("auto", "lines", "text", "jsonl")),
+        ("fp8", ("none", "blockwise", "rowwise", "tensorwise")),
     ):
         need(
             getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
@@ -219,6 +225,11 @@ def validate(cfg: Config) -> None:
     need(cfg.lora_dropout < 1, f"lora_dropout = {cfg.lora_dropout}: expected < 1")
     need(not (cfg.resume and cfg.overwrite), "resume and overwrite exclude each other")
     need(not cfg.resume or bool(cfg.output_dir), "resume: name the run to continue with output_dir")
+    need(
+        cfg.fp8 == "none" or cfg.method == "full",
+        f"fp8 = {cfg.fp8!r}: FP8 experts with LoRA are not supported yet",
+    )
+    need(cfg.fp8 == "none" or cfg.moe8, f"fp8 = {cfg.fp8!r}: FP8 experts run on moe8; drop --no-moe8")
 
 
 def to_toml(cfg: Config) -> str:

@@ -273,7 +273,7 @@ class Trainer:
         return (
             f"moe8 finetune: {c.model} ({self.total_params / 1e6:.1f}M params, {self.active_params / 1e6:.1f}M "
             f"active per token), {c.method}, {self.device.type} {str(self.dtype).replace('torch.', '')}, "
-            f"experts on {on}\n  data: {d.source}: {d.documents:,} {d.kind} documents, {d.tokens:,} tokens -> "
+            f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} {d.kind} documents, {d.tokens:,} tokens -> "
             f"{len(d.train[0])} train / {len(d.eval[0])} eval sequences of {c.seq_len}\n  {self.steps} steps of "
             f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}"
         )
