@@ -374,27 +374,139 @@ def _gl_setup(ctx, inputs, output):
     ctx.save_for_backward(a, w, offsets)
 
 
+def _linear_grads(a, w, offsets, g, layout: int, recipe: Float8Recipe, need_a: bool, need_w: bool):
+    """(d a, d w) of c = a . w[e] (either None when not needed). dgrad: bf16 grouped GEMM, or FP8 (recipe.dgrad
+    "fp8": g quantised like an activation, the weight in the transposed layout, cached like the forward's);
+    wgrad: bf16, or FP8 (recipe.wgrad "fp8", where the kernel exists)."""
+    da = dw = None
+    if need_a and recipe.dgrad == "fp8":
+        da = _fp8_forward(g, default_cache.get(w, 1 - layout, recipe), offsets, recipe)
+    elif need_a:
+        da = ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
+    if need_w and recipe.wgrad == "fp8":
+        dw = _fp8_wgrad(a, g, offsets, layout, w.shape[0])
+    if need_w and dw is None:
+        dw = ops.grouped_gemm_wgrad(a, g, offsets, layout, w.shape[0], False)[0]
+    return da, (dw.to(w.dtype) if dw is not None else None)
+
+
 def _gl_bwd(ctx, g):
-    # dgrad: bf16 grouped GEMM, or FP8 (recipe.dgrad == "fp8": g quantised like an activation, the weight
-    # quantised in the transposed layout, cached like the forward's); wgrad: bf16 grouped GEMM.
     a, w, offsets = ctx.saved_tensors
-    g = g.contiguous()
-    da = None
-    if ctx.needs_input_grad[0] and ctx.recipe.dgrad == "fp8":
-        wt = default_cache.get(w, 1 - ctx.layout, ctx.recipe)
-        da = _fp8_forward(g, wt, offsets, ctx.recipe)
-    elif ctx.needs_input_grad[0]:
-        da = ops.grouped_gemm(g, w.contiguous(), offsets, 1 - ctx.layout, None)
-    dw = None
-    if ctx.needs_input_grad[1] and ctx.recipe.wgrad == "fp8":
-        dw = _fp8_wgrad(a, g, offsets, ctx.layout, w.shape[0])
-    if ctx.needs_input_grad[1] and dw is None:
-        dw = ops.grouped_gemm_wgrad(a, g, offsets, ctx.layout, w.shape[0], False)[0]
-    dw = dw.to(w.dtype) if dw is not None else None
+    da, dw = _linear_grads(
+        a,
+        w,
+        offsets,
+        g.contiguous(),
+        ctx.layout,
+        ctx.recipe,
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+    )
     return da, dw, None, None, None, None, None, None, None, None
 
 
 _fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
+
+
+@torch.library.custom_op("moe8::fp8_activation_linear", mutates_args=())
+def _fp8_activation_linear(
+    h: Tensor,
+    w: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    recipe: int,
+    fp8_dgrad: bool,
+    fp8_wgrad: bool,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
+    if r.name == "blockwise":  # activation and 1x128 quantisation in one pass (the same bits as the two ops)
+        aq, a_s = swiglu_quant(h, kind, interleaved, alpha, limit)
+        return grouped_gemm_fp8(aq, a_s, w_q, w_scale, offsets, h.dtype)
+    a = ops.activation(h, kind, interleaved, alpha, limit)
+    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, r)
+
+
+@_fp8_activation_linear.register_fake
+def _(
+    h,
+    w,
+    w_q,
+    w_scale,
+    w_row_scale,
+    offsets,
+    layout,
+    recipe,
+    fp8_dgrad,
+    fp8_wgrad,
+    kind,
+    interleaved,
+    alpha,
+    limit,
+):
+    return h.new_empty(h.shape[0], w_q.shape[1])
+
+
+def _al_setup(ctx, inputs, output):
+    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, *act = inputs
+    ctx.layout, ctx.recipe, ctx.act = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), act
+    ctx.save_for_backward(h, w, offsets)  # not the activations: recomputed below
+
+
+def _al_bwd(ctx, g):
+    h, w, offsets = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    a = ops.activation(h, *ctx.act) if need_w else None
+    da, dw = _linear_grads(a, w, offsets, g.contiguous(), ctx.layout, ctx.recipe, need_h, need_w)
+    dh = ops.activation_backward(h, da, *ctx.act) if need_h else None
+    return (dh, dw) + (None,) * 12
+
+
+_fp8_activation_linear.register_autograd(_al_bwd, setup_context=_al_setup)
+
+
+def _add_bias(c: Tensor, bias: Optional[Tensor], offsets: Tensor) -> Tensor:
+    if bias is None:
+        return c
+    # added in fp32 (so its gradient, a sum over rows, is accumulated in fp32 too)
+    return (c.float() + _per_row(bias.float(), offsets, c.shape[0])).to(c.dtype)
+
+
+def activation_linear(
+    h: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    recipe,
+    cache: Optional[Fp8WeightCache],
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    """grouped_linear(ops.activation(h, ...), w, ...) (the experts' down projection in FP8) keeping h rather
+    than the activations for the backward (they are recomputed there), with the blockwise recipe's
+    activation and quantisation fused in one pass. Same results as the two calls."""
+    r = _recipe(recipe)
+    wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
+    args = (
+        r.id,
+        r.dgrad == "fp8",
+        r.wgrad == "fp8",
+        int(kind),
+        bool(interleaved),
+        float(alpha),
+        float(limit),
+    )
+    c = _fp8_activation_linear(h.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, *args)
+    return _add_bias(c, bias, offsets)
 
 
 def grouped_linear(
@@ -425,9 +537,7 @@ def grouped_linear(
         r.dgrad == "fp8",
         r.wgrad == "fp8",
     )
-    if bias is not None:  # added in fp32 (so its gradient, a sum over rows, is accumulated in fp32 too)
-        c = (c.float() + _per_row(bias.float(), offsets, a.shape[0])).to(c.dtype)
-    return c
+    return _add_bias(c, bias, offsets)
 
 
 def experts_forward_fp8(
@@ -474,6 +584,6 @@ def experts_forward_fp8(
     else:
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
         h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache)  # [R, 2I]
-        a = ops.activation(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
-        o = grouped_linear(a, down, offsets, lay, down_bias, r, cache)  # [R, H]
+        # the activations [R, I] are not kept for the backward: recomputed from h there
+        o = activation_linear(h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]

@@ -427,6 +427,42 @@ def test_experts_fp8_backward_recipes(device):
             assert rel < 0.12, f"{r}: d {name} relative error {rel:.3f}"
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("act, layout, bias", [("swiglu", 0, False), ("swiglu_clamped", 1, True)])
+def test_activation_linear_is_activation_then_linear_keeping_less(device, recipe, act, layout, bias):
+    """fp8.activation_linear gives the bits of ops.activation -> fp8.grouped_linear, forward and every
+    gradient (with FP8 dgrad and wgrad too), and keeps h but not the activations for the backward."""
+    torch.manual_seed(5)
+    offsets = torch.tensor([0, 32, 32, 160, 208], dtype=torch.int32, device=device)
+    kind = moe8.ops.ACTIVATIONS[act]
+    h0 = torch.randn(208, 2 * 128, device=device).to(torch.bfloat16)
+    w0 = (torch.randn(*((4, 136, 128) if layout == 0 else (4, 128, 136)), device=device) * 0.1).to(
+        torch.bfloat16
+    )
+    c0 = torch.randn(4, 136, device=device).to(torch.bfloat16) if bias else None
+    g = torch.randn(208, 136, device=device).to(torch.bfloat16)
+    r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
+
+    def run(fused):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        c = c0.clone().requires_grad_() if bias else None
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            if fused:
+                o = fp8.activation_linear(h, w, offsets, layout, c, r, None, kind, False, 1.702, 7.0)
+            else:
+                a = moe8.ops.activation(h, kind, False, 1.702, 7.0)
+                o = fp8.grouped_linear(a, w, offsets, layout, c, r, cache=None)
+        return o, torch.autograd.grad(o, [h, w] + ([c] if bias else []), g), sum(kept)
+
+    (o1, g1, kept1), (o2, g2, kept2) = run(True), run(False)
+    assert torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert kept2 - kept1 == 208 * 128  # the activations [R, I]
+
+
 def test_weight_cache_refreshes_after_an_update():
     cache = fp8.Fp8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
