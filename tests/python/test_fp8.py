@@ -213,7 +213,11 @@ def test_grouped_gemm_fp8_wgrad(device, counts):
             part = dq_dc[:, r0:r1] @ dq_a[:, r0:r1].t()
             want[e] += part * dc_s[b][:, None] * a_s[b][None, :]
             b += 1
-    torch.testing.assert_close(db.double(), want.float().bfloat16().double(), rtol=1e-2, atol=1e-3)
+    # CPU: the float64 sum rounded to bf16; GPU: wgmma's FP8 accumulation inside each block too (a wrong block,
+    # scale or group gives O(1) errors)
+    atol = 1e-3 if device == "cpu" else 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(db.double(), want.float().bfloat16().double(), rtol=1e-2, atol=atol)
+    assert ((db.double() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(
         db[[e for e, c in enumerate(counts) if c == 0]],
         torch.zeros_like(db[:1]).expand(sum(c == 0 for c in counts), N, K),
