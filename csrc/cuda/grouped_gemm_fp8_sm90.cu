@@ -219,8 +219,6 @@ inline GroupArrays carve(void* workspace, int groups) {
 // ---------------------------------------------------------------------------------------------------
 // Prep kernel: group e is (M = its rows, N, K); rows [offsets[E], R) of c are zeroed.
 
-constexpr int kPrepThreads = 256;
-
 template <class G>
 __global__ void __launch_bounds__(kPrepThreads)
     prep_fp8_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd,
@@ -248,10 +246,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     static_cast<typename G::LayoutSFB*>(w.layout_sfb)[e] =
         G::ScaleCfg::tile_atom_to_shape_SFB(make_shape(m, ni, ki, 1));
   }
-  // n % 8 == 0, so bf16 rows start on 16-byte boundaries.
-  const int64_t last = offsets[groups], used = last < 0 ? 0 : (last > rows ? rows : last);
-  uint4* c16 = static_cast<uint4*>(c);
-  for (int64_t i = used * n / 8 + tid; i < rows * n / 8; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
+  zero_rows_past_groups(offsets, groups, rows, c, n / 8 /* bf16 */, tid, nthreads);
 }
 
 // Wgrad prep: group e is (M = N, N = K, K = its rows) over the columns [offsets[e], offsets[e+1]) of dc_t
@@ -296,12 +291,6 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
   MOE8_CHECK(current == device, what, ": tensors are on cuda:", device, " but the current device is cuda:", current);
   MOE8_CHECK(workspace != nullptr && bytes >= need, what, ": expected a workspace of at least ", need, " bytes, got ",
              bytes, workspace ? "" : " (null)");
-}
-
-inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
-  int64_t blocks = ceil_div(groups, kPrepThreads);
-  blocks = std::max<int64_t>(blocks, std::min<int64_t>(ceil_div(zero_vectors, kPrepThreads), 2 * int64_t(sms)));
-  return static_cast<int>(std::max<int64_t>(blocks, 1));
 }
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).

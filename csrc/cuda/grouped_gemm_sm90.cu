@@ -124,16 +124,7 @@ using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::
 // Whether the GEMM's N spans an odd number of large tiles (then TileLargeSolo, see there).
 inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
 
-// Every grouped stride has one dynamic extent (the leading dimension); the others are static 1 and 0.
-template <class Stride>
-__host__ __device__ Stride stride_with_ld(int64_t ld) {
-  Stride s{};
-  if constexpr (is_static<std::remove_reference_t<decltype(get<0>(s))>>::value)
-    get<1>(s) = ld;
-  else
-    get<0>(s) = ld;
-  return s;
-}
+using sm90_util::stride_with_ld;
 
 // ---------------------------------------------------------------------------------------------------
 // Workspace: per-group arrays (fixed slot sizes, so one layout serves every kernel) then CUTLASS's own.
@@ -162,22 +153,16 @@ struct GroupArrays {
 
 inline GroupArrays carve(void* workspace, int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
-  auto base = reinterpret_cast<uintptr_t>(workspace);
-  uintptr_t p = align_up(base, kAlignWs);
-  auto take = [&](size_t bytes) {
-    void* r = reinterpret_cast<void*>(p);
-    p += align_up(bytes, kAlignWs);
-    return r;
-  };
+  sm90_util::Carver c(workspace);
   GroupArrays w;
-  w.shapes = static_cast<GroupShape*>(take(g * kSlotShape));
-  w.ptr_a = static_cast<void**>(take(g * kSlotPtr));
-  w.ptr_b = static_cast<void**>(take(g * kSlotPtr));
-  w.ptr_d = static_cast<void**>(take(g * kSlotPtr));
-  w.stride_a = take(g * kSlotStride);
-  w.stride_b = take(g * kSlotStride);
-  w.stride_d = take(g * kSlotStride);
-  w.cutlass_ws = reinterpret_cast<void*>(p);
+  w.shapes = static_cast<GroupShape*>(c.take(g * kSlotShape));
+  w.ptr_a = static_cast<void**>(c.take(g * kSlotPtr));
+  w.ptr_b = static_cast<void**>(c.take(g * kSlotPtr));
+  w.ptr_d = static_cast<void**>(c.take(g * kSlotPtr));
+  w.stride_a = c.take(g * kSlotStride);
+  w.stride_b = c.take(g * kSlotStride);
+  w.stride_d = c.take(g * kSlotStride);
+  w.cutlass_ws = c.take(0);
   return w;
 }
 
@@ -233,13 +218,9 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
 // Prep kernels. Offsets are clamped to [0, rows] and made nondecreasing, so bad offsets (if validation
 // was skipped) give wrong results but never out-of-bounds accesses.
 
-constexpr int kPrepThreads = 256;
+using sm90_util::kPrepThreads;
 
-__device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets, int e, int64_t rows, int64_t& begin,
-                                            int64_t& end) {
-  begin = min(max<int64_t>(offsets[e], 0), rows);
-  end = min(max<int64_t>(offsets[e + 1], begin), rows);
-}
+using sm90_util::group_range;
 
 // Forward / dgrad: group e is (M = its rows, N, K = Kd); rows [offsets[E], R) of c are zeroed.
 template <class G>
@@ -262,10 +243,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(ldb);
     static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(n);
   }
-  // n % 8 == 0, so rows start on 16-byte boundaries.
-  const int64_t used = min(max<int64_t>(offsets[groups], 0), rows);
-  uint4* c16 = static_cast<uint4*>(c);
-  for (int64_t i = used * n / 8 + tid; i < rows * n / 8; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
+  sm90_util::zero_rows_past_groups(offsets, groups, rows, c, n * sizeof(T) / 16, tid, nthreads);
 }
 
 // Wgrad: group e is (M = N, N = Kd, K = its rows); empty groups get shape (0, 0, 0), which the group
@@ -297,11 +275,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   sm90_util::zero_empty_groups(offsets, groups, rows, db, n * kd / 8 /* 16-byte vectors of one db[e] */, tid, nthreads);
 }
 
-inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
-  int64_t blocks = ceil_div(groups, kPrepThreads);
-  blocks = std::max<int64_t>(blocks, std::min<int64_t>(ceil_div(zero_vectors, kPrepThreads), 2 * int64_t(sms)));
-  return static_cast<int>(std::max<int64_t>(blocks, 1));
-}
+using sm90_util::prep_blocks;
 
 // ---------------------------------------------------------------------------------------------------
 

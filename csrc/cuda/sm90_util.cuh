@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -113,6 +114,24 @@ __device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets,
   const int64_t b = offsets[e], x = offsets[e + 1];
   begin = b < 0 ? 0 : (b > rows ? rows : b);
   end = x < begin ? begin : (x > rows ? rows : x);
+}
+
+// Threads per block of the prep kernels, and their grid: a thread per group, and enough blocks (up to two
+// per SM) for the zeroing they also do.
+constexpr int kPrepThreads = 256;
+inline int prep_blocks(int64_t groups, int64_t zero_vectors, int sms) {
+  int64_t blocks = ceil_div(groups, kPrepThreads);
+  blocks = std::max<int64_t>(blocks, std::min<int64_t>(ceil_div(zero_vectors, kPrepThreads), 2 * int64_t(sms)));
+  return static_cast<int>(std::max<int64_t>(blocks, 1));
+}
+
+// Zeroes the rows [offsets[groups], rows) of c (row_vectors 16-byte vectors per row; rows start on 16-byte
+// boundaries), which no group covers. Run by every thread of the prep grid.
+__device__ __forceinline__ void zero_rows_past_groups(const int32_t* __restrict__ offsets, int groups, int64_t rows,
+                                                      void* c, int64_t row_vectors, int64_t tid, int64_t nthreads) {
+  const int64_t last = offsets[groups], used = last < 0 ? 0 : (last > rows ? rows : last);
+  uint4* c16 = static_cast<uint4*>(c);
+  for (int64_t i = used * row_vectors + tid; i < rows * row_vectors; i += nthreads) c16[i] = make_uint4(0, 0, 0, 0);
 }
 
 // Zeroes db[e] (per_group 16-byte vectors each) of every group without rows: a wgrad prep kernel gives those
