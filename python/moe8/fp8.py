@@ -562,15 +562,13 @@ def experts_forward_fp8(
     Without autograd (inference, or nothing requires grad) and with the blockwise recipe the tokens are
     gathered into expert order and quantised in one pass, and the activation is fused with the quantisation
     of its output; otherwise the bf16 permute / activation ops run between FP8 GEMMs (differentiable)."""
+    from .layer import check_experts_args, dispatch_plan
+
     r = _recipe(recipe)
-    lay = ops.LAYOUTS[layout]
-    act = ops.ACTIVATIONS[activation]
-    num_experts, k = gate_up.shape[0], ids.shape[1]
+    lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
     dtype = gate_up.dtype
-    x = x.to(dtype).contiguous()
     # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: pad the groups to 16
-    pad = 16 if r.wgrad == "fp8" else 1
-    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, pad)
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, 16 if r.wgrad == "fp8" else 1)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weights, gate_up, down, gate_up_bias, down_bias)
     )

@@ -92,6 +92,35 @@ def _low_rank(x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: 
     return ops.grouped_gemm(t, B.to(x.dtype).contiguous(), offsets, lay, None)
 
 
+def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: str) -> tuple[int, int]:
+    """The checks every experts_forward makes (ValueError naming the argument); returns the layout and
+    activation codes."""
+    lay = _choice("layout", layout, ops.LAYOUTS)
+    act = _choice("activation", activation, ops.ACTIVATIONS)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(
+            f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}"
+        )
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(
+            f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
+    return lay, act
+
+
+def dispatch_plan(x: Tensor, ids: Tensor, gate_up: Tensor, pad_multiple: int = 1):
+    """x in the experts' dtype, top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot,
+    slot_to_row)."""
+    _, offsets, row_to_slot, slot_to_row = ops.plan(
+        ids.to(torch.int32).contiguous(), gate_up.shape[0], pad_multiple
+    )
+    return x.to(gate_up.dtype).contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
+
+
 def experts_forward(
     x: Tensor,
     ids: Tensor,
@@ -117,6 +146,7 @@ def experts_forward(
     fp8: None (bf16) or an FP8 recipe ("blockwise", "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe)
     for the forward expert GEMMs; see moe8.fp8.experts_forward_fp8.
     """
+    lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
     if fp8 is not None:
         if lora is not None:
             raise ValueError("fp8: FP8 experts with LoRA are not supported yet; pass fp8=None with lora")
@@ -137,27 +167,10 @@ def experts_forward(
             alpha=alpha,
             limit=limit,
         )
-    lay = _choice("layout", layout, ops.LAYOUTS)
-    act = _choice("activation", activation, ops.ACTIVATIONS)
-    if x.dim() != 2:
-        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
-    if weights.shape != ids.shape:
-        raise ValueError(
-            f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}"
-        )
-    if gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(
-            f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
-        )
     if lora is not None:
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
         _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
-    num_experts, k = gate_up.shape[0], ids.shape[1]
-    dtype = gate_up.dtype
-    x = x.to(dtype).contiguous()
-    counts, offsets, row_to_slot, slot_to_row = ops.plan(ids.to(torch.int32).contiguous(), num_experts, 1)
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up)
     xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
     h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
     if lora is not None:

@@ -530,3 +530,12 @@ def test_fake_implementations():
     torch.library.opcheck(fp8.dequantize, (a, sa, 1, 128, torch.float32))
     h = torch.randn(6, 400)
     torch.library.opcheck(fp8.swiglu_quant, (h, 0, False, 1.702, 7.0))
+
+
+def test_experts_forward_fp8_checks_its_arguments():
+    """The FP8 experts make the same argument checks as the bf16 ones (ValueError naming the argument)."""
+    x, ids, w, gate_up, down = moe_inputs("cpu")
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        fp8.experts_forward_fp8(x, ids, w, gate_up, down, layout="nn")
+    with pytest.raises(ValueError, match="weights: expected shape"):
+        fp8.experts_forward_fp8(x, ids, w[:, :1], gate_up, down)
