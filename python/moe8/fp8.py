@@ -358,7 +358,7 @@ def _recipe_of(recipe_id: int, fp8_dgrad: bool, fp8_wgrad: bool) -> Float8Recipe
 def _fp8_wgrad(a: Tensor, g: Tensor, offsets: Tensor, layout: int, num_experts: int) -> Optional[Tensor]:
     """The weight gradient of c = a . w[e] (layout 0: w [E, N, K]; 1: [E, K, N]) through the FP8 grouped GEMM,
     or None where that kernel is not available (a GPU without the Hopper kernel)."""
-    if a.is_cuda and _C.grouped_gemm_fp8_wgrad_workspace_bytes(num_experts, True) <= 0:
+    if a.is_cuda and not ops.sm90_workspace_bytes(a, num_experts, "grouped_gemm_fp8_wgrad_workspace_bytes"):
         return None
     gq, gs = quantize_cols_1x128(g, offsets)
     aq, a_s = quantize_cols_1x128(a, offsets)

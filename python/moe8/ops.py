@@ -57,14 +57,19 @@ def sm90_workspace(
 ) -> Optional[Tensor]:
     """Scratch that lets a grouped GEMM take the Hopper (CUTLASS sm_90a) path (`query` names the _C function
     giving its size); None where there is no such path. Sizes are cached per (device, experts, query)."""
+    n = sm90_workspace_bytes(a, num_experts, query)
+    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+
+
+def sm90_workspace_bytes(a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes") -> int:
+    """Bytes of sm90_workspace for a's device (0: no Hopper path there, or a is on the CPU); cached."""
     if not a.is_cuda:
-        return None
+        return 0
     key = (a.device.index, num_experts, query)
     if key not in _ws_bytes:
         with torch.cuda.device(a.device):
             _ws_bytes[key] = getattr(_C, query)(num_experts, True)
-    n = _ws_bytes[key]
-    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+    return _ws_bytes[key]
 
 
 def _gated(kind: int) -> bool:
