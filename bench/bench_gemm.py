@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from bench_layer import median_ms  # the same timing as the layer benchmark (this folder is on sys.path)
 
 import moe8
 from moe8 import fp8, ops
@@ -48,26 +49,6 @@ def counts_for(routing: str, rows: int, experts: int, s: float, gen: torch.Gener
     c = (w / w.sum() * rows / 16).floor().long() * 16
     c[0] += rows - int(c.sum())  # the busiest expert takes the rest
     return c[torch.randperm(experts, generator=gen)]
-
-
-def timed(fn, device, warmup=3, iters=10) -> float:
-    """Median milliseconds of fn()."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
 
 
 def cases(a, w, dc, offsets, ends, E, kinds):
@@ -136,14 +117,14 @@ def bench(shape, dims, routing, args, device, gen):
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())
             try:
-                row["moe8_ms"] = timed(mine, device, args.warmup, args.iters)
+                row["moe8_ms"] = median_ms(mine, device, args.warmup, args.iters)
                 row["moe8_tflops"] = flops / row["moe8_ms"] / 1e9
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
             except Exception as e:  # one failing kernel must not lose the other rows
                 row["moe8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if theirs is not None:
                 try:
-                    row["torch_ms"] = timed(theirs, device, args.warmup, args.iters)
+                    row["torch_ms"] = median_ms(theirs, device, args.warmup, args.iters)
                     row["torch_tflops"] = flops / row["torch_ms"] / 1e9
                 except Exception as e:
                     row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -42,24 +42,34 @@ def hf_block(H, I, E, K):
     return block
 
 
-def timed(fn, warmup=3, iters=10):
-    """Median ms of fn() over iters (CUDA events) and the peak extra memory (GiB) of one call."""
+def median_ms(fn, device, warmup=3, iters=10) -> float:
+    """Median milliseconds of fn() over iters after warmup calls (CUDA events on a GPU, else wall time)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def timed(fn, warmup=3, iters=10):
+    """Median ms of fn() over iters (CUDA events) and the peak extra memory (GiB) of one call."""
+    ms = median_ms(fn, torch.device("cuda"), warmup, iters)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def rel(a, b):
