@@ -84,8 +84,9 @@ def cases(a, w, dc, offsets, ends, E, kinds):
         mine = lambda: fp8.grouped_gemm_fp8(aq, a_scale, wq, w_scale, offsets, a.dtype)  # noqa: E731
         theirs = None
         if a.is_cuda and hasattr(torch, "_scaled_grouped_mm"):
-            ar, sa = fp8.quantize_rowwise(a)  # [R, K] e4m3, [R] fp32
+            ar, sa = fp8.quantize_rowwise(a)  # [R, K] e4m3 codes (uint8), [R] fp32
             wr, sw = fp8.quantize_rowwise(w)  # [E, N, K], [E, N]
+            ar, wr = ar.view(torch.float8_e4m3fn), wr.view(torch.float8_e4m3fn)  # the dtype torch checks for
             theirs = lambda: torch._scaled_grouped_mm(  # noqa: E731
                 ar, wr.transpose(1, 2), sa, sw, offs=ends, out_dtype=a.dtype, use_fast_accum=True
             )
@@ -109,10 +110,13 @@ def bench(shape, dims, routing, args, device, gen):
     ends = counts.cumsum(0).to(device, torch.int32)
     offsets = torch.cat([ends.new_zeros(1), ends])
     rows = []
+    # operands drawn on the device: the DeepSeek-V3 weights alone are 7.5G values (minutes on the CPU)
+    dgen = torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
     for proj, kd, n in (("gate_up", H, 2 * I), ("down", I, H)):
-        a = torch.randn(R, kd, generator=gen).to(device, torch.bfloat16)
-        w = (torch.randn(E, n, kd, generator=gen) * kd**-0.5).to(device, torch.bfloat16)
-        dc = torch.randn(R, n, generator=gen).to(device, torch.bfloat16)
+        bf16 = dict(device=device, dtype=torch.bfloat16, generator=dgen)
+        a = torch.randn(R, kd, **bf16)
+        w = torch.randn(E, n, kd, **bf16).mul_(kd**-0.5)
+        dc = torch.randn(R, n, **bf16)
         for kind, (mine, theirs, flops, ceil) in cases(a, w, dc, offsets, ends, E, args.kinds).items():
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())

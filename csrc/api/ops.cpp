@@ -162,7 +162,7 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
   check_ndim("row_to_slot", row_to_slot, 1);
   const int64_t need = plan_max_rows(slots, num_experts, pad_multiple);
   MOE8_CHECK(row_to_slot.size(0) >= need, "row_to_slot: expected at least ", need,
-             " rows (T*K + E*(pad_multiple-1)), got ", row_to_slot.size(0));
+             " rows (T*K + E*(pad_multiple-1), rounded up to a multiple of pad_multiple), got ", row_to_slot.size(0));
   if (check_indices) check_range("ids", ids, 0, num_experts, stream);
   if (on_cuda(ids, "build_dispatch_plan")) {
 #ifdef MOE8_WITH_CUDA

@@ -151,10 +151,36 @@ def apply_lora(
 
 
 # ------------------------------------------------------------------------------------------ PEFT adapters
-# PEFT's ParamWrapper (peft 0.17+) sees a 3-D parameter W [E, d1, d2] (as stored) as E experts with in d1
-# and out d2, and holds lora_A [E*r, d1] (expert-major rows) and lora_B [d2, r*E] (rank-major columns):
+# PEFT's ParamWrapper sees a 3-D parameter W [E, d1, d2] (as stored) as E experts; lora_A has expert-major
+# rows [E*r, in], lora_B rank-major columns [out, r*E]. Up to peft 0.18 in = d1, out = d2 for every layout:
 # W[e] + s * L[e]·R[e] with L[e] = lora_A.view(E, r, d1)[e]^T [d1, r], R[e] = lora_B.view(d2, r, E)[..., e]^T.
-# moe8 stores the same factors in the GEMM's terms: "nk" W[e] + s * B[e]·A[e], "kn" W[e] + s * A[e]·B[e].
+# From peft 0.19 on, a non-transposed W (transformers' [E, out, in], is_transposed False) has in = d2,
+# out = d1: L[e] = lora_B.view(d1, r, E)[..., e], R[e] = lora_A.view(E, r, d2)[e]. Files record the layout
+# in peft_version. moe8 stores the same factors in the GEMM's terms: "nk" W[e] + s * B[e]·A[e], "kn"
+# W[e] + s * A[e]·B[e].
+SWAPPED_SINCE = (0, 19)  # the first peft whose ParamWrapper swaps in and out for [E, out, in] weights
+LAYOUT_VERSION = "0.19.0"  # written as peft_version when PEFT is not installed: the layout of peft >= 0.19
+
+
+def _peft_version() -> str:
+    """The installed PEFT's version, or LAYOUT_VERSION without PEFT (the layout current PEFT reads)."""
+    try:
+        from importlib.metadata import version
+
+        return version("peft")
+    except Exception:
+        return LAYOUT_VERSION
+
+
+def _swapped(experts: nn.Module, peft_version: str) -> bool:
+    """Whether PEFT of this version stores the experts' LoRA with in and out swapped (see above)."""
+    try:
+        major_minor = tuple(int(x) for x in peft_version.split(".")[:2])
+    except ValueError:  # not "major.minor...": take the current layout
+        major_minor = SWAPPED_SINCE
+    return major_minor >= SWAPPED_SINCE and not experts.is_transposed
+
+
 def _factors(experts: nn.Module, param: str) -> tuple[Tensor, Tensor]:
     """(L [E, d1, r], R [E, r, d2]) with W[e] + s * L[e]·R[e], as moe8 parameters of the experts module."""
     name = param.removesuffix("_proj")
@@ -162,11 +188,18 @@ def _factors(experts: nn.Module, param: str) -> tuple[Tensor, Tensor]:
     return (A, B) if experts.is_transposed else (B, A)
 
 
-def _to_peft(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
+def _to_peft(L: Tensor, R: Tensor, swapped: bool) -> tuple[Tensor, Tensor]:
+    """(lora_A, lora_B) of PEFT's ParamWrapper for the factors (L, R) of _factors."""
+    if swapped:
+        return R.reshape(-1, R.shape[2]), L.permute(1, 2, 0).reshape(L.shape[1], -1)
     return L.transpose(1, 2).reshape(-1, L.shape[1]), R.permute(2, 1, 0).reshape(R.shape[2], -1)
 
 
-def _from_peft(lora_A: Tensor, lora_B: Tensor, E: int) -> tuple[Tensor, Tensor]:
+def _from_peft(lora_A: Tensor, lora_B: Tensor, E: int, swapped: bool) -> tuple[Tensor, Tensor]:
+    """The factors (L, R) of _factors from PEFT's (lora_A, lora_B); inverse of _to_peft."""
+    if swapped:
+        d1, d2 = lora_B.shape[0], lora_A.shape[1]
+        return lora_B.view(d1, -1, E).permute(2, 0, 1), lora_A.view(E, -1, d2)
     d1, d2 = lora_A.shape[1], lora_B.shape[0]
     return lora_A.view(E, -1, d1).transpose(1, 2), lora_B.view(d2, -1, E).permute(2, 1, 0)
 
@@ -199,8 +232,9 @@ def save_adapter(model: nn.Module, out_dir) -> None:
     base = _base(model)
     spec = _settings(base)
     tensors = {}
+    version = _peft_version()
     for prefix, m, param in _entries(base):
-        A, B = (m.lora_A, m.lora_B) if param is None else _to_peft(*_factors(m, param))
+        A, B = (m.lora_A, m.lora_B) if param is None else _to_peft(*_factors(m, param), _swapped(m, version))
         tensors[f"{prefix}.lora_A.weight"] = A.detach().contiguous().cpu()
         tensors[f"{prefix}.lora_B.weight"] = B.detach().contiguous().cpu()
     config = dict(
@@ -218,6 +252,7 @@ def save_adapter(model: nn.Module, out_dir) -> None:
         use_dora=False,
         init_lora_weights=True,
         inference_mode=True,
+        peft_version=version,  # the expert layout depends on it (see _swapped)
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,6 +292,7 @@ def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Mod
             f"r={base._moe8_lora['r']}, alpha={base._moe8_lora['alpha']}"
         )
     tensors = load_file(str(path / WEIGHTS))
+    version = config.get("peft_version") or "0.18.0"  # files without one predate the swap (see _swapped)
     used = set()
     with torch.no_grad():
         for prefix, m, param in _entries(base):
@@ -266,13 +302,14 @@ def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Mod
                 raise KeyError(f"moe8.lora.load_adapter: {path / WEIGHTS} lacks {missing}")
             A, B = (tensors[k] for k in keys)
             dst = (m.lora_A, m.lora_B) if param is None else _factors(m, param)
-            want = [t.shape for t in (dst if param is None else _to_peft(*dst))]
+            swapped = param is not None and _swapped(m, version)
+            want = [t.shape for t in (dst if param is None else _to_peft(*dst, swapped))]
             if [A.shape, B.shape] != want:
                 raise ValueError(
                     f"moe8.lora.load_adapter: {keys}: shapes {[tuple(A.shape), tuple(B.shape)]}, "
                     f"expected {[tuple(w) for w in want]}"
                 )
-            for d, src in zip(dst, (A, B) if param is None else _from_peft(A, B, dst[0].shape[0])):
+            for d, src in zip(dst, (A, B) if param is None else _from_peft(A, B, dst[0].shape[0], swapped)):
                 d.copy_(src)
             used.update(keys)
     extra = sorted(set(tensors) - used)

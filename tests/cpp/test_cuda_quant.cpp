@@ -552,8 +552,8 @@ TEST_F(Sm90Fp8Test, CapturedGraphFollowsDeviceOffsets) {
     Fp8Problem q = p;  // same data, new offsets
     q.off = offsets_of(counts);
     ASSERT_EQ(q.off.back(), p.off.back());
-    cuda_ok(cudaMemcpy(d.offs.get(), q.off.data(), q.off.size() * 4, cudaMemcpyHostToDevice), "offsets");
-    cuda_ok(cudaMemset(d.c.get(), 0xFF, p.R * p.N * 2), "poison");
+    cuda_ok(cudaMemcpyAsync(d.offs.get(), q.off.data(), q.off.size() * 4, cudaMemcpyHostToDevice, s), "offsets");
+    cuda_ok(cudaMemsetAsync(d.c.get(), 0xFF, p.R * p.N * 2, s), "poison");
     cuda_ok(cudaGraphLaunch(exec, s), "graph launch");
     cuda_ok(cudaStreamSynchronize(s), "graph sync");
     EXPECT_TRUE(check_fp8_gemm(q, d.download(), 0));

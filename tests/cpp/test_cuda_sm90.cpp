@@ -358,9 +358,10 @@ TEST_F(Sm90Test, CapturedGraphFollowsDeviceOffsets) {
     Problem q = p;  // same data, new offsets
     q.offsets = prefix(counts);
     ASSERT_EQ(q.offsets.back(), p.offsets.back());
-    cuda_ok(cudaMemcpy(d.offsets->get(), q.offsets.data(), q.offsets.size() * 4, cudaMemcpyHostToDevice), "offsets");
-    cuda_ok(cudaMemset(c->get(), 0xFF, p.R * p.N * 2), "poison");
-    cuda_ok(cudaMemset(db->get(), 0xFF, p.E * p.N * p.Kd * 2), "poison");
+    cuda_ok(cudaMemcpyAsync(d.offsets->get(), q.offsets.data(), q.offsets.size() * 4, cudaMemcpyHostToDevice, s),
+            "offsets");
+    cuda_ok(cudaMemsetAsync(c->get(), 0xFF, p.R * p.N * 2, s), "poison");
+    cuda_ok(cudaMemsetAsync(db->get(), 0xFF, p.E * p.N * p.Kd * 2, s), "poison");
     cuda_ok(cudaGraphLaunch(exec, s), "graph launch");
     cuda_ok(cudaStreamSynchronize(s), "graph sync");
     EXPECT_TRUE(check_forward(q, WeightLayout::kNK, download(*c, p.R * p.N), 0));

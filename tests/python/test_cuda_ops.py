@@ -112,7 +112,8 @@ def test_plan(case, skew):
     if skew:  # Zipf-like: low experts get most tokens, some experts none
         scores = scores * (1.0 / torch.arange(1, E + 1)) ** 2
     ids = scores.topk(K, dim=-1)[1].int()
-    R = T * K + E * (pad - 1)
+    R = _C.plan_max_rows(T * K, E, pad)
+    assert R >= T * K + E * (pad - 1) and R % pad == 0
     i32 = torch.int32
     specs = [((E,), i32), ((E + 1,), i32), ((R,), i32), ((T * K,), i32)]
 

@@ -87,7 +87,7 @@ def test_plan_errors():
             pad,
             i32(E) if counts is None else counts,
             i32(E + 1) if offsets is None else offsets,
-            i32(ids.numel() + E * (pad - 1)) if r2s is None else r2s,
+            i32(_C.plan_max_rows(ids.numel(), E, pad)) if r2s is None else r2s,
             i32(ids.numel()) if s2r is None else s2r,
             None,
             0,

@@ -2,6 +2,8 @@
 tiny models of every family against transformers' own implementation), no gradient (no wgrad) for frozen
 weights, apply_lora, save/load round trip, PEFT loading moe8's adapters and moe8 loading PEFT's, training."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8.lora needs tr
 from test_hf import build, rel, tokens, twin  # noqa: E402
 
 from moe8 import hf, layer, ops  # noqa: E402
+from moe8 import lora as lora_mod  # noqa: E402
 from moe8 import reference as ref  # noqa: E402
 from moe8.lora import LoraLinear, apply_lora, load_adapter, save_adapter  # noqa: E402
 
@@ -207,6 +210,38 @@ def test_save_load_round_trip(tmp_path):
     assert all(torch.equal(p, sd[n]) for n, p in other.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="r=8"):
         load_adapter(apply_lora(twin(plain, accelerate=False), r=8, alpha=8), tmp_path)
+
+
+@pytest.mark.parametrize("peft_version", ["0.18.0", "0.21.2"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_factors_in_each_peft_layout(peft_version, transposed):
+    """_to_peft writes the factors as that PEFT version's ParamWrapper reads them (its delta-weight einsum,
+    restated here: up to 0.18 "o r e, e r i -> e i o"; from 0.19 on "e o i" for non-transposed weights)
+    and _from_peft inverts it."""
+    E, r, d1, d2 = 3, 2, 5, 7
+    L, R = torch.randn(E, d1, r), torch.randn(E, r, d2)  # W[e] [d1, d2] + L[e]·R[e]
+    experts = torch.nn.Module()
+    experts.is_transposed = transposed
+    swapped = lora_mod._swapped(experts, peft_version)
+    assert swapped == (peft_version == "0.21.2" and not transposed)
+    A, B = lora_mod._to_peft(L, R, swapped)
+    A3, B3 = A.reshape(E, r, -1), B.reshape(B.shape[0], r, E)
+    delta = torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", B3, A3)
+    torch.testing.assert_close(delta, L @ R)
+    L2, R2 = lora_mod._from_peft(A, B, E, swapped)
+    assert torch.equal(L2, L) and torch.equal(R2, R)
+
+
+def test_adapter_in_the_old_peft_layout_loads(tmp_path, monkeypatch):
+    """A file from peft < 0.19 (no swap of in/out for [E, out, in] experts) loads to the same model."""
+    plain, model = lora_model("qwen3_moe")
+    monkeypatch.setattr(lora_mod, "_peft_version", lambda: "0.18.0")
+    save_adapter(model, tmp_path)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["peft_version"] == "0.18.0"
+    other = load_adapter(twin(plain, accelerate=False), tmp_path)
+    ids = tokens()
+    assert rel(logits(other, ids), logits(model, ids)) == 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
