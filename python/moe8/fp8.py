@@ -462,9 +462,14 @@ def _al_setup(ctx, inputs, output):
 def _al_bwd(ctx, g):
     h, w, offsets = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    a = ops.activation(h, *ctx.act) if need_w else None
-    da, dw = _linear_grads(a, w, offsets, g.contiguous(), ctx.layout, ctx.recipe, need_h, need_w)
-    dh = ops.activation_backward(h, da, *ctx.act) if need_h else None
+    g, dw, dh = g.contiguous(), None, None
+    if need_w:  # the recomputed activations are freed before d activations and d h exist
+        a = ops.activation(h, *ctx.act)
+        dw = _linear_grads(a, w, offsets, g, ctx.layout, ctx.recipe, False, True)[1]
+        del a
+    if need_h:
+        da = _linear_grads(None, w, offsets, g, ctx.layout, ctx.recipe, True, False)[0]
+        dh = ops.activation_backward(h, da, *ctx.act)
     return (dh, dw) + (None,) * 12
 
 

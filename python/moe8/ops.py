@@ -447,7 +447,6 @@ activation.register_autograd(_act_bwd, setup_context=_act_setup)
 
 
 # ------------------------------------------------------------------------ activation + grouped GEMM
-@torch.library.custom_op("moe8::activation_grouped_gemm", mutates_args=())
 def activation_grouped_gemm(
     h: Tensor,
     b: Tensor,
@@ -460,35 +459,55 @@ def activation_grouped_gemm(
     limit: float,
 ) -> Tensor:
     """grouped_gemm(activation(h), b, offsets, layout, bias) (the experts' down projection) whose backward
-    keeps h and recomputes activation(h) for the weight gradient, instead of keeping both: the [R, I]
-    activations are not held from the forward to the backward. Same kernels, so the same bits."""
-    return grouped_gemm(activation(h, kind, interleaved, alpha, limit), b, offsets, layout, bias)
+    keeps h and recomputes activation(h) for the weight gradient: the [R, I] activations are not held from
+    the forward to the backward. Same kernels, so the same bits. Two autograd nodes as in the unfused ops
+    (activation, then the GEMM, whose backward hands d activation to activation's), so the backward never
+    holds the recomputed activations, d activations and d h at once."""
+    a = activation(h, kind, interleaved, alpha, limit)
+    return _grouped_gemm_recompute(a, h, b, offsets, layout, bias, kind, interleaved, alpha, limit)
 
 
-@activation_grouped_gemm.register_fake
-def _(h, b, offsets, layout, bias, kind, interleaved, alpha, limit):
-    return h.new_empty(h.shape[0], b.shape[1] if layout == 0 else b.shape[2])
+@torch.library.custom_op("moe8::grouped_gemm_recompute", mutates_args=())
+def _grouped_gemm_recompute(
+    a: Tensor,
+    h: Tensor,
+    b: Tensor,
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    """grouped_gemm(a, b, ...) for a = activation(h, ...), saving h instead of a for the backward."""
+    return grouped_gemm(a, b, offsets, layout, bias)
 
 
-def _agg_setup(ctx, inputs, output):
-    h, b, offsets, layout, bias, *act = inputs
+@_grouped_gemm_recompute.register_fake
+def _(a, h, b, offsets, layout, bias, kind, interleaved, alpha, limit):
+    return a.new_empty(a.shape[0], b.shape[1] if layout == 0 else b.shape[2])
+
+
+def _ggr_setup(ctx, inputs, output):
+    a, h, b, offsets, layout, bias, *act = inputs
     ctx.layout, ctx.act = layout, act
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(h, b, offsets)
 
 
-def _agg_bwd(ctx, g):
+def _ggr_bwd(ctx, g):
     h, b, offsets = ctx.saved_tensors
     g = g.contiguous()
-    dh = db = dbias = None
-    if ctx.needs_input_grad[0]:
-        da = grouped_gemm(g, b, offsets, 1 - ctx.layout, None)
-        dh = activation_backward(h, da, *ctx.act)
-    if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[4]):
-        a = activation(h, *ctx.act)  # recomputed: not kept from the forward
+    da = db = dbias = None
+    if ctx.needs_input_grad[2] or (ctx.bias_dtype is not None and ctx.needs_input_grad[5]):
+        a = activation(h, *ctx.act)  # recomputed: not kept from the forward; freed before da exists
         db, dbias = grouped_gemm_wgrad(a, g, offsets, ctx.layout, b.shape[0], ctx.bias_dtype is not None)
         dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
-    return dh, db, None, None, dbias, None, None, None, None
+        del a
+    if ctx.needs_input_grad[0]:
+        da = grouped_gemm(g, b, offsets, 1 - ctx.layout, None)
+    return da, None, db, None, None, dbias, None, None, None, None
 
 
-activation_grouped_gemm.register_autograd(_agg_bwd, setup_context=_agg_setup)
+_grouped_gemm_recompute.register_autograd(_ggr_bwd, setup_context=_ggr_setup)

@@ -153,8 +153,9 @@ def test_opcheck():
         (moe8.ops.grouped_gemm, (torch.randn(24, 8), b, offsets, 0, None)),
         (moe8.ops.activation, (torch.randn(24, 12), 0, False, 1.702, 7.0)),
         (
-            moe8.ops.activation_grouped_gemm,
-            (torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, None) + (0, False, 1.702, 7.0),
+            moe8.ops._grouped_gemm_recompute,
+            (torch.randn(24, 6), torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, None)
+            + (0, False, 1.702, 7.0),
         ),
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
     ]:
@@ -193,18 +194,49 @@ def test_activation_gemm_is_activation_then_gemm_keeping_less(device, act, layou
     def run(fused):
         h, b = h0.clone().requires_grad_(), b0.clone().requires_grad_()
         c = c0.clone().requires_grad_() if bias else None
-        kept = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+        kept = {}  # storage -> elements: h is saved by both nodes of the fused op, one tensor
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (kept.setdefault(t.data_ptr(), t.numel()), t)[1], lambda t: t
+        ):
             if fused:
                 o = moe8.ops.activation_grouped_gemm(h, b, offsets, lay, c, kind, False, 1.702, 7.0)
             else:
                 a = moe8.ops.activation(h, kind, False, 1.702, 7.0)
                 o = moe8.ops.grouped_gemm(a, b, offsets, lay, c)
         grads = torch.autograd.grad(o, [h, b] + ([c] if bias else []), g)
-        return o, grads, sum(kept)
+        return o, grads, sum(kept.values())
 
     (o1, g1, kept1), (o2, g2, kept2) = run(True), run(False)
     assert torch.equal(o1, o2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
     assert kept2 - kept1 == R * I  # the activations [R, I]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_activation_gemm_backward_peak_is_no_higher():
+    """The recompute must not raise the backward's peak memory above the unfused ops' (it did when one node
+    held the recomputed activations, d activations and d h at once)."""
+    R, I, H, E = 8192, 512, 256, 4
+    offsets = torch.tensor([0, 3000, 3000, 6000, R], dtype=torch.int32, device="cuda")
+    kind = moe8.ops.ACTIVATIONS["swiglu"]
+    h0 = torch.randn(R, 2 * I, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+
+    def peak(fused):
+        h = h0.clone().requires_grad_()
+        if fused:
+            o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, False, 1.702, 7.0)
+        else:
+            o = moe8.ops.grouped_gemm(moe8.ops.activation(h, kind, False, 1.702, 7.0), b, offsets, 0, None)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        o.backward(g)
+        torch.cuda.synchronize()
+        b.grad = None
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(True), peak(False)  # warm the allocator and the workspaces
+    assert peak(True) <= peak(False)
