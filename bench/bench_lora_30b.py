@@ -114,9 +114,15 @@ def add_peft(model, args):
 
 
 def add_moe8(model, args):
+    import moe8
     from moe8.lora import apply_lora
 
-    return apply_lora(model, r=args.r, alpha=args.alpha, targets=(*ATTN, "experts"))
+    model = apply_lora(model, r=args.r, alpha=args.alpha, targets=(*ATTN, "experts"))
+    fuse = set(args.moe8_fuse.split(",")) - {"none"}
+    # as `moe8 finetune` runs it: routing, RMSNorms and RoPE fused too
+    return moe8.accelerate(
+        model, fuse_router="router" in fuse, fuse_norm="norm" in fuse, fuse_rope="rope" in fuse
+    )
 
 
 def child(args):
@@ -330,6 +336,7 @@ def summary(args, results):
             adapter_dtype=args.adapter_dtype,
             peft_adapter_dtype=args.peft_adapter_dtype,
             moe8_loss=args.moe8_loss,
+            moe8_fuse=args.moe8_fuse,
             ce_chunk=args.ce_chunk,
             gradient_checkpointing="non-reentrant",
             lr=args.lr,
@@ -445,6 +452,12 @@ def main():
         help="after the timed steps, profile one more step and print the N ops with the most self device time",
     )
     ap.add_argument(
+        "--moe8-fuse",
+        default="router,norm,rope",
+        help="what moe8 fuses besides the experts, comma-separated from router, norm, rope (default: all "
+        "three, as `moe8 finetune`), or none",
+    )
+    ap.add_argument(
         "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"
     )
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -464,6 +477,9 @@ def main():
     if args.only:
         child(args)  # its outcome is in its result file, errors included
         return 0
+    bad = sorted(set(args.moe8_fuse.split(",")) - {"router", "norm", "rope", "none"})
+    if bad:
+        raise SystemExit(f"--moe8-fuse: unknown {bad}, expected from router, norm, rope, or none")
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:

@@ -2,11 +2,14 @@
 # The GPU half of the test suite plus the benchmarks, for a machine with an NVIDIA GPU: builds libmoe8
 # with CUDA (kernels, CUTLASS sm_90a kernels when the headers are found, GoogleTest suite, Python extension)
 # in build/gpu, runs ctest and pytest (CUDA tests included), then the benchmarks. Logs and JSON go to $OUT
-# (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C only), bench (build _C, benchmarks) or all.
+# (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C
+# only), bench (build _C, benchmarks), lora (build _C, the 30B LoRA step with and without moe8's fusions) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
 # bench_hf_train.py, LORA30B=1 bench_lora_30b.py (moe8 bf16 adapters vs PEFT fp32, profiled).
+# PREBUILT=dir (not with STAGE=test): link dir/_C*.so, built elsewhere for this Python, instead of building
+# (a build runs when it does not import with CUDA). PYTEST_ARGS also runs pytest in the other stages.
 # GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
 # wheels in .carry/wheels (nanobind, CUTLASS, peft, pytest-xdist, ...) are installed into /tmp/moe8-site and
 # put on PYTHONPATH when present (see docs/gpu.md). PYTEST_TIMEOUT (default 400 s), PYTEST_WORKERS (default
@@ -27,6 +30,18 @@ export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
+if [ -n "${PREBUILT:-}" ] && [ "$STAGE" != test ]; then  # a _C built elsewhere for this Python (docs/gpu.md)
+  ln -sf "$PWD/$PREBUILT"/_C*.so python/moe8/
+  if $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)"; then
+    echo "prebuilt $PREBUILT: moe8 with CUDA"
+    [ "$STAGE" = build ] && exit 0
+    SKIP_BUILD=1
+  else
+    echo "prebuilt $PREBUILT unusable here: building"
+    rm -f python/moe8/_C*.so
+  fi
+fi
+if [ -z "${SKIP_BUILD:-}" ]; then
 echo "== build" | tee "$OUT/build.log"
 cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
   >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" --target _C >>"$OUT/build.log" 2>&1 || {
@@ -37,6 +52,7 @@ grep -E "moe8: (CUDA|CUTLASS)" "$OUT/build.log"
 ln -sf "$PWD"/build/gpu/_C*.so python/moe8/
 echo "build took $(($(date +%s) - t0)) s"
 [ "$STAGE" = build ] && exit 0
+fi
 
 if [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
   cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
@@ -45,7 +61,7 @@ if [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
   ctest --test-dir build/gpu -j 8 -E 'Speed' --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/ctest.log" | tail -12
 fi
-if [ "$STAGE" != bench ]; then
+if [ "$STAGE" = test ] || [ "$STAGE" = pytest ] || [ "$STAGE" = all ] || [ -n "${PYTEST_ARGS:-}" ]; then
   echo "== pytest"
   XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-6}")
   # shellcheck disable=SC2086
@@ -56,7 +72,7 @@ if [ "$STAGE" != bench ]; then
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   echo "== bench"
-  if cmake --build build/gpu -j "$JOBS" --target moe8_tests >>"$OUT/build.log" 2>&1; then
+  if [ -z "${SKIP_BUILD:-}" ] && cmake --build build/gpu -j "$JOBS" --target moe8_tests >>"$OUT/build.log" 2>&1; then
     build/gpu/moe8_tests --gtest_filter='*Speed*' >"$OUT/speed.log" 2>&1
     grep -E "TFLOP|^[a-z].*[0-9]$" "$OUT/speed.log" | head -30
   fi
@@ -74,5 +90,13 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
       --timeout 140 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
     tail -6 "$OUT/lora_30b.log"
   fi
+fi
+if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: all fusions, then moe8 without them (what they bring)
+  timeout 200 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
+    --timeout 150 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
+  tail -7 "$OUT/lora_30b.log"
+  timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 --moe8-fuse none \
+    --timeout 70 --json "$OUT/lora_30b_nofuse.json" >"$OUT/lora_30b_nofuse.log" 2>&1
+  grep -E "^moe8 " "$OUT/lora_30b_nofuse.log"
 fi
 echo "total $(($(date +%s) - t0)) s"

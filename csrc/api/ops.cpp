@@ -282,6 +282,25 @@ bool usable_workspace(const TensorView& ws, const TensorView& a, int64_t num_exp
   MOE8_CHECK(ws.numel() >= need, "workspace: expected at least ", need, " bytes, got ", ws.numel());
   return need > 0;
 }
+
+// Expert weights w [E, N, Kd] (kNK) or [E, Kd, N] (kKN) (N = -1: any) on ref's device, E >= 1, and their
+// offsets [E+1] int32 there too; returns E.
+int64_t check_expert_weights(const char* name, const TensorView& w, const TensorView& offsets, WeightLayout layout,
+                             int64_t N, int64_t Kd, const char* ref_name, const TensorView& ref) {
+  check_tensor(name, w, ref_name, ref);
+  check_ndim(name, w, 3);
+  const int64_t E = w.size(0);
+  if (layout == WeightLayout::kNK)
+    check_shape(name, w, {E, N, Kd});
+  else
+    check_shape(name, w, {E, Kd, N});
+  MOE8_CHECK(E >= 1, name, ": expected at least one expert (dim 0), got shape ", w.shape_str());
+  check_tensor("offsets", offsets, ref_name, ref);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_shape("offsets", offsets, {E + 1});
+  return E;
+}
+
 }  // namespace
 
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
@@ -289,18 +308,9 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
                   const TensorView& workspace) {
   check_float_matrix("a", a);
   const int64_t R = a.size(0), Kd = a.size(1);
-  check_tensor("b", b, "a", a);
+  const int64_t E = check_expert_weights("b", b, offsets, layout, -1, Kd, "a", a);
   check_same_dtype("b", b, "a", a);
-  check_ndim("b", b, 3);
-  const int64_t E = b.size(0), N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
-  if (layout == WeightLayout::kNK)
-    check_shape("b", b, {E, -1, Kd});
-  else
-    check_shape("b", b, {E, Kd, -1});
-  MOE8_CHECK(E >= 1, "b: expected at least one expert (dim 0), got shape ", b.shape_str());
-  check_tensor("offsets", offsets, "a", a);
-  check_dtype("offsets", offsets, {DType::kI32});
-  check_shape("offsets", offsets, {E + 1});
+  const int64_t N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
   check_optional("bias", bias, "a", a);
   if (bias.present) {
     check_dtype("bias", bias, {a.dtype, DType::kF32});
@@ -331,18 +341,8 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   check_same_dtype("dc", dc, "a", a);
   check_shape("dc", dc, {R, -1});
   const int64_t N = dc.size(1);
-  check_tensor("db", db, "a", a);
+  const int64_t E = check_expert_weights("db", db, offsets, layout, N, Kd, "a", a);
   check_dtype("db", db, {a.dtype, DType::kF32});
-  check_ndim("db", db, 3);
-  const int64_t E = db.size(0);
-  if (layout == WeightLayout::kNK)
-    check_shape("db", db, {E, N, Kd});
-  else
-    check_shape("db", db, {E, Kd, N});
-  MOE8_CHECK(E >= 1, "db: expected at least one expert (dim 0), got shape ", db.shape_str());
-  check_tensor("offsets", offsets, "a", a);
-  check_dtype("offsets", offsets, {DType::kI32});
-  check_shape("offsets", offsets, {E + 1});
   check_optional("dbias", dbias, "a", a);
   if (dbias.present) {
     check_same_dtype("dbias", dbias, "db", db);
@@ -384,6 +384,31 @@ void check_activation(const TensorView& h, const ActParams& p, const TensorView&
              static_cast<int>(p.kind));
 }
 }  // namespace
+
+void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                         WeightLayout layout, const TensorView& out, intptr_t stream, bool check_indices) {
+  check_float_matrix("h", h);
+  const int64_t R = h.size(0), N = h.size(1);
+  check_float_matrix("t", t);
+  check_tensor("t", t, "h", h);
+  check_same_dtype("t", t, "h", h);
+  const int64_t rank = t.size(1);
+  check_shape("t", t, {R, rank});
+  MOE8_CHECK(rank <= 1024, "t: expected a rank (dim 1) of at most 1024, got ", rank);
+  check_expert_weights("b", b, offsets, layout, N, rank, "h", h);
+  check_same_dtype("b", b, "h", h);
+  check_tensor("out", out, "h", h);
+  check_same_dtype("out", out, "h", h);
+  check_shape("out", out, {R, N});
+  if (check_indices) check_offsets(offsets, R, stream);
+  if (on_cuda(h, "grouped_lowrank_add")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::grouped_lowrank_add(h, t, b, offsets, layout, out, as_ptr(stream));
+#endif
+  } else {
+    cpu::grouped_lowrank_add(h, t, b, offsets, layout, out);
+  }
+}
 
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, intptr_t stream) {
   check_activation(h, p, out, "out");

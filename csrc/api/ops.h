@@ -55,10 +55,23 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
                         const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices = true,
                         const TensorView& workspace = TensorView{});
 
+// out = h + grouped_gemm(t, b, offsets, layout) in one pass over h (the expert LoRA's B projection added to the
+// base GEMM's output): h, out [R,N]; t [R,rank] (rank <= 1024); b [E,N,rank] (kNK) or [E,rank,N] (kKN); one float
+// dtype for all four. Rows in no group get h.
+void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                         WeightLayout layout, const TensorView& out, intptr_t stream, bool check_indices = true);
+
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, intptr_t stream);
 
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          intptr_t stream);
+
+// ---- rotary position embedding (api/rope.cpp), rotate_half form (Llama, Qwen); semantics: cpu/ops.h ----
+// x [B,H,S,D] (any strides, last dim contiguous; typically a [B,S,H,D] buffer seen through transpose(1, 2)),
+// cos, sin [B,S,D] or [1,S,D] contiguous, D even, one float dtype -> out [B,H,S,D] (last dim contiguous,
+// its own strides, no two elements at one address). backward: x is dy and out is dx.
+void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
+          intptr_t stream);
 
 // ---- FP8 e4m3 (api/quant.cpp). Quantised tensors are uint8 or float8_e4m3fn; scales float32. Semantics
 // and layouts: cpu/ops.h; conversion and NaN policy: core/fp8.h. CPU and CUDA results are bit-identical

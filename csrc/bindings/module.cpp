@@ -180,6 +180,13 @@ NB_MODULE(_C, m) {
       nb::arg("a"), nb::arg("dc"), nb::arg("offsets"), nb::arg("layout"), nb::arg("db"), nb::arg("dbias").none(),
       nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
+      "grouped_lowrank_add",
+      [](Array h, Array t, Array b, Array offsets, int layout, Array out, intptr_t stream, bool check_indices) {
+        moe8::api::grouped_lowrank_add(V(h), V(t), V(b), V(offsets), layout_of(layout), V(out), stream, check_indices);
+      },
+      nb::arg("h"), nb::arg("t"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("out"),
+      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+  m.def(
       "activation_forward",
       [](Array h, int kind, bool interleaved, float alpha, float limit, Array out, intptr_t stream) {
         moe8::api::activation_forward(V(h), act_params(kind, interleaved, alpha, limit), V(out), stream);
@@ -193,6 +200,12 @@ NB_MODULE(_C, m) {
       },
       nb::arg("h"), nb::arg("dout"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("dh"), nb::arg("stream") = 0);
+  m.def(
+      "rope",
+      [](Array x, Array cos, Array sin, Array out, bool backward, intptr_t stream) {
+        moe8::api::rope(V(x), V(cos), V(sin), V(out), backward, stream);
+      },
+      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("backward") = false, nb::arg("stream") = 0);
   // ---- FP8 e4m3: quantised tensors as uint8 or float8_e4m3fn, scales float32 (api/ops.h)
   m.def(
       "quantize_rows_1x128",

@@ -91,4 +91,29 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   });
 }
 
+void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                         WeightLayout layout, const TensorView& out) {
+  const int64_t R = h.size(0), N = h.size(1), rank = t.size(1);
+  const int E = static_cast<int>(b.size(0));
+  const int32_t* off = offsets.ptr<int32_t>();
+  MOE8_CPU_DISPATCH_FLOAT(h.dtype, "grouped_lowrank_add", [&] {
+    const scalar_t* H = h.ptr<scalar_t>();
+    const scalar_t* Tm = t.ptr<scalar_t>();
+    const scalar_t* B = b.ptr<scalar_t>();
+    scalar_t* O = out.ptr<scalar_t>();
+    parallel_for(R, 16, [&](int64_t r) {
+      int e = -1;  // the group holding row r
+      for (int g = 0; g < E && e < 0; ++g)
+        if (off[g] <= r && r < off[g + 1]) e = g;
+      const scalar_t* W = B + static_cast<int64_t>(e < 0 ? 0 : e) * N * rank;
+      for (int64_t n = 0; n < N; ++n) {
+        float s = 0.f;
+        for (int64_t k = 0; e >= 0 && k < rank; ++k)
+          s += to_f(Tm[r * rank + k]) * to_f(layout == WeightLayout::kNK ? W[n * rank + k] : W[k * N + n]);
+        O[r * N + n] = from_f<scalar_t>(to_f(H[r * N + n]) + s);
+      }
+    });
+  });
+}
+
 }  // namespace moe8::cpu

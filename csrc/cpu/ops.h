@@ -50,10 +50,21 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
                         const TensorView& db, const TensorView& dbias);
 
+// out[r] = h[r] + t[r] · op(b[e]) per group (rank sum in fp32, then added to h); rows in no group: h[r].
+void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                         WeightLayout layout, const TensorView& out);
+
 // h [R, 2I] (gated) or [R, I] -> out [R, I].
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out);
 // dout [R, I] -> dh (shape of h).
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh);
+
+// Rotary position embedding, rotate_half form (Llama, Qwen), with half = D/2:
+//   forward:  out = x cos + rotate_half(x) sin,    rotate_half(x) = [-x[half:], x[:half]]
+//   backward: out = x cos + rotate_half^T(x sin),  rotate_half^T(u) = [u[half:], -u[:half]]  (x is then dy)
+// x [B,H,S,D] and out [B,H,S,D] with any strides but a contiguous last dim (out's own strides), cos and sin
+// [B,S,D] or [1,S,D] (broadcast over batch) contiguous, all one float dtype; fp32 math, one rounding.
+void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward);
 
 // ---- FP8 e4m3 (stored as uint8; conversion, scale rule and NaN policy in core/fp8.h) ----------------
 // Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x / scale), so that

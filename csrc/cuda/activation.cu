@@ -15,16 +15,12 @@
 #include "cuda/activation.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/rowwise.cuh"
 
 namespace moe8::cuda {
 namespace {
 
-constexpr int kMaxThreads = 256;
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
+constexpr int kMaxThreads = kRowwiseThreads;
 
 // d: upstream gradient of the output -> dg, du (du is 0 when ungated).
 __device__ __forceinline__ void act_backward(const ActParams& p, float g, float u, float d, float& dg, float& du) {
@@ -167,26 +163,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   store_grads<T, V>(dh + r * lay.row_elems(), lay, i0, dg, du);
 }
 
-template <typename T>
-bool use_packs(int64_t I, std::initializer_list<const void*> ptrs) {
-  constexpr int V = 16 / sizeof(T);
-  if (I % V != 0) return false;
-  for (const void* q : ptrs)
-    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
-  return true;
-}
-
-// x: packs of a row (whole warps, at most kMaxThreads); y: rows filling the rest of kMaxThreads.
-struct Grid {
-  dim3 grid, block;
-};
-
-Grid grid_for(int64_t rows, int64_t packs) {
-  const int64_t tx = std::min<int64_t>(kMaxThreads, ceil_div(packs, 32) * 32), ty = kMaxThreads / tx;
-  return {dim3(static_cast<unsigned>(ceil_div(rows, ty)), static_cast<unsigned>(ceil_div(packs, tx))),
-          dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
-}
-
 }  // namespace
 
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, void* stream) {
@@ -198,10 +174,10 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
     using T = scalar_t;
     constexpr int V = 16 / sizeof(T);
     if (use_packs<T>(I, {h.data, out.data})) {
-      const Grid g = grid_for(rows, I / V);
+      const RowGrid g = row_grid(rows, I / V);
       activation_forward_kernel<T, V><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), p, lay, rows, out.ptr<T>());
     } else {
-      const Grid g = grid_for(rows, I);
+      const RowGrid g = row_grid(rows, I);
       activation_forward_kernel<T, 1><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), p, lay, rows, out.ptr<T>());
     }
     check_launch("activation_forward_kernel");
@@ -218,10 +194,10 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
     using T = scalar_t;
     constexpr int V = 16 / sizeof(T);
     if (use_packs<T>(I, {h.data, dout.data, dh.data})) {
-      const Grid g = grid_for(rows, I / V);
+      const RowGrid g = row_grid(rows, I / V);
       activation_backward_kernel<T, V><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), p, lay, rows, dh.ptr<T>());
     } else {
-      const Grid g = grid_for(rows, I);
+      const RowGrid g = row_grid(rows, I);
       activation_backward_kernel<T, 1><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), p, lay, rows, dh.ptr<T>());
     }
     check_launch("activation_backward_kernel");

@@ -56,11 +56,21 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
                         const TensorView& db, const TensorView& dbias, void* stream);
 
+// out[r] = h[r] + t[r] · op(b[e]) for offsets[e] <= r < offsets[e+1] (fp32 sum over the rank, added to h);
+// out[r] = h[r] for rows in no group. h, out [R,N]; t [R,rank]; b [E,N,rank] (kNK) or [E,rank,N] (kKN).
+void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                         WeightLayout layout, const TensorView& out, void* stream);
+
 // h [R, 2I] (gated) or [R, I] -> out [R, I].
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, void* stream);
 // dout [R, I] -> dh (shape of h).
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          void* stream);
+
+// Rotary position embedding (rotate_half form), forward or backward: x [B,H,S,D] and out [B,H,S,D] strided
+// with a contiguous last dim, cos / sin [B,S,D] or [1,S,D] contiguous; see cpu/ops.h.
+void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
+          void* stream);
 
 // int32 workspace elements build_dispatch_plan needs for num_slots = T*K slots.
 size_t plan_workspace_elems(int64_t num_slots, int num_experts);

@@ -13,6 +13,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/rowwise.cuh"
 
 namespace moe8::cuda {
 namespace {
@@ -21,11 +22,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kGradGroup = 4;  // slots whose dot products share one pass over dy[t]
 constexpr unsigned kFull = 0xffffffffu;
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> zero_pack() {
@@ -139,16 +135,6 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0 && k0 + u < K) d_weights[t * K + k0 + u] = r[u] >= 0 ? s : 0.f;
     }
   }
-}
-
-// 16-byte packs when every row starts 16-byte aligned.
-template <typename T>
-bool use_packs(int64_t H, std::initializer_list<const void*> ptrs) {
-  constexpr int V = 16 / sizeof(T);
-  if (H % V != 0) return false;
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
 }
 
 unsigned warps_grid(int64_t n) { return static_cast<unsigned>(ceil_div(n, kWarps)); }

@@ -20,6 +20,7 @@
 #include "cuda/activation.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/rowwise.cuh"
 
 namespace moe8::cuda {
 namespace {
@@ -361,15 +362,7 @@ __global__ void __launch_bounds__(kThreads)
     c[r * N + n] = from_float<T>(0.f);
     return;
   }
-  int lo = 0, hi = groups;  // the group e with offsets[e] <= r < offsets[e+1]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (offsets[mid] <= r)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  const int64_t e = lo, KB = quant_blocks(K), NB = quant_blocks(N);
+  const int64_t e = group_of_row(offsets, groups, r), KB = quant_blocks(K), NB = quant_blocks(N);
   const uint8_t* x = a + r * K;
   const uint8_t* w = b + (e * N + n) * K;
   float acc = 0.f;

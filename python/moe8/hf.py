@@ -32,16 +32,15 @@ _state = {
     "default": False,
     "deterministic": True,
     "fuse_router": False,
+    "fuse_norm": False,
     "fp8": None,  # FP8 recipe for the expert GEMMs (moe8.fp8), None: bf16
     "kwargs": {},
     "check": None,
     "post_init": None,
 }
 _switched = {}  # id(config) -> (weakref to the config, experts implementation to restore on disable())
-_fused = weakref.WeakSet()  # router modules that route with moe8.layer.route (they carry `_moe8_config`)
-_router_classes = (
-    set()
-)  # router classes whose forward is router_forward (their own is kept as `_moe8_forward`)
+_fused = weakref.WeakSet()  # routers and norms running moe8's forward (they carry `_moe8_config`)
+_patched_classes = set()  # router / norm classes whose forward is moe8's (their own kept as `_moe8_forward`)
 # the router class of each family (the MoE block's `gate`, GPT-OSS: `router`)
 ROUTERS = {
     "mixtral": "MixtralTopKRouter",
@@ -51,6 +50,20 @@ ROUTERS = {
     "deepseek_v3": "DeepseekV3TopkRouter",
     "gpt_oss": "GptOssTopKRouter",
 }
+# the RMSNorm class of each family: weight * x / rms(x), statistics in fp32 (GPT-OSS applies the weight in
+# fp32 before rounding, the others round x / rms(x) to the input dtype first)
+NORMS = {
+    "mixtral": "MixtralRMSNorm",
+    "qwen2_moe": "Qwen2MoeRMSNorm",
+    "qwen3_moe": "Qwen3MoeRMSNorm",
+    "olmoe": "OlmoeRMSNorm",
+    "deepseek_v3": "DeepseekV3RMSNorm",
+    "gpt_oss": "GptOssRMSNorm",
+}
+# families whose attention calls their modeling module's apply_rotary_pos_emb (rotate_half RoPE); DeepSeek-V3
+# (MLA, interleaved) and GPT-OSS have their own
+ROPE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_rope_patched = {}  # modeling module -> its own apply_rotary_pos_emb, while moe8's replaces it
 _noticed = set()
 
 
@@ -212,27 +225,61 @@ def router_forward(self, hidden_states):
     return logits, r.weights if mixtral else r.weights.to(logits.dtype), r.ids
 
 
-def _fuse_routers(model) -> None:
+def norm_forward(self, hidden_states):
+    """The forward of a family's RMSNorm class while norms are fused (fuse_norm=True): one fused kernel
+    (torch.nn.functional.rms_norm: fp32 statistics, the weight applied in fp32, one rounding) instead of
+    transformers' chain of elementwise passes, forward and backward. Norms of other models, and inputs whose
+    dtype is not the weight's, run their own forward."""
+    config = getattr(self, "_moe8_config", None)
+    if config is None or config._experts_implementation != NAME or hidden_states.dtype != self.weight.dtype:
+        return type(self)._moe8_forward(self, hidden_states)
+    return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+def _fuse(model, classes: dict, forward) -> None:
+    """Give every module of model whose class is classes[model_type] moe8's forward (patched on the class,
+    switched on per module by `_moe8_config`)."""
     config = model.config
-    name = ROUTERS.get(getattr(config, "model_type", None))
-    for block in model.modules():
-        router = getattr(block, "router", getattr(block, "gate", None))
-        cls = type(router)
-        if not hasattr(block, "experts") or cls.__name__ != name:
+    name = classes.get(getattr(config, "model_type", None))
+    for m in model.modules():
+        cls = type(m)
+        if cls.__name__ != name:
             continue
-        if cls not in _router_classes:
-            cls._moe8_forward, cls.forward = cls.forward, router_forward
-            _router_classes.add(cls)
-        router._moe8_config = (
-            config  # a plain attribute: not in state_dict; deepcopy and pickle keep it right
-        )
-        _fused.add(router)
+        if cls not in _patched_classes:
+            cls._moe8_forward, cls.forward = cls.forward, forward
+            _patched_classes.add(cls)
+        m._moe8_config = config  # a plain attribute: not in state_dict; deepcopy and pickle keep it right
+        _fused.add(m)
+
+
+def _fuse_routers(model) -> None:
+    _fuse(model, ROUTERS, router_forward)
+
+
+def _fuse_norms(model) -> None:
+    _fuse(model, NORMS, norm_forward)
+
+
+def _fuse_rope(families) -> None:
+    """Point the modeling modules of these families at moe8.ops.apply_rotary_pos_emb (one fused kernel per
+    tensor, forward and backward; process-wide: the attention code looks the function up by name)."""
+    import importlib
+
+    from moe8 import ops
+
+    for family in set(families) & set(ROPE_FAMILIES):
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        if mod not in _rope_patched:
+            _rope_patched[mod] = mod.apply_rotary_pos_emb
+            mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
 
 
 def _post_init(model, original) -> None:
     original(model)
     if _state["fuse_router"] and is_accelerated(model):
         _fuse_routers(model)
+    if _state["fuse_norm"] and is_accelerated(model):
+        _fuse_norms(model)
 
 
 def _config_supported(config) -> str | None:
@@ -293,7 +340,14 @@ def register():
     _state["kwargs"] = _layer_kwargs()
 
 
-def enable(families=None, deterministic: bool = True, fuse_router: bool = False, fp8=None):
+def enable(
+    families=None,
+    deterministic: bool = True,
+    fuse_router: bool = False,
+    fp8=None,
+    fuse_norm: bool = False,
+    fuse_rope: bool = False,
+):
     """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
     experts on moe8, unless it asks for another `experts_implementation` explicitly.
 
@@ -304,19 +358,40 @@ def enable(families=None, deterministic: bool = True, fuse_router: bool = False,
         module is still called and still returns its logits.
     fp8: None (bf16 experts) or an FP8 recipe for the expert GEMMs: "blockwise" (1x128 / 128x128 scales, the
         DeepSeek-V3 recipe), "rowwise" or "tensorwise" (see moe8.fp8). Experts with moe8 LoRA stay in bf16.
+    fuse_norm: run the model's RMSNorms as one fused kernel each (torch.nn.functional.rms_norm), forward and
+        backward. In 16-bit the output is rounded once, where transformers' Llama-style norm rounds twice.
+    fuse_rope: apply rotary position embeddings with one fused kernel per tensor (moe8.ops.rope), for the
+        families of ROPE_FAMILIES; process-wide, until disable(). Rounded once in 16-bit, like fuse_norm.
     """
     _set_fp8(fp8)
     families = _families(families)
-    _state.update(families=families, default=True, deterministic=deterministic, fuse_router=fuse_router)
+    _state.update(
+        families=families,
+        default=True,
+        deterministic=deterministic,
+        fuse_router=fuse_router,
+        fuse_norm=fuse_norm,
+    )
     register()
+    if fuse_rope:
+        _fuse_rope(families)
 
 
-def accelerate(model, families=None, fuse_router: bool = False, fp8=None):
+def accelerate(
+    model,
+    families=None,
+    fuse_router: bool = False,
+    fp8=None,
+    fuse_norm: bool = False,
+    fuse_rope: bool = False,
+):
     """Run the experts of an existing model on moe8 and return the model (switched in place).
 
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
     fuse_router: also route with moe8.layer.route (see enable).
+    fuse_norm: also run the RMSNorms as fused kernels (see enable).
+    fuse_rope: also apply rotary embeddings with a fused kernel (see enable; process-wide).
     fp8: an FP8 recipe for the expert GEMMs (see enable; process-wide, as enable's); "none" switches FP8 off;
         None leaves the current setting.
     """
@@ -345,6 +420,10 @@ def accelerate(model, families=None, fuse_router: bool = False, fp8=None):
     base.set_experts_implementation(NAME)
     if fuse_router:
         _fuse_routers(base)
+    if fuse_norm:
+        _fuse_norms(base)
+    if fuse_rope:
+        _fuse_rope([family])
     return model
 
 
@@ -364,18 +443,22 @@ def disable():
         if config is not None and config._experts_implementation == NAME:
             config._experts_implementation_internal = previous
     _switched.clear()
-    for router in list(_fused):
-        del router._moe8_config
+    for m in list(_fused):
+        del m._moe8_config
     _fused.clear()
-    for cls in _router_classes:
+    for cls in _patched_classes:
         cls.forward = cls._moe8_forward
         del cls._moe8_forward
-    _router_classes.clear()
+    _patched_classes.clear()
+    for mod, own in _rope_patched.items():
+        mod.apply_rotary_pos_emb = own
+    _rope_patched.clear()
     ExpertsInterface._global_mapping.pop(NAME, None)
     _state.update(
         families=frozenset(),
         default=False,
         fuse_router=False,
+        fuse_norm=False,
         fp8=None,
         kwargs={},
         check=None,
@@ -392,11 +475,14 @@ def is_accelerated(model) -> bool:
 
 __all__ = [
     "FAMILIES",
+    "NORMS",
+    "ROPE_FAMILIES",
     "accelerate",
     "disable",
     "enable",
     "experts_forward",
     "is_accelerated",
+    "norm_forward",
     "register",
     "router_forward",
 ]

@@ -83,13 +83,16 @@ def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
         )
 
 
-def _low_rank(x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA) -> Tensor:
-    """scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N]."""
+def _plus_low_rank(
+    c: Tensor, x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA
+) -> Tensor:
+    """c + scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N], added to c [R, N] as
+    the B projection runs (one pass over c)."""
     if lora.dropout:
         x = torch.nn.functional.dropout(x, lora.dropout)
     t = ops.grouped_gemm(x, A.to(x.dtype).contiguous(), offsets, lay, None)  # [R, r]
     t = lora.scaling * t  # scaling on the thin tensor
-    return ops.grouped_gemm(t, B.to(x.dtype).contiguous(), offsets, lay, None)
+    return ops.grouped_lowrank_add(c, t, B.to(x.dtype).contiguous(), offsets, lay)
 
 
 def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: str) -> tuple[int, int]:
@@ -174,14 +177,14 @@ def experts_forward(
     xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
     h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
     if lora is not None:
-        h = h + _low_rank(xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
+        h = _plus_low_rank(h, xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
     act_args = (act, bool(interleaved), float(alpha), float(limit))
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
         o = ops.activation_grouped_gemm(h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args)
     else:  # the LoRA branch keeps them anyway
         a = ops.activation(h, *act_args)  # [R, I]
         o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
-        o = o + _low_rank(a, lora.down_A, lora.down_B, offsets, lay, lora)
+        o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
 
 

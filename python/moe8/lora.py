@@ -52,8 +52,16 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)
-        d = F.linear(F.linear(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B)
-        return y + (self.scaling * d).to(y.dtype)
+        if self.lora_A.dtype != y.dtype:  # e.g. fp32 adapters on a bf16 model: the update is cast, then added
+            d = F.linear(F.linear(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B)
+            return y + (self.scaling * d).to(y.dtype)
+        # y + s * t·B^T in one GEMM whose epilogue adds y (no [.., out] passes for the scaling and the sum,
+        # forward or backward)
+        t = F.linear(self.lora_dropout(x), self.lora_A)  # [.., r]
+        out = torch.addmm(
+            y.reshape(-1, y.shape[-1]), t.reshape(-1, t.shape[-1]), self.lora_B.t(), alpha=self.scaling
+        )
+        return out.view(y.shape)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scaling={self.scaling}"

@@ -183,6 +183,39 @@ GEMM_CASES = [  # rows per expert (list), Kd, N
 ]
 
 
+LOWRANK_CASES = [  # rows per expert, rank, N (packs along N and along the rank, and not)
+    ([100, 0, 37, 300, 1], 16, 96),
+    ([5, 9], 7, 13),
+    ([0, 0, 0], 16, 32),
+    ([64] * 128, 16, 1536),
+    ([513, 2], 64, 2048),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("case", LOWRANK_CASES, ids=lambda c: f"E{len(c[0])}-r{c[1]}-N{c[2]}")
+def test_grouped_lowrank_add(dtype, layout, case):
+    counts, rank, N = case
+    E = len(counts)
+    off = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).int()
+    R = int(off[-1]) + 3  # rows past offsets[E] get h
+    g = torch.Generator().manual_seed(rank * N + E)
+    h, t = torch.randn(R, N, generator=g).to(dtype), torch.randn(R, rank, generator=g).to(dtype)
+    b = torch.randn(*((E, N, rank) if layout == 0 else (E, rank, N)), generator=g).to(dtype)
+    s = torch.cuda.current_stream().cuda_stream
+    cpu, gpu = run_both(
+        lambda dev, h, t, b, o, out: _C.grouped_lowrank_add(h, t, b, o, layout, out, s, True),
+        [((R, N), dtype)],
+        h,
+        t,
+        b,
+        off,
+    )
+    close(gpu[0], cpu[0], dtype, "grouped_lowrank_add")
+    assert torch.equal(gpu[0][int(off[-1]) :].cpu(), h[int(off[-1]) :])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: f"E{len(c[0])}-K{c[1]}-N{c[2]}")

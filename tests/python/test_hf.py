@@ -264,11 +264,78 @@ def test_fused_router_matches_transformers(family, calls):
     assert calls["route"] == 2 * len(routers)
 
 
+def norms_of(model):
+    return [m for m in model.modules() if type(m).__name__ == hf.NORMS[model.config.model_type]]
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_fused_norm_matches_transformers(family, calls):
+    """fuse_norm=True: every RMSNorm of the model runs as one fused kernel (F.rms_norm); outputs and every
+    gradient still match transformers, and disable() gives the norms their own forward back."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_norm=True)
+    norms = norms_of(acc)
+    assert len(norms) >= 2 * len(experts_modules(acc)) > 0
+    assert all(type(m).forward is hf.norm_forward and hasattr(m, "_moe8_config") for m in norms)
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    assert_same(out_r, grads_r, *run(acc, ids))
+    hf.disable()
+    assert not any(hasattr(m, "_moe8_config") or type(m).forward is hf.norm_forward for m in norms)
+    assert_same(out_r, grads_r, *run(acc, ids))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_norm_bf16_within_one_rounding(family):
+    """In bf16 the fused norm rounds once; transformers' Llama-style norm rounds x / rms(x) first. They may
+    differ by a rounding step (2^-8 relative), no more; GPT-OSS's norm already rounds once."""
+    torch.manual_seed(0)
+    model = build(family).to(torch.bfloat16)
+    norm = norms_of(model)[0]
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(64, norm.weight.shape[0], dtype=torch.bfloat16)
+    expected = norm(x)
+    hf.accelerate(model, fuse_norm=True)
+    got = norm(x)
+    assert got.dtype == expected.dtype
+    assert ((got.float() - expected.float()).abs() <= 2**-7 * expected.float().abs() + 1e-6).all()
+    if family == "gpt_oss":
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", hf.ROPE_FAMILIES)
+def test_fused_rope_matches_transformers(family, monkeypatch):
+    """fuse_rope=True: the family's attention applies rotary embeddings with moe8.ops.rope (process-wide,
+    through its modeling module's apply_rotary_pos_emb); outputs and gradients still match, and disable()
+    restores transformers' function."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    own = mod.apply_rotary_pos_emb
+    ref = build(family)
+    ref.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)  # before the switch: the switch is process-wide
+    calls = []
+    rope = moe8.ops.rope
+    monkeypatch.setattr(moe8.ops, "rope", lambda *a: calls.append(1) or rope(*a))
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_rope=True)
+    assert mod.apply_rotary_pos_emb is moe8.ops.apply_rotary_pos_emb
+    acc.train()
+    assert_same(out_r, grads_r, *run(acc, ids))
+    assert len(calls) >= 2 * ref.config.num_hidden_layers  # q and k of every layer
+    hf.disable()
+    assert mod.apply_rotary_pos_emb is own
+
+
 def test_enable_fuse_router(calls):
-    hf.enable(fuse_router=True)
+    hf.enable(fuse_router=True, fuse_norm=True, fuse_rope=True)
     model = build("deepseek_v3")
     model(input_ids=tokens())
     assert calls["route"] == calls["n"] == len(experts_modules(model))
+    assert all(type(m).forward is hf.norm_forward and hasattr(m, "_moe8_config") for m in norms_of(model))
     model.set_experts_implementation("grouped_mm")  # the fused routers follow the experts implementation
     model(input_ids=tokens())
     assert calls["route"] == calls["n"] == len(experts_modules(model))
@@ -277,9 +344,10 @@ def test_enable_fuse_router(calls):
 @fullgraph
 @pytest.mark.parametrize("family", hf.FAMILIES)
 def test_model_compile_fullgraph(family, calls):
-    """The base model of every family (experts and fused routers on moe8) compiles to one graph."""
+    """The base model of every family (experts, fused routers, norms and RoPE on moe8) compiles to one
+    graph."""
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True, fuse_norm=True, fuse_rope=True)
     ids = tokens()
     acc.model(
         input_ids=ids

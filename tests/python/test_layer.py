@@ -158,6 +158,10 @@ def test_opcheck():
             + (0, False, 1.702, 7.0),
         ),
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
+        (
+            moe8.ops.grouped_lowrank_add,
+            (torch.randn(24, 8), torch.randn(24, 2), torch.randn(4, 8, 2), offsets, 0),
+        ),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -175,6 +179,47 @@ def test_fp8_option_routes_to_the_fp8_experts():
     assert torch.equal(y, fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe="blockwise", cache=None))
     with pytest.raises(ValueError, match="fp8: FP8 experts with LoRA"):
         moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise", lora=object())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", [0, 1])
+def test_grouped_lowrank_add_is_add_of_the_gemm(device, layout):
+    """grouped_lowrank_add(h, t, b) == h + t·op(b[e]) per group (float64 reference), rows in no group keep
+    h, and its gradients are those of h + grouped_gemm(t, b)."""
+    torch.manual_seed(5)
+    R, N, r, E = 50, 24, 4, 3
+    offsets = torch.tensor([0, 11, 11, 45], dtype=torch.int32, device=device)  # rows 45.. in no group
+    h0 = torch.randn(R, N, device=device)
+    t0 = torch.randn(R, r, device=device)
+    b0 = torch.randn(*((E, N, r) if layout == 0 else (E, r, N)), device=device)
+    want = h0.double().clone()
+    for e in range(E):
+        rows = slice(int(offsets[e]), int(offsets[e + 1]))
+        be = b0[e].double().t() if layout == 0 else b0[e].double()
+        want[rows] += t0[rows].double() @ be
+    h, t, b = (x.clone().requires_grad_() for x in (h0, t0, b0))
+    out = moe8.ops.grouped_lowrank_add(h, t, b, offsets, layout)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert torch.equal(out[45:], h0[45:])
+    g = torch.randn(R, N, device=device)
+    got = torch.autograd.grad(out, [h, t, b], g)
+    h, t, b = (x.clone().requires_grad_() for x in (h0, t0, b0))
+    ref = h + moe8.ops.grouped_gemm(t, b, offsets, layout, None)
+    for x, y in zip(got, torch.autograd.grad(ref, [h, t, b], g)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_lowrank_add_errors():
+    h, t, b = torch.randn(8, 6), torch.randn(8, 2), torch.randn(2, 6, 2)
+    off = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"b: expected shape \[2, 6, 3\]"):
+        moe8.ops.grouped_lowrank_add(h, torch.randn(8, 3), b, off, 0)
+    with pytest.raises(ValueError, match="t: expected dtype"):
+        moe8.ops.grouped_lowrank_add(h, t.double(), b, off, 0)
+    with pytest.raises(ValueError, match="offsets"):
+        moe8.ops._C.grouped_lowrank_add(
+            h, t, b, torch.tensor([0, 9, 8], dtype=torch.int32), 0, h.clone(), 0, True
+        )
 
 
 @pytest.mark.parametrize("device", devices())
