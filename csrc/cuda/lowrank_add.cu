@@ -62,6 +62,68 @@ __global__ void __launch_bounds__(kRowwiseThreads)
   *reinterpret_cast<Pack<T, V>*>(out + r * N + n0) = o;
 }
 
+// kNK with 16-byte packs and rank <= kTiledMaxRank: the block's 32 * V columns of b[e] for the expert of
+// its first row are staged in shared memory, transposed to [rank, cols] (the [N, rank] rows would otherwise
+// be read 256 bytes apart by neighbouring threads), and its blockDim.y threads per column walk kTiledRows
+// rows; rows of another expert (at a group boundary) read b from global memory.
+constexpr int kTiledRows = 64, kTiledMaxRank = 32;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowwiseThreads)
+    lowrank_add_nk_tiled_kernel(const T* __restrict__ h, const T* __restrict__ t, const T* __restrict__ b,
+                                const int32_t* __restrict__ offsets, int E, int64_t rows, int64_t N, int rank,
+                                T* __restrict__ out) {
+  constexpr int kCols = 32 * V, kLd = kCols + 4;  // blockDim.x == 32; +4 keeps float4 reads aligned
+  extern __shared__ float smem[];
+  float* s_b = smem;               // [rank, kLd]: b[e0][c0 + n][k] at s_b[k * kLd + n]
+  float* s_t = smem + rank * kLd;  // [kTiledRows, rank]
+  const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = 32 * blockDim.y;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTiledRows, c0 = static_cast<int64_t>(blockIdx.y) * kCols;
+  const int e0 = group_of_row(offsets, E, r0);
+  if (e0 >= 0) {
+    const T* be = b + (static_cast<int64_t>(e0) * N + c0) * rank;
+    for (int i = tid; i < kCols * rank; i += nthreads) {
+      const int n = i / rank, k = i % rank;
+      s_b[k * kLd + n] = c0 + n < N ? to_float(be[i]) : 0.f;
+    }
+  }
+  for (int i = tid; i < kTiledRows * rank; i += nthreads) {
+    const int64_t r = r0 + i / rank;
+    s_t[i] = r < rows ? to_float(t[r0 * rank + i]) : 0.f;
+  }
+  __syncthreads();
+  const int n0 = threadIdx.x * V;
+  if (c0 + n0 >= N) return;
+  const int64_t end0 = e0 >= 0 ? offsets[e0 + 1] : -1;  // rows [r0, end0) belong to e0
+  for (int i = threadIdx.y; i < kTiledRows; i += blockDim.y) {
+    const int64_t r = r0 + i;
+    if (r >= rows) break;
+    const float* tr = s_t + i * rank;
+    float s[V] = {};
+    if (r < end0) {
+#pragma unroll 4
+      for (int k = 0; k < rank; ++k) {
+        const float* bk = s_b + k * kLd + n0;
+#pragma unroll
+        for (int j = 0; j < V; ++j) s[j] += tr[k] * bk[j];
+      }
+    } else {
+      const int e = group_of_row(offsets, E, r);
+      if (e >= 0) {
+        const T* be = b + (static_cast<int64_t>(e) * N + c0 + n0) * rank;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          for (int k = 0; k < rank; ++k) s[j] += tr[k] * to_float(be[j * rank + k]);
+      }
+    }
+    const Pack<T, V> hv = *reinterpret_cast<const Pack<T, V>*>(h + r * N + c0 + n0);
+    Pack<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(to_float(hv.v[j]) + s[j]);
+    *reinterpret_cast<Pack<T, V>*>(out + r * N + c0 + n0) = o;
+  }
+}
+
 template <typename T, int V, bool kKN, bool kPackRank>
 void launch(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets, int64_t N,
             int rank, const TensorView& out, cudaStream_t s) {
@@ -86,17 +148,25 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
   MOE8_DISPATCH_FLOAT(h.dtype, "grouped_lowrank_add: h", [&] {
     using T = scalar_t;
     constexpr int V = 16 / sizeof(T);
-    if (use_packs<T>(N, {h.data, out.data, b.data})) {  // N % V == 0: b's rows [.., N] start on packs too
+    if (!use_packs<T>(N, {h.data, out.data, b.data})) {  // packs need N % V == 0, b's rows too
       if (kn)
-        launch<T, V, true, false>(h, t, b, offsets, N, rank, out, s);
-      else if (rank % V == 0)
-        launch<T, V, false, true>(h, t, b, offsets, N, rank, out, s);
+        launch<T, 1, true, false>(h, t, b, offsets, N, rank, out, s);
       else
-        launch<T, V, false, false>(h, t, b, offsets, N, rank, out, s);
+        launch<T, 1, false, false>(h, t, b, offsets, N, rank, out, s);
     } else if (kn) {
-      launch<T, 1, true, false>(h, t, b, offsets, N, rank, out, s);
+      launch<T, V, true, false>(h, t, b, offsets, N, rank, out, s);
+    } else if (rank <= kTiledMaxRank) {
+      const dim3 block(32, kRowwiseThreads / 32),
+          grid(static_cast<unsigned>(ceil_div(rows, kTiledRows)), static_cast<unsigned>(ceil_div(N, 32 * V)));
+      const size_t smem = (static_cast<size_t>(rank) * (32 * V + 4) + kTiledRows * rank) * sizeof(float);
+      lowrank_add_nk_tiled_kernel<T, V><<<grid, block, smem, s>>>(h.ptr<T>(), t.ptr<T>(), b.ptr<T>(),
+                                                                  offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]),
+                                                                  rows, N, rank, out.ptr<T>());
+      check_launch("lowrank_add_nk_tiled_kernel");
+    } else if (rank % V == 0) {
+      launch<T, V, false, true>(h, t, b, offsets, N, rank, out, s);
     } else {
-      launch<T, 1, false, false>(h, t, b, offsets, N, rank, out, s);
+      launch<T, V, false, false>(h, t, b, offsets, N, rank, out, s);
     }
   });
 }
