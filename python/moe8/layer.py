@@ -83,16 +83,25 @@ def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
         )
 
 
+# Expert LoRA: add the B projection to the base GEMM's output in one pass (ops.grouped_lowrank_add) instead
+# of a grouped GEMM and an add. Off by default until its shared-memory kernel for [E, N, r] weights has
+# passed the GPU tests (written after the last GPU run: the first version, which did pass them, cost 1.2 ms
+# a call at the 30B LoRA shape); bench_lora_30b.py --moe8-fuse ...,lora_add measures it.
+FUSED_LORA_ADD = False
+
+
 def _plus_low_rank(
     c: Tensor, x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA
 ) -> Tensor:
-    """c + scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N], added to c [R, N] as
-    the B projection runs (one pass over c)."""
+    """c + scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N], added to c [R, N]."""
     if lora.dropout:
         x = torch.nn.functional.dropout(x, lora.dropout)
     t = ops.grouped_gemm(x, A.to(x.dtype).contiguous(), offsets, lay, None)  # [R, r]
     t = lora.scaling * t  # scaling on the thin tensor
-    return ops.grouped_lowrank_add(c, t, B.to(x.dtype).contiguous(), offsets, lay)
+    B = B.to(x.dtype).contiguous()
+    if FUSED_LORA_ADD:
+        return ops.grouped_lowrank_add(c, t, B, offsets, lay)
+    return c + ops.grouped_gemm(t, B, offsets, lay, None)
 
 
 def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: str) -> tuple[int, int]:

@@ -6,6 +6,7 @@ import torch
 from conftest import devices
 
 import moe8
+from moe8 import layer
 from moe8 import reference as ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -207,6 +208,30 @@ def test_grouped_lowrank_add_is_add_of_the_gemm(device, layout):
     ref = h + moe8.ops.grouped_gemm(t, b, offsets, layout, None)
     for x, y in zip(got, torch.autograd.grad(ref, [h, t, b], g)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_expert_lora_fused_add_matches(device, monkeypatch):
+    """layer.FUSED_LORA_ADD: the expert LoRA's B projection through grouped_lowrank_add gives the unfused
+    result (fp32), forward and every gradient."""
+    torch.manual_seed(6)
+    T, H, I, E, K, r = 40, 32, 24, 4, 2, 4
+    x0 = torch.randn(T, H, device=device)
+    gu, dn = torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    w = torch.rand(T, K, device=device)
+    factors = [torch.randn(*s, device=device) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+
+    def run(fused):
+        monkeypatch.setattr(layer, "FUSED_LORA_ADD", fused)
+        x = x0.clone().requires_grad_()
+        fs = [f.clone().requires_grad_() for f in factors]
+        lora = layer.ExpertLoRA(*fs, scaling=2.0)
+        y = moe8.experts_forward(x, ids, w, gu, dn, lora=lora)
+        return [y, *torch.autograd.grad(y.square().sum(), [x, *fs])]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_lowrank_add_errors():
