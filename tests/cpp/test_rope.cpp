@@ -2,6 +2,10 @@
 // formula written here, forward and backward, for x and out in transformers' strided layout (a [B,S,H,D]
 // buffer seen as [B,H,S,D]) or contiguous, cos / sin per batch row or broadcast; argument errors; and,
 // with the CUDA backend, the kernel against the CPU reference (skips without a GPU).
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "test_ref.h"
 
 #ifdef MOE8_WITH_CUDA
@@ -122,9 +126,18 @@ RopeRun run_cpu(const HostTensor& xflat, const HostTensor& cos, const HostTensor
   return ::testing::AssertionSuccess();
 }
 
-TEST(Rope, MatchesReference) {
-  uint64_t seed = 70;
-  for (const RopeCase& c : kCases)
+// One variant of a case: its inputs (fresh random data) and what the trace says about it.
+struct RopeVariant {
+  const RopeDims& d;
+  const Placement* pl;  // [2]: x, out
+  bool backward;
+  HostTensor x, cos, sin;
+};
+
+// Calls check(v) for every case x dtype x placement x direction, each under a SCOPED_TRACE naming it.
+template <typename Check>
+void for_each_variant(const std::vector<RopeCase>& cases, uint64_t seed, Check check) {
+  for (const RopeCase& c : cases)
     for (DType dt : kFloatTypes)
       for (const auto& pl : kPlacements)
         for (bool backward : {false, true}) {
@@ -135,10 +148,16 @@ TEST(Rope, MatchesReference) {
           Rng rng(++seed);
           HostTensor x = random_tensor(dt, {flat_elems(d, pl[0])}, rng, -2, 2);
           HostTensor cos = random_tensor(dt, {d.Bc, d.S, d.D}, rng), sin = random_tensor(dt, {d.Bc, d.S, d.D}, rng);
-          RopeRun r = run_cpu(x, cos, sin, d, pl[0], pl[1], backward);
-          EXPECT_TRUE(close_to(r.out, rope_ref(x, cos, sin, d, pl[0], backward), "out"));
-          EXPECT_TRUE(slack_untouched(r.out_flat, pl[1]));
+          check(RopeVariant{d, pl, backward, std::move(x), std::move(cos), std::move(sin)});
         }
+}
+
+TEST(Rope, MatchesReference) {
+  for_each_variant({std::begin(kCases), std::end(kCases)}, 70, [](const RopeVariant& v) {
+    RopeRun r = run_cpu(v.x, v.cos, v.sin, v.d, v.pl[0], v.pl[1], v.backward);
+    EXPECT_TRUE(close_to(r.out, rope_ref(v.x, v.cos, v.sin, v.d, v.pl[0], v.backward), "out"));
+    EXPECT_TRUE(slack_untouched(r.out_flat, v.pl[1]));
+  });
 }
 
 // Hand-checked values, so a shared misreading of the spec by test and reference would still show.
@@ -227,25 +246,14 @@ TEST_F(CudaTest, RopeMatchesCpu) {
   cases.push_back({"qwen3_30b_S2048_H32", {2, 2048, 32, 128, 1}});
   cases.push_back({"qwen3_30b_kv_S2048_H4", {2, 2048, 4, 128, 2}});
   cases.push_back({"olmoe_S4096_H16", {1, 4096, 16, 128, 1}});
-  uint64_t seed = 900;
-  for (const RopeCase& c : cases)
-    for (DType dt : kFloatTypes)
-      for (const auto& pl : kPlacements)
-        for (bool backward : {false, true}) {
-          SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + (pl[0].bshd ? " x:bshd" : " x:bhsd") + "+" +
-                       std::to_string(pl[0].offset) + (pl[1].bshd ? " out:bshd" : " out:bhsd") + "+" +
-                       std::to_string(pl[1].offset) + (backward ? " backward" : " forward"));
-          const RopeDims& d = c.d;
-          Rng rng(++seed);
-          HostTensor x = random_tensor(dt, {flat_elems(d, pl[0])}, rng, -2, 2);
-          HostTensor cos = random_tensor(dt, {d.Bc, d.S, d.D}, rng), sin = random_tensor(dt, {d.Bc, d.S, d.D}, rng);
-          RopeRun cpu = run_cpu(x, cos, sin, d, pl[0], pl[1], backward);
-          RopeRun gpu = run_gpu(x, cos, sin, d, pl[0], pl[1], backward);
-          EXPECT_TRUE(close_pair(gpu.out, cpu.out, rope_ref(x, cos, sin, d, pl[0], backward), "out"));
-          EXPECT_TRUE(slack_untouched(gpu.out_flat, pl[1]));
-          EXPECT_TRUE(gpu.out.bitwise_equal(run_gpu(x, cos, sin, d, pl[0], pl[1], backward).out))
-              << "two GPU runs differ";
-        }
+  for_each_variant(cases, 900, [](const RopeVariant& v) {
+    RopeRun cpu = run_cpu(v.x, v.cos, v.sin, v.d, v.pl[0], v.pl[1], v.backward);
+    RopeRun gpu = run_gpu(v.x, v.cos, v.sin, v.d, v.pl[0], v.pl[1], v.backward);
+    EXPECT_TRUE(close_pair(gpu.out, cpu.out, rope_ref(v.x, v.cos, v.sin, v.d, v.pl[0], v.backward), "out"));
+    EXPECT_TRUE(slack_untouched(gpu.out_flat, v.pl[1]));
+    EXPECT_TRUE(gpu.out.bitwise_equal(run_gpu(v.x, v.cos, v.sin, v.d, v.pl[0], v.pl[1], v.backward).out))
+        << "two GPU runs differ";
+  });
 }
 
 }  // namespace
