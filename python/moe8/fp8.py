@@ -561,6 +561,7 @@ def experts_forward_fp8(
     alpha: float = 1.702,
     limit: float = 7.0,
     cache: Optional[Fp8WeightCache] = default_cache,
+    check_ids: bool = True,
 ) -> Tensor:
     """moe8.experts_forward with both expert GEMMs in FP8 (same arguments, plus `recipe`).
 
@@ -573,7 +574,8 @@ def experts_forward_fp8(
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
     dtype = gate_up.dtype
     # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: pad the groups to 16
-    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, 16 if r.wgrad == "fp8" else 1)
+    pad = 16 if r.wgrad == "fp8" else 1
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weights, gate_up, down, gate_up_bias, down_bias)
     )

@@ -177,6 +177,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         **spec,
         **extra,
         **_state["kwargs"],
+        check_ids=False,  # the model's router picked them with a top-k over the experts: no device sync
     ).to(hidden_states.dtype)
 
 

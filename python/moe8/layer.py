@@ -124,11 +124,11 @@ def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: 
     return lay, act
 
 
-def dispatch_plan(x: Tensor, ids: Tensor, gate_up: Tensor, pad_multiple: int = 1):
+def dispatch_plan(x: Tensor, ids: Tensor, gate_up: Tensor, pad_multiple: int = 1, check_ids: bool = True):
     """x in the experts' dtype, top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot,
     slot_to_row)."""
     _, offsets, row_to_slot, slot_to_row = ops.plan(
-        ids.to(torch.int32).contiguous(), gate_up.shape[0], pad_multiple
+        ids.to(torch.int32).contiguous(), gate_up.shape[0], pad_multiple, check_ids
     )
     return x.to(gate_up.dtype).contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
 
@@ -149,6 +149,7 @@ def experts_forward(
     limit: float = 7.0,
     lora: Optional[ExpertLoRA] = None,
     fp8=None,
+    check_ids: bool = True,
 ) -> Tensor:
     """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
 
@@ -157,6 +158,8 @@ def experts_forward(
     lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
     fp8: None (bf16) or an FP8 recipe ("blockwise", "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe)
     for the forward expert GEMMs; see moe8.fp8.experts_forward_fp8.
+    check_ids: range-check ids on the device (a host sync on CUDA, which also keeps the call out of CUDA
+    graphs); pass False for ids from a top-k over the experts' scores, as the HF integration does.
     """
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
     if fp8 is not None:
@@ -178,11 +181,12 @@ def experts_forward(
             down_bias=down_bias,
             alpha=alpha,
             limit=limit,
+            check_ids=check_ids,
         )
     if lora is not None:
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
         _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
-    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up)
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, check_ids=check_ids)
     xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
     h = ops.grouped_gemm(xp, gate_up.contiguous(), offsets, lay, _bias(gate_up_bias))  # [R, 2I]
     if lora is not None:

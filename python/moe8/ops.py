@@ -207,8 +207,12 @@ route.register_autograd(_route_bwd, setup_context=_route_setup)
 
 # ----------------------------------------------------------------------------------------------- plan
 @torch.library.custom_op("moe8::plan", mutates_args=())
-def plan(ids: Tensor, num_experts: int, pad_multiple: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """ids [T, K] int32 -> counts [E], offsets [E+1], row_to_slot [R], slot_to_row [T*K] (all int32)."""
+def plan(
+    ids: Tensor, num_experts: int, pad_multiple: int, check_ids: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ids [T, K] int32 -> counts [E], offsets [E+1], row_to_slot [R], slot_to_row [T*K] (all int32).
+    check_ids: range-check the ids (one device sync on CUDA; also off with set_index_validation(False));
+    pass False for ids from a top-k over num_experts scores."""
     slots = ids.numel()
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
@@ -229,15 +233,17 @@ def plan(ids: Tensor, num_experts: int, pad_multiple: int) -> tuple[Tensor, Tens
         slot_to_row,
         workspace,
         _stream(ids),
-        _validate["indices"],
+        check_ids and _validate["indices"],
     )
     return counts, offsets, row_to_slot, slot_to_row
 
 
 @plan.register_fake
-def _(ids, num_experts, pad_multiple):
+def _(ids, num_experts, pad_multiple, check_ids=True):
     slots = ids.numel()
     rows = slots + num_experts * (pad_multiple - 1)
+    if pad_multiple > 1:  # as _C.plan_max_rows: R rounded up to the padding too
+        rows = (rows + pad_multiple - 1) // pad_multiple * pad_multiple
     i32 = dict(dtype=torch.int32)
     return (
         ids.new_empty(num_experts, **i32),

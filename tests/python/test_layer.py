@@ -234,6 +234,40 @@ def test_expert_lora_fused_add_matches(device, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_plan_check_ids(device):
+    """check_ids=False gives the same plan for valid ids (no range check, no device sync); the check itself
+    rejects ids out of range."""
+    ids = torch.randint(0, 6, (33, 2), dtype=torch.int32, device=device)
+    for a, b in zip(moe8.ops.plan(ids, 6, 16), moe8.ops.plan(ids, 6, 16, False)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"ids: expected values in \[0, 6\)"):
+        moe8.ops.plan(torch.full((3, 2), 6, dtype=torch.int32, device=device), 6, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_experts_forward_captures_in_a_cuda_graph():
+    """With check_ids=False (as the HF integration calls it) the experts forward never syncs with the host,
+    so it can be captured in a CUDA graph; the replay gives the eager result for new inputs."""
+    torch.manual_seed(7)
+    T, H, I, E, K = 64, 128, 64, 8, 2
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    gu, dn = torch.randn(E, 2 * I, H, **dev) * 0.05, torch.randn(E, H, I, **dev) * 0.05
+    x = torch.randn(T, H, **dev)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().cuda()
+    w = torch.rand(T, K, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):  # warm-up: workspaces and caches
+            moe8.experts_forward(x, ids, w, gu, dn, check_ids=False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = moe8.experts_forward(x, ids, w, gu, dn, check_ids=False)
+        x.copy_(torch.randn(T, H, **dev))
+        ids.copy_(torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int())
+        graph.replay()
+        assert torch.equal(y, moe8.experts_forward(x, ids, w, gu, dn))
+
+
 def test_grouped_lowrank_add_errors():
     h, t, b = torch.randn(8, 6), torch.randn(8, 2), torch.randn(2, 6, 2)
     off = torch.tensor([0, 4, 8], dtype=torch.int32)
