@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -70,6 +72,15 @@ struct TileLarge {
 struct TileLargeSolo {
   using Tile = Shape<_128, _256, _64>;
   using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// TileLarge with the CTAs paired along M instead (torch._grouped_mm's choice): the pair shares the weight
+// tile, 20% fewer operand bytes per k-step than pairing along N, at the cost of rounding each group's
+// M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1, bf16) until measured against TileLarge on a GPU.
+struct TileLargeM2 {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_2, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -123,6 +134,17 @@ using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::
 
 // Whether the GEMM's N spans an odd number of large tiles (then TileLargeSolo, see there).
 inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
+
+// MOE8_SM90_CLUSTER=2x1: the large bf16 tile pairs CTAs along M (TileLargeM2). Read at each call.
+template <class T>
+bool cluster_along_m() {
+  if constexpr (!std::is_same_v<T, cutlass::bfloat16_t>) {
+    return false;
+  } else {
+    const char* v = std::getenv("MOE8_SM90_CLUSTER");
+    return v != nullptr && std::strcmp(v, "2x1") == 0;
+  }
+}
 
 using sm90_util::stride_with_ld;
 
@@ -335,6 +357,10 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
   };
   take_max(cutlass::bfloat16_t{});
   take_max(cutlass::half_t{});
+  using B16 = cutlass::bfloat16_t;
+  cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<B16, TileLargeM2>>(num_experts, sms),
+                  cutlass_workspace_bytes<DgradGemm<B16, TileLargeM2>>(num_experts, sms),
+                  cutlass_workspace_bytes<WgradGemm<B16, TileLargeM2>>(num_experts, sms)});
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -374,15 +400,20 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
-    const bool solo = !small && odd_large_tiles(n);
-    if (layout == WeightLayout::kNK)
+    const bool along_m = !small && cluster_along_m<T>(), solo = !small && !along_m && odd_large_tiles(n);
+    if (layout == WeightLayout::kNK) {
+      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+        if (along_m) return launch(FwdGemm<T, TileLargeM2>{});
       small  ? launch(FwdGemm<T, TileSmall>{})
       : solo ? launch(FwdGemm<T, TileLargeSolo>{})
              : launch(FwdGemm<T, TileLarge>{});
-    else
+    } else {
+      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+        if (along_m) return launch(DgradGemm<T, TileLargeM2>{});
       small  ? launch(DgradGemm<T, TileSmall>{})
       : solo ? launch(DgradGemm<T, TileLargeSolo>{})
              : launch(DgradGemm<T, TileLarge>{});
+    }
   });
 }
 
@@ -407,6 +438,8 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
     using T = decltype(t);
+    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+      if (cluster_along_m<T>()) return launch(WgradGemm<T, TileLargeM2>{});  // pairs along the GEMM's M = n
     odd_large_tiles(kd) ? launch(WgradGemm<T, TileLargeSolo>{}) : launch(WgradGemm<T>{});  // the GEMM's N is kd
   });
 }

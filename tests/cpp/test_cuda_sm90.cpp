@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 #include "cuda/grouped_gemm_sm90.h"
@@ -279,8 +280,7 @@ std::vector<Case> cases() {
   };
 }
 
-TEST_F(Sm90Test, ForwardAndDgradMatchReference) {
-  uint64_t seed = 90000;
+void forward_and_dgrad_match_reference(uint64_t seed) {
   for (const Case& tc : cases()) {
     Problem p(tc.counts, tc.tail, tc.N, tc.Kd, ++seed);
     DeviceProblem d(p);
@@ -293,8 +293,7 @@ TEST_F(Sm90Test, ForwardAndDgradMatchReference) {
   }
 }
 
-TEST_F(Sm90Test, WgradMatchesReference) {
-  uint64_t seed = 91000;
+void wgrad_matches_reference(uint64_t seed) {
   for (const Case& tc : cases()) {
     Problem p(tc.counts, tc.tail, tc.N, tc.Kd, ++seed);
     DeviceProblem d(p);
@@ -305,6 +304,18 @@ TEST_F(Sm90Test, WgradMatchesReference) {
       EXPECT_TRUE(db == d.wgrad(swapped)) << "two runs differ";
     }
   }
+}
+
+TEST_F(Sm90Test, ForwardAndDgradMatchReference) { forward_and_dgrad_match_reference(90000); }
+
+TEST_F(Sm90Test, WgradMatchesReference) { wgrad_matches_reference(91000); }
+
+// MOE8_SM90_CLUSTER=2x1: the bf16 large tile with CTAs paired along M, every case again.
+TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
+  setenv("MOE8_SM90_CLUSTER", "2x1", 1);
+  forward_and_dgrad_match_reference(92000);
+  wgrad_matches_reference(93000);
+  unsetenv("MOE8_SM90_CLUSTER");
 }
 
 TEST_F(Sm90Test, Float16MatchesReference) {
