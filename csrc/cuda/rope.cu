@@ -12,17 +12,13 @@
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/rowwise.cuh"
 
 namespace moe8::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // then grid-stride
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 
 struct RopeShape {
   int64_t B, H, S, D;

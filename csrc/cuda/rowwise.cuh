@@ -1,4 +1,4 @@
-// rowwise.cuh — what the row-wise kernels share (activation, permute, lowrank_add, the portable FP8 GEMM):
+// rowwise.cuh — what the row-wise kernels share (activation, permute, rope, lowrank_add, the FP8 GEMM):
 // 16-byte packs of a row and when they can be used, the launch shape (a block is blockDim.y rows by
 // blockDim.x packs of V consecutive columns), and the expert group of a row.
 #pragma once
