@@ -277,16 +277,18 @@ def profile_step(step, rows):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     events = prof.key_averages()
+    cuda = torch.cuda.is_available()
 
-    def self_us(e):
-        for name in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
-            if getattr(e, name, None):
-                return getattr(e, name)
-        return 0.0
+    def self_us(e):  # device time on a GPU (kernels, copies; ops' CPU time would mix in otherwise), else CPU
+        if cuda:
+            return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0
+        return getattr(e, "self_cpu_time_total", 0.0) or 0.0
 
-    top = sorted(events, key=self_us, reverse=True)[:rows]
-    total = sum(self_us(e) for e in events) or 1.0
-    print(f"profile: {len(events)} ops, self time {total / 1e3:.1f} ms; top {rows}:", flush=True)
+    timed = [e for e in events if self_us(e) > 0]
+    top = sorted(timed, key=self_us, reverse=True)[:rows]
+    total = sum(self_us(e) for e in timed) or 1.0
+    what = "GPU time (kernels and copies)" if cuda else "CPU self time"
+    print(f"profile: {len(timed)} entries, {what} {total / 1e3:.1f} ms; top {rows}:", flush=True)
     out = []
     for e in top:
         out.append([e.key[:120], round(self_us(e) / 1e3, 3), e.count])
