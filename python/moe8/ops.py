@@ -397,14 +397,24 @@ def _gg_setup(ctx, inputs, output):
     ctx.save_for_backward(a, b, offsets)
 
 
+# The gradients of c = a · op(b[e]) + bias[e] (grouped_gemm), shared by the ops built on it.
+def _input_grad(g: Tensor, b: Tensor, offsets: Tensor, layout: int) -> Tensor:
+    return grouped_gemm(g, b, offsets, 1 - layout, None)
+
+
+def _weight_grads(a: Tensor, g: Tensor, b: Tensor, offsets: Tensor, layout: int, bias_dtype):
+    """(d b, d bias in bias_dtype, or None without a bias)."""
+    db, dbias = grouped_gemm_wgrad(a, g, offsets, layout, b.shape[0], bias_dtype is not None)
+    return db, (dbias.to(bias_dtype) if bias_dtype is not None else None)
+
+
 def _gg_bwd(ctx, g):
     a, b, offsets = ctx.saved_tensors
     g = g.contiguous()
-    da = grouped_gemm(g, b, offsets, 1 - ctx.layout, None) if ctx.needs_input_grad[0] else None
+    da = _input_grad(g, b, offsets, ctx.layout) if ctx.needs_input_grad[0] else None
     db = dbias = None
     if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[4]):
-        db, dbias = grouped_gemm_wgrad(a, g, offsets, ctx.layout, b.shape[0], ctx.bias_dtype is not None)
-        dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+        db, dbias = _weight_grads(a, g, b, offsets, ctx.layout, ctx.bias_dtype)
     return da, db, None, None, dbias
 
 
@@ -435,10 +445,8 @@ def _gla_setup(ctx, inputs, output):
 def _gla_bwd(ctx, g):
     t, b, offsets = ctx.saved_tensors
     g = g.contiguous()
-    dt = grouped_gemm(g, b, offsets, 1 - ctx.layout, None) if ctx.needs_input_grad[1] else None
-    db = None
-    if ctx.needs_input_grad[2]:
-        db = grouped_gemm_wgrad(t, g, offsets, ctx.layout, b.shape[0], False)[0]
+    dt = _input_grad(g, b, offsets, ctx.layout) if ctx.needs_input_grad[1] else None
+    db = _weight_grads(t, g, b, offsets, ctx.layout, None)[0] if ctx.needs_input_grad[2] else None
     return g if ctx.needs_input_grad[0] else None, dt, db, None, None
 
 
@@ -628,11 +636,10 @@ def _ggr_bwd(ctx, g):
     da = db = dbias = None
     if ctx.needs_input_grad[2] or (ctx.bias_dtype is not None and ctx.needs_input_grad[5]):
         a = activation(h, *ctx.act)  # recomputed: not kept from the forward; freed before da exists
-        db, dbias = grouped_gemm_wgrad(a, g, offsets, ctx.layout, b.shape[0], ctx.bias_dtype is not None)
-        dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+        db, dbias = _weight_grads(a, g, b, offsets, ctx.layout, ctx.bias_dtype)
         del a
     if ctx.needs_input_grad[0]:
-        da = grouped_gemm(g, b, offsets, 1 - ctx.layout, None)
+        da = _input_grad(g, b, offsets, ctx.layout)
     return da, None, db, None, None, dbias, None, None, None, None
 
 
