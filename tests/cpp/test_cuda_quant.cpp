@@ -586,33 +586,13 @@ TEST_F(Sm90Fp8Test, Speed) {
       {"mixtral down 8k rows", 8, 1024, 4096, 14336},
       {"deepseek-v3 gate_up, 32 local experts", 32, 256, 4096, 7168},
   };
-  auto time_ms = [](auto&& fn) {
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    for (int i = 0; i < 3; ++i) fn();
-    std::vector<float> ms;
-    for (int i = 0; i < 10; ++i) {
-      cudaEventRecord(e0);
-      fn();
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      ms.push_back(t);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    std::sort(ms.begin(), ms.end());
-    return static_cast<double>(ms[ms.size() / 2]);
-  };
   std::printf("\n%-28s %9s %9s %7s %12s   (TFLOP/s; quantize: 1x128 of the activation, GB/s)\n", "shape", "bf16", "fp8",
               "ratio", "quantize");
   for (const Shape& sh : shapes) {
     Fp8Problem p(std::vector<int>(sh.E, sh.rows_per_expert), 0, sh.N, sh.K, 800);
     DeviceFp8 d(p);
     const double flops = 2.0 * p.R * p.N * p.K;
-    const double fp8 = flops / (time_ms([&] { d.launch(nullptr); }) * 1e-3) / 1e12;
+    const double fp8 = flops / (median_ms([&] { d.launch(nullptr); }) * 1e-3) / 1e12;
     // bf16 reference kernel on the same shape (values irrelevant for timing).
     DeviceBuffer a16(p.R * p.K * 2), b16(p.E * p.N * p.K * 2), c16(p.R * p.N * 2);
     cuda_ok(cudaMemset(a16.get(), 0, p.R * p.K * 2), "zero");
@@ -625,13 +605,13 @@ TEST_F(Sm90Fp8Test, Speed) {
     const TensorView ov = make_view(d.offs.get(), DType::kI32, {p.E + 1}, DeviceType::kCUDA);
     const double bf16 =
         flops /
-        (time_ms([&] { cuda::grouped_gemm_sm90(av, bv, ov, WeightLayout::kNK, cv, w16.get(), ws16, nullptr); }) *
+        (median_ms([&] { cuda::grouped_gemm_sm90(av, bv, ov, WeightLayout::kNK, cv, w16.get(), ws16, nullptr); }) *
          1e-3) /
         1e12;
     // Quantisation of the bf16 activation [R, K] (reads 2 bytes, writes 1 + 4/128 per element).
     const TensorView qv = make_view(d.a.get(), DType::kU8, {p.R, p.K}, DeviceType::kCUDA);
     const TensorView sv = make_view(d.sa.get(), DType::kF32, {p.R, kb(p.K)}, DeviceType::kCUDA);
-    const double qms = time_ms([&] { cuda::quantize_rows_1x128(av, absent(), 1, qv, sv, nullptr); });
+    const double qms = median_ms([&] { cuda::quantize_rows_1x128(av, absent(), 1, qv, sv, nullptr); });
     const double gbs = p.R * p.K * (3.0 + 4.0 / 128) / (qms * 1e-3) / 1e9;
     cuda_ok(cudaDeviceSynchronize(), "speed");
     std::printf("%-28s %9.1f %9.1f %7.2f %12.0f\n", sh.name, bf16, fp8, fp8 / bf16, gbs);

@@ -413,26 +413,7 @@ TEST_F(Sm90Test, Speed) {
     DeviceProblem d(p);
     auto c = poisoned(p.R * p.N * 2);
     auto db = poisoned(int64_t(p.E) * p.N * p.Kd * 2);
-    auto time = [&](auto&& fn) {
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      for (int i = 0; i < 3; ++i) fn();
-      std::vector<float> ms;
-      for (int i = 0; i < 10; ++i) {
-        cudaEventRecord(e0);
-        fn();
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float t = 0;
-        cudaEventElapsedTime(&t, e0, e1);
-        ms.push_back(t);
-      }
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
-      std::sort(ms.begin(), ms.end());
-      return 2.0 * p.R * p.N * p.Kd / (ms[ms.size() / 2] * 1e-3) / 1e12;
-    };
+    auto time = [&](auto&& fn) { return 2.0 * p.R * p.N * p.Kd / (median_ms(fn) * 1e-3) / 1e12; };  // TFLOP/s
     auto cv = dview(*c, p.dt, {p.R, p.N});
     const double fwd = time([&] {
       cuda::grouped_gemm_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), WeightLayout::kNK, cv, d.ws->get(), d.ws_bytes,

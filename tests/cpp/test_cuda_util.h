@@ -5,8 +5,10 @@
 #ifdef MOE8_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <vector>
 
 #include "test_ref.h"
 
@@ -102,6 +104,29 @@ class Runner {
   std::vector<std::unique_ptr<DeviceBuffer>> bufs_;
   std::vector<std::pair<HostTensor*, void*>> outs_;
 };
+
+// Median milliseconds of fn() (launches on the default stream) over 10 runs after 3 warm-ups, CUDA events.
+template <typename Fn>
+double median_ms(Fn&& fn) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < 10; ++i) {
+    cudaEventRecord(e0);
+    fn();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(ms.begin(), ms.end());
+  return static_cast<double>(ms[ms.size() / 2]);
+}
 
 }  // namespace moe8::test
 #endif  // MOE8_WITH_CUDA
