@@ -73,26 +73,18 @@ using ScaleConfigWgrad =
 // 128x128 tile (cooperative); small: each consumer warpgroup owns a 64x128 tile and the two alternate
 // mainloop and epilogue (ping-pong), for experts with few rows. CTAs pair along N in a cluster so the
 // activation tile is multicast (N is a fixed model width, while pairing along the ragged M would waste).
-struct TileLarge {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _2, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+template <class Tile, class Cluster>
+using CooperativeTile =
+    TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+
+using TileLarge = CooperativeTile<Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
 // TileLarge without the cluster, for an odd number of 128-wide tiles along N (GPT-OSS: N = 2880 or 5760),
 // where the 1x2 cluster would round each group's tile grid up by an idle tile (as in grouped_gemm_sm90.cu).
-struct TileLargeSolo {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct TileSmall {
-  using Tile = Shape<_64, _128, _128>;
-  using Cluster = Shape<_1, _2, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+using TileLargeSolo = CooperativeTile<Shape<_128, _128, _128>, Shape<_1, _1, _1>>;
+using TileSmall = TileConfig<Shape<_64, _128, _128>, Shape<_1, _2, _1>,
+                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
 // Average rows per expert under which the small tile is used. Taken over from the bf16 kernel's H200
 // measurements (grouped_gemm_sm90.cu); to be re-measured for FP8.

@@ -60,36 +60,23 @@ using GroupShape = ProblemShape::UnderlyingProblemShape;
 // experts with few rows. Both pair CTAs along N in a cluster, so the A tile (activation rows) is
 // multicast to both; N is a fixed model width, so the cluster rounding rarely wastes a tile, while
 // pairing along the ragged M would.
-struct TileLarge {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_1, _2, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+using sm90_util::TileConfig;
+template <class Tile, class Cluster>
+using CooperativeTile = TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                   cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+
+using TileLarge = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _2, _1>>;
 // TileLarge without the cluster, for an odd number of 256-wide tiles along N: the scheduler rounds each
 // group's tile grid up to whole clusters, so a 1x2 cluster would leave one tile in four idle at N = 768
 // (Qwen3-30B-A3B's down-projection dgrad and wgrad, which ran at 0.66x torch._grouped_mm with the cluster).
-struct TileLargeSolo {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+using TileLargeSolo = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _1, _1>>;
 // TileLarge with the CTAs paired along M instead (torch._grouped_mm's choice): the pair shares the weight
 // tile, 20% fewer operand bytes per k-step than pairing along N, at the cost of rounding each group's
 // M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1, bf16) until measured against TileLarge on a GPU.
-struct TileLargeM2 {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct TileSmall {
-  using Tile = Shape<_64, _128, _64>;
-  using Cluster = Shape<_1, _2, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+using TileLargeM2 = CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
+using TileSmall =
+    TileConfig<Shape<_64, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc.
 // NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C

@@ -158,4 +158,14 @@ struct Carver {
   }
 };
 
+// A tile configuration of a CUTLASS sm_90a grouped GEMM: CTA tile (M, N, K), cluster, mainloop and
+// epilogue schedules (what GroupedGemm / Fp8Gemm read from it).
+template <class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueScheduleT>
+struct TileConfig {
+  using Tile = TileShape;
+  using Cluster = ClusterShape;
+  using KernelSchedule = MainloopSchedule;
+  using EpilogueSchedule = EpilogueScheduleT;
+};
+
 }  // namespace moe8::cuda::sm90_util
