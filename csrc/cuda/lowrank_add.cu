@@ -2,9 +2,10 @@
 // no group: the expert LoRA's B projection fused with the add into the base GEMM's output.
 //
 // Design. Memory-bound: one read of h, one write of out (a grouped GEMM would write t·b[e] [R, N] and an
-// add read it back). The rank (16 for LoRA) is small: each row's t is staged in shared memory, and b[e]
-// ([N, rank] or [rank, N], N * rank elements per expert) is read through L1, shared by the block's rows.
-// Each thread computes V consecutive outputs of one row (16-byte packs when N and the pointers allow).
+// add read it back). The rank (16 for LoRA) is small. [E, N, rank] weights with rank <= 32 (the expert
+// LoRA's B as HF stores it): lowrank_add_nk_reg_kernel keeps b's columns in registers along a warp's run of
+// rows. Otherwise (and for rows without 16-byte packs) each row's t is staged in shared memory and b[e]
+// is read through L1, shared by the block's rows; each thread computes V consecutive outputs of one row.
 // The sum over the rank is formed first and added to h, in the CPU reference's order.
 #include <cstdint>
 
@@ -62,66 +63,89 @@ __global__ void __launch_bounds__(kRowwiseThreads)
   *reinterpret_cast<Pack<T, V>*>(out + r * N + n0) = o;
 }
 
-// kNK with 16-byte packs and rank <= kTiledMaxRank: the block's 32 * V columns of b[e] for the expert of
-// its first row are staged in shared memory, transposed to [rank, cols] (the [N, rank] rows would otherwise
-// be read 256 bytes apart by neighbouring threads), and its blockDim.y threads per column walk kTiledRows
-// rows; rows of another expert (at a group boundary) read b from global memory.
-constexpr int kTiledRows = 64, kTiledMaxRank = 32;
+// kNK, rank <= 32: each warp owns 32 * kRegCols columns over a run of kWarpRows rows. b[e] for a thread's
+// kRegCols columns is held in registers (fp32, the rank padded with zeros to kRank) and reloaded only when
+// the expert changes along the run; the run's t is staged in shared memory (fp32) and read as broadcasts.
+// kUnroll rows' h are loaded before any is used (memory-level parallelism), so a row costs one read of h
+// and one write of out. (The [N, rank] rows, read 2 * rank bytes apart by neighbouring threads, made the
+// row-parallel kernel above 7x slower than its memory traffic at the Qwen3-30B expert shapes.)
+constexpr int kRegCols = 4, kWarpRows = 64, kRegWarps = 4, kUnroll = 8, kRegMaxRank = 32;
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowwiseThreads)
-    lowrank_add_nk_tiled_kernel(const T* __restrict__ h, const T* __restrict__ t, const T* __restrict__ b,
-                                const int32_t* __restrict__ offsets, int E, int64_t rows, int64_t N, int rank,
-                                T* __restrict__ out) {
-  constexpr int kCols = 32 * V, kLd = kCols + 4;  // blockDim.x == 32; +4 keeps float4 reads aligned
-  extern __shared__ float smem[];
-  float* s_b = smem;               // [rank, kLd]: b[e0][c0 + n][k] at s_b[k * kLd + n]
-  float* s_t = smem + rank * kLd;  // [kTiledRows, rank]
-  const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = 32 * blockDim.y;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTiledRows, c0 = static_cast<int64_t>(blockIdx.y) * kCols;
-  const int e0 = group_of_row(offsets, E, r0);
-  if (e0 >= 0) {
-    const T* be = b + (static_cast<int64_t>(e0) * N + c0) * rank;
-    for (int i = tid; i < kCols * rank; i += nthreads) {
-      const int n = i / rank, k = i % rank;
-      s_b[k * kLd + n] = c0 + n < N ? to_float(be[i]) : 0.f;
+template <typename T, int kRank>
+__global__ void __launch_bounds__(32 * kRegWarps, kRank <= 16 ? 4 : 2)
+    lowrank_add_nk_reg_kernel(const T* __restrict__ h, const T* __restrict__ t, const T* __restrict__ b,
+                              const int32_t* __restrict__ offsets, int E, int64_t rows, int64_t N, int rank,
+                              T* __restrict__ out) {
+  extern __shared__ float4 smem4[];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r_begin = (static_cast<int64_t>(blockIdx.x) * kRegWarps + warp) * kWarpRows;
+  if (r_begin >= rows) return;
+  const int nrows = static_cast<int>(min(rows - r_begin, static_cast<int64_t>(kWarpRows)));
+  float* s_t = reinterpret_cast<float*>(smem4) + warp * kWarpRows * kRank;  // [kWarpRows, kRank]
+  for (int i = lane; i < kWarpRows * kRank; i += 32) {
+    const int row = i / kRank, k = i % kRank;
+    s_t[i] = row < nrows && k < rank ? to_float(t[(r_begin + row) * rank + k]) : 0.f;
+  }
+  __syncwarp();
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.y) * 32 + lane) * kRegCols;
+  const bool col_ok = n0 < N;
+  using P = Pack<T, kRegCols>;
+  float bw[kRegCols][kRank];
+  int e = -1;
+  int64_t next = -1;  // the first row past the rows that bw is for (warp-uniform)
+  for (int u0 = 0; u0 < nrows; u0 += kUnroll) {
+    P hv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (col_ok && u0 + u < nrows) hv[u] = *reinterpret_cast<const P*>(h + (r_begin + u0 + u) * N + n0);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = u0 + u;
+      if (i >= nrows) break;
+      const int64_t r = r_begin + i;
+      if (r >= next) {  // a new expert (or the rows before/after every group): reload b's columns
+        e = group_of_row(offsets, E, r);
+        next = e >= 0 ? offsets[e + 1] : (r < offsets[0] ? offsets[0] : rows);
+        const T* be = b + (static_cast<int64_t>(e >= 0 ? e : 0) * N + n0) * rank;
+#pragma unroll
+        for (int j = 0; j < kRegCols; ++j)
+#pragma unroll
+          for (int k = 0; k < kRank; ++k)
+            bw[j][k] = e >= 0 && col_ok && k < rank ? to_float(be[j * rank + k]) : 0.f;
+      }
+      if (!col_ok) continue;
+      float s[kRegCols] = {};
+      const float4* tr = reinterpret_cast<const float4*>(s_t + i * kRank);
+#pragma unroll
+      for (int k4 = 0; k4 < kRank / 4; ++k4) {
+        const float4 tk = tr[k4];
+#pragma unroll
+        for (int j = 0; j < kRegCols; ++j) {
+          s[j] += tk.x * bw[j][4 * k4];
+          s[j] += tk.y * bw[j][4 * k4 + 1];
+          s[j] += tk.z * bw[j][4 * k4 + 2];
+          s[j] += tk.w * bw[j][4 * k4 + 3];
+        }
+      }
+      P o;
+#pragma unroll
+      for (int j = 0; j < kRegCols; ++j) o.v[j] = from_float<T>(to_float(hv[u].v[j]) + s[j]);
+      *reinterpret_cast<P*>(out + r * N + n0) = o;
     }
   }
-  for (int i = tid; i < kTiledRows * rank; i += nthreads) {
-    const int64_t r = r0 + i / rank;
-    s_t[i] = r < rows ? to_float(t[r0 * rank + i]) : 0.f;
-  }
-  __syncthreads();
-  const int n0 = threadIdx.x * V;
-  if (c0 + n0 >= N) return;
-  const int64_t end0 = e0 >= 0 ? offsets[e0 + 1] : -1;  // rows [r0, end0) belong to e0
-  for (int i = threadIdx.y; i < kTiledRows; i += blockDim.y) {
-    const int64_t r = r0 + i;
-    if (r >= rows) break;
-    const float* tr = s_t + i * rank;
-    float s[V] = {};
-    if (r < end0) {
-#pragma unroll 4
-      for (int k = 0; k < rank; ++k) {
-        const float* bk = s_b + k * kLd + n0;
-#pragma unroll
-        for (int j = 0; j < V; ++j) s[j] += tr[k] * bk[j];
-      }
-    } else {
-      const int e = group_of_row(offsets, E, r);
-      if (e >= 0) {
-        const T* be = b + (static_cast<int64_t>(e) * N + c0 + n0) * rank;
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-          for (int k = 0; k < rank; ++k) s[j] += tr[k] * to_float(be[j * rank + k]);
-      }
-    }
-    const Pack<T, V> hv = *reinterpret_cast<const Pack<T, V>*>(h + r * N + c0 + n0);
-    Pack<T, V> o;
-#pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(to_float(hv.v[j]) + s[j]);
-    *reinterpret_cast<Pack<T, V>*>(out + r * N + c0 + n0) = o;
-  }
+}
+
+template <typename T, int kRank>
+void launch_nk_reg(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
+                   int64_t N, int rank, const TensorView& out, cudaStream_t s) {
+  const int64_t rows = h.shape[0];
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, int64_t{kRegWarps} * kWarpRows)),
+                  static_cast<unsigned>(ceil_div(N, int64_t{32} * kRegCols)));
+  const size_t smem = static_cast<size_t>(kRegWarps) * kWarpRows * kRank * sizeof(float);
+  lowrank_add_nk_reg_kernel<T, kRank><<<grid, 32 * kRegWarps, smem, s>>>(
+      h.ptr<T>(), t.ptr<T>(), b.ptr<T>(), offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]), rows, N, rank,
+      out.ptr<T>());
+  check_launch("lowrank_add_nk_reg_kernel");
 }
 
 template <typename T, int V, bool kKN, bool kPackRank>
@@ -155,14 +179,11 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
         launch<T, 1, false, false>(h, t, b, offsets, N, rank, out, s);
     } else if (kn) {
       launch<T, V, true, false>(h, t, b, offsets, N, rank, out, s);
-    } else if (rank <= kTiledMaxRank) {
-      const dim3 block(32, kRowwiseThreads / 32),
-          grid(static_cast<unsigned>(ceil_div(rows, kTiledRows)), static_cast<unsigned>(ceil_div(N, 32 * V)));
-      const size_t smem = (static_cast<size_t>(rank) * (32 * V + 4) + kTiledRows * rank) * sizeof(float);
-      lowrank_add_nk_tiled_kernel<T, V><<<grid, block, smem, s>>>(h.ptr<T>(), t.ptr<T>(), b.ptr<T>(),
-                                                                  offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]),
-                                                                  rows, N, rank, out.ptr<T>());
-      check_launch("lowrank_add_nk_tiled_kernel");
+    } else if (rank <= kRegMaxRank) {
+      if (rank <= 16)
+        launch_nk_reg<T, 16>(h, t, b, offsets, N, rank, out, s);
+      else
+        launch_nk_reg<T, kRegMaxRank>(h, t, b, offsets, N, rank, out, s);
     } else if (rank % V == 0) {
       launch<T, V, false, true>(h, t, b, offsets, N, rank, out, s);
     } else {

@@ -189,6 +189,9 @@ LOWRANK_CASES = [  # rows per expert, rank, N (packs along N and along the rank,
     ([0, 0, 0], 16, 32),
     ([64] * 128, 16, 1536),
     ([513, 2], 64, 2048),
+    ([1000, 24, 0, 700], 32, 200),  # [E, N, r] through registers: rank 17..32, N past the last 128 columns
+    ([300, 0, 5, 61], 20, 520),
+    ([3, 130, 1], 5, 64),
 ]
 
 
