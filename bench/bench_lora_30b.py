@@ -285,6 +285,10 @@ def profile_step(step, rows):
         return getattr(e, "self_cpu_time_total", 0.0) or 0.0
 
     timed = [e for e in events if self_us(e) > 0]
+    if cuda:  # kernels and copies only: an op's self device time is its kernels' again
+        from torch.autograd import DeviceType
+
+        timed = [e for e in timed if getattr(e, "device_type", None) == DeviceType.CUDA] or timed
     top = sorted(timed, key=self_us, reverse=True)[:rows]
     total = sum(self_us(e) for e in timed) or 1.0
     what = "GPU time (kernels and copies)" if cuda else "CPU self time"

@@ -94,10 +94,12 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: every fusion (FUSE), then moe8 with the default ones
   FUSE=${FUSE:-router,norm,rope,lora_add}
-  timeout 200 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
-    --moe8-fuse "$FUSE" --timeout 150 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
+  timeout 60 $PY bench/bench_lowrank.py --ranks 16,32 --json "$OUT/lowrank.json" >"$OUT/lowrank.log" 2>&1
+  cat "$OUT/lowrank.log"
+  timeout 220 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
+    --steps 5 --moe8-fuse "$FUSE" --timeout 170 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
   tail -7 "$OUT/lora_30b.log"
-  timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 \
+  timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 --steps 5 \
     --timeout 70 --json "$OUT/lora_30b_default.json" >"$OUT/lora_30b_default.log" 2>&1
   grep -E "^moe8 " "$OUT/lora_30b_default.log"
 fi
