@@ -74,6 +74,11 @@ using TileLargeSolo = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _1, _1>>
 // tile, 20% fewer operand bytes per k-step than pairing along N, at the cost of rounding each group's
 // M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1, bf16) until measured against TileLarge on a GPU.
 using TileLargeM2 = CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
+// For a GEMM with a rank-sized N (the expert LoRA's A projection x·A[e] and its input gradient dt·A[e],
+// N = r <= 32): a 256-wide tile would compute 16 columns for each one kept, so these memory-bound GEMMs
+// ran at ~1/3 of their bytes' time at the Qwen3-30B LoRA shapes. bf16 only.
+using TileThin = CooperativeTile<Shape<_128, _32, _128>, Shape<_1, _1, _1>>;
+constexpr int64_t kThinN = 32;
 using TileSmall =
     TileConfig<Shape<_64, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
@@ -347,7 +352,10 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
   using B16 = cutlass::bfloat16_t;
   cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<B16, TileLargeM2>>(num_experts, sms),
                   cutlass_workspace_bytes<DgradGemm<B16, TileLargeM2>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TileLargeM2>>(num_experts, sms)});
+                  cutlass_workspace_bytes<WgradGemm<B16, TileLargeM2>>(num_experts, sms),
+                  cutlass_workspace_bytes<FwdGemm<B16, TileThin>>(num_experts, sms),
+                  cutlass_workspace_bytes<DgradGemm<B16, TileThin>>(num_experts, sms),
+                  cutlass_workspace_bytes<WgradGemm<B16, TileThin>>(num_experts, sms)});
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -388,15 +396,20 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
     const bool along_m = !small && cluster_along_m<T>(), solo = !small && !along_m && odd_large_tiles(n);
+    constexpr bool kBf16 = std::is_same_v<T, cutlass::bfloat16_t>;
     if (layout == WeightLayout::kNK) {
-      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+      if constexpr (kBf16) {
+        if (n <= kThinN) return launch(FwdGemm<T, TileThin>{});
         if (along_m) return launch(FwdGemm<T, TileLargeM2>{});
+      }
       small  ? launch(FwdGemm<T, TileSmall>{})
       : solo ? launch(FwdGemm<T, TileLargeSolo>{})
              : launch(FwdGemm<T, TileLarge>{});
     } else {
-      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+      if constexpr (kBf16) {
+        if (n <= kThinN) return launch(DgradGemm<T, TileThin>{});
         if (along_m) return launch(DgradGemm<T, TileLargeM2>{});
+      }
       small  ? launch(DgradGemm<T, TileSmall>{})
       : solo ? launch(DgradGemm<T, TileLargeSolo>{})
              : launch(DgradGemm<T, TileLarge>{});
@@ -425,8 +438,10 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
     using T = decltype(t);
-    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+      if (kd <= kThinN) return launch(WgradGemm<T, TileThin>{});              // the GEMM's N is kd
       if (cluster_along_m<T>()) return launch(WgradGemm<T, TileLargeM2>{});  // pairs along the GEMM's M = n
+    }
     odd_large_tiles(kd) ? launch(WgradGemm<T, TileLargeSolo>{}) : launch(WgradGemm<T>{});  // the GEMM's N is kd
   });
 }

@@ -63,19 +63,27 @@ __global__ void __launch_bounds__(kRowwiseThreads)
   *reinterpret_cast<Pack<T, V>*>(out + r * N + n0) = o;
 }
 
-// kNK, rank <= 32: each warp owns 32 * kRegCols columns over a run of kWarpRows rows. b[e] for a thread's
-// kRegCols columns is held in registers (fp32, the rank padded with zeros to kRank) and reloaded only when
-// the expert changes along the run; the run's t is staged in shared memory (fp32) and read as broadcasts.
-// kUnroll rows' h are loaded before any is used (memory-level parallelism), so a row costs one read of h
-// and one write of out. (The [N, rank] rows, read 2 * rank bytes apart by neighbouring threads, made the
-// row-parallel kernel above 7x slower than its memory traffic at the Qwen3-30B expert shapes.)
-constexpr int kRegCols = 4, kWarpRows = 64, kRegWarps = 4, kUnroll = 8, kRegMaxRank = 32;
+// kNK, rank <= 32: each warp owns a strip of columns over a run of kWarpRows rows; a thread owns kChunks
+// pairs of adjacent columns, 64 apart (lanes read h in 128-byte rows, and b[e]'s [2, rank] block for a pair
+// in 16-byte packs). b[e] for a thread's columns is held in registers (fp32, the rank padded with zeros to
+// kRank) and reloaded only when the expert changes along the run; the run's t is staged in shared memory
+// (fp32) and read as broadcasts. kUnroll rows' h are loaded before any is used (memory-level parallelism),
+// so a row costs one read of h and one write of out. (The [N, rank] rows, read 2 * rank bytes apart by
+// neighbouring threads, made the row-parallel kernel above 7x slower than its bytes at the Qwen3-30B
+// expert LoRA shapes.)
+constexpr int kWarpRows = 64, kRegWarps = 4, kUnroll = 8, kRegMaxRank = 32;
+
+template <int kRank>
+constexpr int kRegChunks = kRank <= 16 ? 2 : 1;  // 64 fp32 registers of b either way
 
 template <typename T, int kRank>
-__global__ void __launch_bounds__(32 * kRegWarps, kRank <= 16 ? 4 : 2)
+__global__ void __launch_bounds__(32 * kRegWarps, 4)
     lowrank_add_nk_reg_kernel(const T* __restrict__ h, const T* __restrict__ t, const T* __restrict__ b,
                               const int32_t* __restrict__ offsets, int E, int64_t rows, int64_t N, int rank,
-                              T* __restrict__ out) {
+                              bool b_packs, T* __restrict__ out) {
+  constexpr int kChunks = kRegChunks<kRank>, kPack = 16 / sizeof(T);
+  using P2 = Pack<T, 2>;
+  using PB = Pack<T, kPack>;
   extern __shared__ float4 smem4[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t r_begin = (static_cast<int64_t>(blockIdx.x) * kRegWarps + warp) * kWarpRows;
@@ -87,17 +95,23 @@ __global__ void __launch_bounds__(32 * kRegWarps, kRank <= 16 ? 4 : 2)
     s_t[i] = row < nrows && k < rank ? to_float(t[(r_begin + row) * rank + k]) : 0.f;
   }
   __syncwarp();
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.y) * 32 + lane) * kRegCols;
-  const bool col_ok = n0 < N;
-  using P = Pack<T, kRegCols>;
-  float bw[kRegCols][kRank];
+  int64_t col[kChunks];
+  bool ok[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    col[j] = static_cast<int64_t>(blockIdx.y) * 64 * kChunks + 64 * j + 2 * lane;
+    ok[j] = col[j] < N;
+  }
+  float bw[2 * kChunks][kRank];  // [column][k]
   int e = -1;
   int64_t next = -1;  // the first row past the rows that bw is for (warp-uniform)
   for (int u0 = 0; u0 < nrows; u0 += kUnroll) {
-    P hv[kUnroll];
+    P2 hv[kUnroll][kChunks];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (col_ok && u0 + u < nrows) hv[u] = *reinterpret_cast<const P*>(h + (r_begin + u0 + u) * N + n0);
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        if (ok[j] && u0 + u < nrows) hv[u][j] = *reinterpret_cast<const P2*>(h + (r_begin + u0 + u) * N + col[j]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = u0 + u;
@@ -106,45 +120,62 @@ __global__ void __launch_bounds__(32 * kRegWarps, kRank <= 16 ? 4 : 2)
       if (r >= next) {  // a new expert (or the rows before/after every group): reload b's columns
         e = group_of_row(offsets, E, r);
         next = e >= 0 ? offsets[e + 1] : (r < offsets[0] ? offsets[0] : rows);
-        const T* be = b + (static_cast<int64_t>(e >= 0 ? e : 0) * N + n0) * rank;
 #pragma unroll
-        for (int j = 0; j < kRegCols; ++j)
+        for (int j = 0; j < kChunks; ++j) {
+          const T* be = b + (static_cast<int64_t>(e >= 0 ? e : 0) * N + col[j]) * rank;  // [2, rank]
+          if (e >= 0 && ok[j] && b_packs) {  // rank == kRank, 16-byte aligned
 #pragma unroll
-          for (int k = 0; k < kRank; ++k)
-            bw[j][k] = e >= 0 && col_ok && k < rank ? to_float(be[j * rank + k]) : 0.f;
+            for (int q = 0; q < 2 * kRank / kPack; ++q) {
+              const PB p = reinterpret_cast<const PB*>(be)[q];
+#pragma unroll
+              for (int v = 0; v < kPack; ++v)
+                bw[2 * j + (q * kPack + v) / kRank][(q * kPack + v) % kRank] = to_float(p.v[v]);
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+              for (int k = 0; k < kRank; ++k)
+                bw[2 * j + c][k] = e >= 0 && ok[j] && k < rank ? to_float(be[c * rank + k]) : 0.f;
+          }
+        }
       }
-      if (!col_ok) continue;
-      float s[kRegCols] = {};
+      float s[2 * kChunks] = {};
       const float4* tr = reinterpret_cast<const float4*>(s_t + i * kRank);
 #pragma unroll
       for (int k4 = 0; k4 < kRank / 4; ++k4) {
         const float4 tk = tr[k4];
 #pragma unroll
-        for (int j = 0; j < kRegCols; ++j) {
-          s[j] += tk.x * bw[j][4 * k4];
-          s[j] += tk.y * bw[j][4 * k4 + 1];
-          s[j] += tk.z * bw[j][4 * k4 + 2];
-          s[j] += tk.w * bw[j][4 * k4 + 3];
+        for (int c = 0; c < 2 * kChunks; ++c) {
+          s[c] += tk.x * bw[c][4 * k4];
+          s[c] += tk.y * bw[c][4 * k4 + 1];
+          s[c] += tk.z * bw[c][4 * k4 + 2];
+          s[c] += tk.w * bw[c][4 * k4 + 3];
         }
       }
-      P o;
 #pragma unroll
-      for (int j = 0; j < kRegCols; ++j) o.v[j] = from_float<T>(to_float(hv[u].v[j]) + s[j]);
-      *reinterpret_cast<P*>(out + r * N + n0) = o;
+      for (int j = 0; j < kChunks; ++j) {
+        if (!ok[j]) continue;
+        P2 o;
+        o.v[0] = from_float<T>(to_float(hv[u][j].v[0]) + s[2 * j]);
+        o.v[1] = from_float<T>(to_float(hv[u][j].v[1]) + s[2 * j + 1]);
+        *reinterpret_cast<P2*>(out + r * N + col[j]) = o;
+      }
     }
   }
 }
 
 template <typename T, int kRank>
-void launch_nk_reg(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets,
-                   int64_t N, int rank, const TensorView& out, cudaStream_t s) {
+void launch_nk_reg(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets, int64_t N,
+                   int rank, const TensorView& out, cudaStream_t s) {
   const int64_t rows = h.shape[0];
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, int64_t{kRegWarps} * kWarpRows)),
-                  static_cast<unsigned>(ceil_div(N, int64_t{32} * kRegCols)));
+                  static_cast<unsigned>(ceil_div(N, int64_t{64} * kRegChunks<kRank>)));
   const size_t smem = static_cast<size_t>(kRegWarps) * kWarpRows * kRank * sizeof(float);
-  lowrank_add_nk_reg_kernel<T, kRank><<<grid, 32 * kRegWarps, smem, s>>>(
-      h.ptr<T>(), t.ptr<T>(), b.ptr<T>(), offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]), rows, N, rank,
-      out.ptr<T>());
+  const bool b_packs = rank == kRank && reinterpret_cast<uintptr_t>(b.data) % 16 == 0;
+  lowrank_add_nk_reg_kernel<T, kRank>
+      <<<grid, 32 * kRegWarps, smem, s>>>(h.ptr<T>(), t.ptr<T>(), b.ptr<T>(), offsets.ptr<int32_t>(),
+                                          static_cast<int>(b.shape[0]), rows, N, rank, b_packs, out.ptr<T>());
   check_launch("lowrank_add_nk_reg_kernel");
 }
 

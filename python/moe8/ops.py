@@ -402,8 +402,15 @@ def _input_grad(g: Tensor, b: Tensor, offsets: Tensor, layout: int) -> Tensor:
     return grouped_gemm(g, b, offsets, 1 - layout, None)
 
 
+_THIN = 32  # csrc/cuda/grouped_gemm_sm90.cu's kThinN
+
+
 def _weight_grads(a: Tensor, g: Tensor, b: Tensor, offsets: Tensor, layout: int, bias_dtype):
     """(d b, d bias in bias_dtype, or None without a bias)."""
+    if bias_dtype is None and g.shape[1] <= _THIN < a.shape[1]:
+        # d b = g^T a per group is also (a^T g) in the other layout: that GEMM's N is g's rank-sized width
+        # (the expert LoRA's A), which the sm90 kernel tiles thinly (its M would be, padded to 128)
+        return grouped_gemm_wgrad(g, a, offsets, 1 - layout, b.shape[0], False)[0], None
     db, dbias = grouped_gemm_wgrad(a, g, offsets, layout, b.shape[0], bias_dtype is not None)
     return db, (dbias.to(bias_dtype) if bias_dtype is not None else None)
 
