@@ -3,8 +3,8 @@
 # with CUDA (kernels, CUTLASS sm_90a kernels when the headers are found, GoogleTest suite, Python extension)
 # in build/gpu, runs ctest and pytest (CUDA tests included), then the benchmarks. Logs and JSON go to $OUT
 # (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C
-# only), bench (build _C, benchmarks), lora (build _C, the 30B LoRA step: FUSE (default every fusion incl.
-# lora_add) vs PEFT, then moe8 with bench_lora_30b's default fusions) or all.
+# only), bench (build _C, benchmarks), lora (build _C, bench_lowrank.py, the 30B LoRA step: moe8 with the
+# fusions FUSE (default router,norm,rope) vs PEFT, then moe8 with FUSE plus lora_add) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
@@ -92,15 +92,15 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
     tail -6 "$OUT/lora_30b.log"
   fi
 fi
-if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: every fusion (FUSE), then moe8 with the default ones
-  FUSE=${FUSE:-router,norm,rope,lora_add}
+if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: moe8 (fusions FUSE) vs PEFT, then moe8 with lora_add too
+  FUSE=${FUSE:-router,norm,rope}
   timeout 60 $PY bench/bench_lowrank.py --ranks 16,32 --json "$OUT/lowrank.json" >"$OUT/lowrank.log" 2>&1
   cat "$OUT/lowrank.log"
   timeout 220 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
     --steps 5 --moe8-fuse "$FUSE" --timeout 170 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
   tail -7 "$OUT/lora_30b.log"
   timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 --steps 5 \
-    --timeout 70 --json "$OUT/lora_30b_default.json" >"$OUT/lora_30b_default.log" 2>&1
-  grep -E "^moe8 " "$OUT/lora_30b_default.log"
+    --moe8-fuse "$FUSE,lora_add" --timeout 70 --json "$OUT/lora_30b_lora_add.json" >"$OUT/lora_30b_lora_add.log" 2>&1
+  grep -E "^moe8 " "$OUT/lora_30b_lora_add.log"
 fi
 echo "total $(($(date +%s) - t0)) s"
