@@ -26,6 +26,19 @@ from moe8 import ops
 SHAPES = {"qwen3-30b": (8192, 8, 128, 2048, 768), "tiny": (64, 2, 4, 64, 32)}
 
 
+def time_pieces(x, h, A, B, t, offsets, device, iters) -> dict:
+    """Median ms of each piece of one projection's expert LoRA (forward and backward GEMMs)."""
+    E, dh = A.shape[0], torch.randn_like(h)
+    pieces = {
+        "A x": lambda: ops.grouped_gemm(x, A, offsets, 0, None),
+        "add fused": lambda: ops.grouped_lowrank_add(h, t, B, offsets, 0),
+        "add unfused": lambda: h + ops.grouped_gemm(t, B, offsets, 0, None),
+        "d t = dh B": lambda: ops.grouped_gemm(dh, B, offsets, 1, None),
+        "d B = dh^T t": lambda: ops.grouped_gemm_wgrad(t, dh, offsets, 0, E, False),
+    }
+    return {name: median_ms(fn, device, iters=iters) for name, fn in pieces.items()}
+
+
 def bench(name, rank, device, dtype, iters):
     T, k, E, H, I = SHAPES[name]
     R = T * k
@@ -43,22 +56,28 @@ def bench(name, rank, device, dtype, iters):
         fused = ops.grouped_lowrank_add(h, t, B, offsets, 0)
         ref = h.float() + ops.grouped_gemm(t, B, offsets, 0, None).float()
         err = float((fused.float() - ref).abs().max() / ref.abs().max())
-        dh = torch.randn_like(h)
-        times = {
-            "A x": median_ms(lambda: ops.grouped_gemm(x, A, offsets, 0, None), device, iters=iters),
-            "add fused": median_ms(lambda: ops.grouped_lowrank_add(h, t, B, offsets, 0), device, iters=iters),
-            "add unfused": median_ms(lambda: h + ops.grouped_gemm(t, B, offsets, 0, None), device, iters=iters),
-            "d t = dh B": median_ms(lambda: ops.grouped_gemm(dh, B, offsets, 1, None), device, iters=iters),
-            "d B = dh^T t": median_ms(
-                lambda: ops.grouped_gemm_wgrad(t, dh, offsets, 0, E, False), device, iters=iters
-            ),
-        }
+        times = time_pieces(x, h, A, B, t, offsets, device, iters)
         gbs = 2 * h.numel() * h.element_size() / (times["add fused"] * 1e-3) / 1e9
-        rows.append({"proj": proj, "R": R, "K": K, "N": N, "rank": rank, "E": E, "ms": times,
-                     "fused_add_GBps": gbs, "fused_vs_unfused_max_rel_err": err})
-        print(f"{proj:8} R={R} K={K} N={N} r={rank}: " + "  ".join(f"{a} {v:.3f} ms" for a, v in times.items())
-              + f"  | fused add {gbs:,.0f} GB/s, {times['add unfused'] / times['add fused']:.2f}x unfused,"
-              f" max rel err {err:.1e}", flush=True)
+        rows.append(
+            {
+                "proj": proj,
+                "R": R,
+                "K": K,
+                "N": N,
+                "rank": rank,
+                "E": E,
+                "ms": times,
+                "fused_add_GBps": gbs,
+                "fused_vs_unfused_max_rel_err": err,
+            }
+        )
+        print(
+            f"{proj:8} R={R} K={K} N={N} r={rank}: "
+            + "  ".join(f"{a} {v:.3f} ms" for a, v in times.items())
+            + f"  | fused add {gbs:,.0f} GB/s, {times['add unfused'] / times['add fused']:.2f}x unfused,"
+            f" max rel err {err:.1e}",
+            flush=True,
+        )
     return rows
 
 
@@ -81,8 +100,12 @@ def main() -> int:
     except ValueError:
         ap.error(f"--ranks: expected comma-separated integers, got {args.ranks!r}")
     shape = "tiny" if args.tiny else args.shape
-    env = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "dtype": str(dtype).replace("torch.", ""), "shape": shape}
+    env = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
+    }
     print(env)
     results = [r for rank in ranks for r in bench(shape, rank, device, dtype, args.iters)]
     if args.json:

@@ -84,9 +84,9 @@ def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
 
 
 # Expert LoRA: add the B projection to the base GEMM's output in one pass (ops.grouped_lowrank_add) instead
-# of a grouped GEMM and an add. Off by default until its shared-memory kernel for [E, N, r] weights has
-# passed the GPU tests (written after the last GPU run: the first version, which did pass them, cost 1.2 ms
-# a call at the 30B LoRA shape); bench_lora_30b.py --moe8-fuse ...,lora_add measures it.
+# of a grouped GEMM and an add. Off by default: on the H200 its register kernel is 1.04-1.06x the unfused
+# pair at rank 16 but 0.6x at rank 32 (bench/bench_lowrank.py, bench/results/lora_30b_h200.md);
+# bench_lora_30b.py --moe8-fuse ...,lora_add measures the whole step with it.
 FUSED_LORA_ADD = False
 
 

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
-in scarce GPU time: bench_gemm.py --tiny, bench_lora_30b.py --tiny, finetune_compare.py."""
+in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
+finetune_compare.py."""
 
 import json
 import os
@@ -32,6 +33,22 @@ def test_bench_gemm_tiny(tmp_path):
     assert all(r["moe8_ms"] > 0 for r in rows)
     bad = run("bench/bench_gemm.py", "--tiny", "--kinds", "fwd,nope")
     assert bad.returncode != 0 and "--kinds: unknown ['nope']" in bad.stderr
+
+
+def test_bench_lowrank_tiny(tmp_path):
+    out = tmp_path / "lowrank.json"
+    p = run("bench/bench_lowrank.py", "--tiny", "--ranks", "4,16", "--iters", "1", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["proj"], r["rank"]) for r in rows] == [
+        ("gate_up", 4),
+        ("down", 4),
+        ("gate_up", 16),
+        ("down", 16),
+    ]
+    assert all(r["fused_vs_unfused_max_rel_err"] < 1e-5 and r["ms"]["add fused"] > 0 for r in rows)
+    bad = run("bench/bench_lowrank.py", "--tiny", "--ranks", "x")
+    assert bad.returncode != 0 and "--ranks: expected comma-separated integers" in bad.stderr
 
 
 @pytest.mark.slow
