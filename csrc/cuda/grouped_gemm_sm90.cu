@@ -439,7 +439,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     };
     using T = decltype(t);
     if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-      if (kd <= kThinN) return launch(WgradGemm<T, TileThin>{});              // the GEMM's N is kd
+      if (kd <= kThinN) return launch(WgradGemm<T, TileThin>{});             // the GEMM's N is kd
       if (cluster_along_m<T>()) return launch(WgradGemm<T, TileLargeM2>{});  // pairs along the GEMM's M = n
     }
     odd_large_tiles(kd) ? launch(WgradGemm<T, TileLargeSolo>{}) : launch(WgradGemm<T>{});  // the GEMM's N is kd
