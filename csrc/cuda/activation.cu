@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kMaxThreads)
-    activation_backward_kernel(const T* __restrict__ h, const T* __restrict__ dout, ActParams p, Layout lay,
-                               int64_t rows, T* __restrict__ dh) {
+    activation_backward_kernel(const T* h, const T* __restrict__ dout, ActParams p, Layout lay, int64_t rows,
+                               T* dh) {  // dh may be h (ops.activation_backward_): each thread reads, then writes
   const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (i0 >= lay.I || r >= rows) return;

@@ -193,9 +193,11 @@ def experts_forward(
         h = _plus_low_rank(h, xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
     act_args = (act, bool(interleaved), float(alpha), float(limit))
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
-        o = ops.activation_grouped_gemm(h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args)
+        o = ops.activation_grouped_gemm(
+            h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args, consume_h=True
+        )
     else:  # the LoRA branch keeps them anyway
-        a = ops.activation(h, *act_args)  # [R, I]
+        a = ops.activation_consuming(h, *act_args)  # [R, I]; d h is written over h (read by nothing else)
         o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
         o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]

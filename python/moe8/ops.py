@@ -464,13 +464,13 @@ grouped_lowrank_add.register_autograd(_gla_bwd, setup_context=_gla_setup)
 @torch.library.custom_op("moe8::activation", mutates_args=())
 def activation(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
     """Gated (kind 0 swiglu, 1 swiglu_clamped): h [R, 2I] -> [R, I]; ungated (2 silu, 3 gelu): same shape."""
-    out = h.new_empty(h.shape[0], h.shape[1] // 2 if _gated(kind) else h.shape[1])
+    out = _activation_out(h, kind, interleaved, alpha, limit)
     _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
     return out
 
 
 @activation.register_fake
-def _(h, kind, interleaved, alpha, limit):
+def _activation_out(h, kind, interleaved, alpha, limit):
     return h.new_empty(h.shape[0], h.shape[1] // 2 if _gated(kind) else h.shape[1])
 
 
@@ -488,6 +488,26 @@ def _(h, dout, kind, interleaved, alpha, limit):
     return torch.empty_like(h)
 
 
+@torch.library.custom_op("moe8::activation_backward_", mutates_args=("h",))
+def activation_backward_(
+    h: Tensor, dout: Tensor, kind: int, interleaved: bool, alpha: float, limit: float
+) -> None:
+    """activation_backward written over h: d h replaces h (each element pair is read before it is written)."""
+    _C.activation_backward(h, dout, kind, interleaved, alpha, limit, h, _stream(h))
+
+
+@torch.library.custom_op("moe8::activation_consuming", mutates_args=())
+def activation_consuming(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
+    """activation(h) for an h that nothing reads after this op's backward, which writes d h over h: one
+    [R, 2I] buffer less at the backward's peak (the experts' gate_up output)."""
+    out = _activation_out(h, kind, interleaved, alpha, limit)
+    _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
+    return out
+
+
+activation_consuming.register_fake(_activation_out)
+
+
 def _act_setup(ctx, inputs, output):
     ctx.params = inputs[1:]
     ctx.save_for_backward(inputs[0])
@@ -499,6 +519,15 @@ def _act_bwd(ctx, g):
 
 
 activation.register_autograd(_act_bwd, setup_context=_act_setup)
+
+
+def _act_consuming_bwd(ctx, g):
+    (h,) = ctx.saved_tensors
+    activation_backward_(h, g.contiguous(), *ctx.params)  # bumps h's version: a second backward raises
+    return h, None, None, None, None
+
+
+activation_consuming.register_autograd(_act_consuming_bwd, setup_context=_act_setup)
 
 
 # ---------------------------------------------------------------------------------------------- rope
@@ -598,13 +627,17 @@ def activation_grouped_gemm(
     interleaved: bool,
     alpha: float,
     limit: float,
+    consume_h: bool = False,
 ) -> Tensor:
     """grouped_gemm(activation(h), b, offsets, layout, bias) (the experts' down projection) whose backward
     keeps h and recomputes activation(h) for the weight gradient: the [R, I] activations are not held from
     the forward to the backward. Same kernels, so the same bits. Two autograd nodes as in the unfused ops
     (activation, then the GEMM, whose backward hands d activation to activation's), so the backward never
-    holds the recomputed activations, d activations and d h at once."""
-    a = activation(h, kind, interleaved, alpha, limit)
+    holds the recomputed activations, d activations and d h at once. consume_h: h is an intermediate that
+    nothing reads after the backward, which then writes d h over it (one [R, 2I] buffer less at its peak;
+    h's contents are gone afterwards, and a second backward through the graph raises)."""
+    act = activation_consuming if consume_h else activation
+    a = act(h, kind, interleaved, alpha, limit)
     return _grouped_gemm_recompute(a, h, b, offsets, layout, bias, kind, interleaved, alpha, limit)
 
 

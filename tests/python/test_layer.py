@@ -351,6 +351,71 @@ def test_activation_gemm_is_activation_then_gemm_keeping_less(device, act, layou
     assert kept2 - kept1 == R * I  # the activations [R, I]
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_clamped", "silu"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_activation_gemm_consuming_h(device, act, interleaved):
+    """consume_h=True: the same output and gradients, d h written over h (no new [R, 2I] buffer), and a
+    second backward through the graph raises instead of reading the overwritten h."""
+    if act == "silu" and interleaved:
+        pytest.skip("interleaving is for gated activations")
+    torch.manual_seed(6)
+    R, I, H, E = 40, 24, 16, 3
+    offsets = torch.tensor([0, 11, 11, 37], dtype=torch.int32, device=device)  # rows 37.. in no group
+    kind = moe8.ops.ACTIVATIONS[act]
+    width = 2 * I if act != "silu" else I
+    x0 = torch.randn(R, 8, device=device)
+    w0 = torch.randn(E, width, 8, device=device)
+    b0 = torch.randn(E, H, I, device=device)
+    g = torch.randn(R, H, device=device)
+
+    def run(consume, retain=False):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        h = moe8.ops.grouped_gemm(x, w, offsets, 0, None)  # an intermediate, as in experts_forward
+        o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, interleaved, 1.702, 7.0, consume)
+        return o, torch.autograd.grad(o, [x, w, b], g, retain_graph=retain), h.detach(), (o, x)
+
+    o1, g1, h1, _ = run(True)
+    o2, g2, h2, _ = run(False)
+    assert torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert not torch.equal(h1, h2)  # h now holds d h
+    hgrad = moe8.ops.activation_backward(h2, torch.randn(R, I, device=device), kind, interleaved, 1.702, 7.0)
+    assert hgrad.shape == h1.shape
+    _, _, _, (o, x) = run(True, retain=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(o, [x], g)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_activation_gemm_consuming_h_lowers_the_peak():
+    """consume_h=True: the backward's peak is one [R, 2I] buffer lower (d h is written over h)."""
+    R, I, H, K, E = 8192, 512, 256, 64, 4
+    offsets = torch.tensor([0, 3000, 3000, 6000, R], dtype=torch.int32, device="cuda")
+    kind = moe8.ops.ACTIVATIONS["swiglu"]
+    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, 2 * I, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+
+    def peak(consume):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        h = moe8.ops.grouped_gemm(x, w, offsets, 0, None)
+        o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, False, 1.702, 7.0, consume)
+        del h
+        o.backward(g)
+        torch.cuda.synchronize()
+        x.grad = w.grad = b.grad = None
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(True), peak(False)  # warm the allocator and the workspaces
+    saved = peak(False) - peak(True)
+    assert saved >= 0.9 * R * 2 * I * 2, f"peak only {saved} bytes lower"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
 def test_activation_gemm_backward_peak_is_no_higher():
     """The recompute must not raise the peak memory of forward + backward above the unfused ops' (it did when
