@@ -89,6 +89,11 @@ def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
 # bench_lora_30b.py --moe8-fuse ...,lora_add measures the whole step with it.
 FUSED_LORA_ADD = False
 
+# The experts' backward writes d h over the gate_up output h (ops.activation_consuming): one [R, 2I] buffer
+# less at the backward's peak, the same bits. Off until its GPU tests (test_layer.py
+# test_activation_gemm_consuming_h*) have run on a GPU; CPU-tested.
+CONSUME_GATE_UP = False
+
 
 def _plus_low_rank(
     c: Tensor, x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA
@@ -194,10 +199,10 @@ def experts_forward(
     act_args = (act, bool(interleaved), float(alpha), float(limit))
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
         o = ops.activation_grouped_gemm(
-            h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args, consume_h=True
+            h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args, consume_h=CONSUME_GATE_UP
         )
     else:  # the LoRA branch keeps them anyway
-        a = ops.activation_consuming(h, *act_args)  # [R, I]; d h is written over h (read by nothing else)
+        a = (ops.activation_consuming if CONSUME_GATE_UP else ops.activation)(h, *act_args)  # [R, I]
         o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
         o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora)
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]

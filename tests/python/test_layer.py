@@ -269,6 +269,32 @@ def test_expert_lora_fused_add_matches(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_experts_consuming_gate_up_matches(device, with_lora, monkeypatch):
+    """layer.CONSUME_GATE_UP (d h written over the gate_up output) gives the same bits, forward and every
+    gradient, with and without the expert LoRA."""
+    torch.manual_seed(8)
+    T, H, I, E, K, r = 40, 32, 24, 4, 2, 4
+    x0 = torch.randn(T, H, device=device)
+    weights = [torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2]
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    w = torch.rand(T, K, device=device)
+    factors = [torch.randn(*s, device=device) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+
+    def run(consume):
+        monkeypatch.setattr(layer, "CONSUME_GATE_UP", consume)
+        x = x0.clone().requires_grad_()
+        ws = [t.clone().requires_grad_() for t in weights]
+        fs = [f.clone().requires_grad_() for f in factors] if with_lora else []
+        lora = layer.ExpertLoRA(*fs, scaling=2.0) if with_lora else None
+        y = moe8.experts_forward(x, ids, w, *ws, lora=lora)
+        return [y, *torch.autograd.grad(y.square().sum(), [x, *ws, *fs])]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_plan_check_ids(device):
     """check_ids=False gives the same plan for valid ids (no range check, no device sync); the check itself
     rejects ids out of range."""
