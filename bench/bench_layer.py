@@ -244,8 +244,14 @@ def main():
         "backward GEMMs in FP8 too, e.g. blockwise+dgrad+wgrad): the layer with FP8 expert GEMMs, and its "
         "output's and input gradient's relative error vs the bf16 layer",
     )
+    ap.add_argument(
+        "--consume-gate-up",
+        action="store_true",
+        help="moe8.layer.CONSUME_GATE_UP: the experts' backward writes d h over the gate_up output",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    moe8.layer.CONSUME_GATE_UP = args.consume_gate_up
     if not moe8.cuda_available():
         raise SystemExit("bench_layer: needs a CUDA GPU and moe8 built with CUDA")
     names = args.shapes.split(",")
@@ -261,6 +267,7 @@ def main():
         "moe8": moe8.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
+        "consume_gate_up": args.consume_gate_up,
     }
     layers = []
     for n in names:

@@ -120,6 +120,7 @@ def add_moe8(model, args):
     model = apply_lora(model, r=args.r, alpha=args.alpha, targets=(*ATTN, "experts"))
     fuse = set(args.moe8_fuse.split(",")) - {"none"}
     moe8.layer.FUSED_LORA_ADD = "lora_add" in fuse  # the expert LoRA's B projection added in one pass
+    moe8.layer.CONSUME_GATE_UP = "consume" in fuse  # the experts' d h written over h
     # as `moe8 finetune` runs it: routing, RMSNorms and RoPE fused too
     return moe8.accelerate(
         model, fuse_router="router" in fuse, fuse_norm="norm" in fuse, fuse_rope="rope" in fuse
@@ -462,7 +463,8 @@ def main():
         "--moe8-fuse",
         default="router,norm,rope",
         help="what moe8 fuses besides the experts, comma-separated from router, norm, rope (default: these "
-        "three, as `moe8 finetune`) and lora_add (moe8.layer.FUSED_LORA_ADD), or none",
+        "three, as `moe8 finetune`), lora_add (moe8.layer.FUSED_LORA_ADD) and consume "
+        "(moe8.layer.CONSUME_GATE_UP), or none",
     )
     ap.add_argument(
         "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"
@@ -484,9 +486,11 @@ def main():
     if args.only:
         child(args)  # its outcome is in its result file, errors included
         return 0
-    bad = sorted(set(args.moe8_fuse.split(",")) - {"router", "norm", "rope", "lora_add", "none"})
+    bad = sorted(set(args.moe8_fuse.split(",")) - {"router", "norm", "rope", "lora_add", "consume", "none"})
     if bad:
-        raise SystemExit(f"--moe8-fuse: unknown {bad}, expected from router, norm, rope, lora_add, or none")
+        raise SystemExit(
+            f"--moe8-fuse: unknown {bad}, expected from router, norm, rope, lora_add, consume, or none"
+        )
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:

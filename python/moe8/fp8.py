@@ -424,6 +424,7 @@ def _fp8_activation_linear(
     interleaved: bool,
     alpha: float,
     limit: float,
+    consume_h: bool,
 ) -> Tensor:
     r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
     if r.name == "blockwise":  # activation and 1x128 quantisation in one pass (the same bits as the two ops)
@@ -449,13 +450,15 @@ def _(
     interleaved,
     alpha,
     limit,
+    consume_h,
 ):
     return h.new_empty(h.shape[0], w_q.shape[1])
 
 
 def _al_setup(ctx, inputs, output):
-    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, *act = inputs
+    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, *act, consume_h = inputs
     ctx.layout, ctx.recipe, ctx.act = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), act
+    ctx.consume_h = consume_h
     ctx.save_for_backward(h, w, offsets)  # not the activations: recomputed below
 
 
@@ -469,8 +472,12 @@ def _al_bwd(ctx, g):
         del a
     if need_h:
         da = _linear_grads(None, w, offsets, g, ctx.layout, ctx.recipe, True, False)[0]
-        dh = ops.activation_backward(h, da, *ctx.act)
-    return (dh, dw) + (None,) * 12
+        if ctx.consume_h:  # d h written over h (see ops.activation_consuming)
+            ops.activation_backward_(h, da, *ctx.act)
+            dh = h
+        else:
+            dh = ops.activation_backward(h, da, *ctx.act)
+    return (dh, dw) + (None,) * 13
 
 
 _fp8_activation_linear.register_autograd(_al_bwd, setup_context=_al_setup)
@@ -495,10 +502,12 @@ def activation_linear(
     interleaved: bool,
     alpha: float,
     limit: float,
+    consume_h: bool = False,
 ) -> Tensor:
     """grouped_linear(ops.activation(h, ...), w, ...) (the experts' down projection in FP8) keeping h rather
     than the activations for the backward (they are recomputed there), with the blockwise recipe's
-    activation and quantisation fused in one pass. Same results as the two calls."""
+    activation and quantisation fused in one pass. Same results as the two calls. consume_h: as in
+    ops.activation_grouped_gemm (d h written over h, an intermediate nothing else reads)."""
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
     args = (
@@ -509,6 +518,7 @@ def activation_linear(
         bool(interleaved),
         float(alpha),
         float(limit),
+        bool(consume_h),
     )
     c = _fp8_activation_linear(h.contiguous(), w, wq.q, wq.scale, wq.row_scale, offsets, layout, *args)
     return _add_bias(c, bias, offsets)
@@ -568,6 +578,7 @@ def experts_forward_fp8(
     Without autograd (inference, or nothing requires grad) and with the blockwise recipe the tokens are
     gathered into expert order and quantised in one pass, and the activation is fused with the quantisation
     of its output; otherwise the bf16 permute / activation ops run between FP8 GEMMs (differentiable)."""
+    from . import layer
     from .layer import check_experts_args, dispatch_plan
 
     r = _recipe(recipe)
@@ -590,5 +601,7 @@ def experts_forward_fp8(
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
         h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache)  # [R, 2I]
         # the activations [R, I] are not kept for the backward: recomputed from h there
-        o = activation_linear(h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit)
+        o = activation_linear(
+            h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit, layer.CONSUME_GATE_UP
+        )
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]

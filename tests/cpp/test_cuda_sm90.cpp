@@ -310,11 +310,15 @@ TEST_F(Sm90Test, ForwardAndDgradMatchReference) { forward_and_dgrad_match_refere
 
 TEST_F(Sm90Test, WgradMatchesReference) { wgrad_matches_reference(91000); }
 
-// MOE8_SM90_CLUSTER=2x1: the bf16 large tile with CTAs paired along M, every case again.
+// MOE8_SM90_CLUSTER=2x1 (and =auto: 2x1 where the weight's sides are <= 2048, 1x2 elsewhere): the bf16
+// large tile with CTAs paired along M, every case again.
 TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
   setenv("MOE8_SM90_CLUSTER", "2x1", 1);
   forward_and_dgrad_match_reference(92000);
   wgrad_matches_reference(93000);
+  setenv("MOE8_SM90_CLUSTER", "auto", 1);
+  forward_and_dgrad_match_reference(94000);
+  wgrad_matches_reference(95000);
   unsetenv("MOE8_SM90_CLUSTER");
 }
 

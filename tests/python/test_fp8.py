@@ -467,6 +467,32 @@ def test_activation_linear_is_activation_then_linear_keeping_less(device, recipe
     assert kept2 - kept1 == 208 * 128  # the activations [R, I]
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_experts_fp8_consuming_gate_up_matches(device, recipe, monkeypatch):
+    """layer.CONSUME_GATE_UP in the FP8 experts (d h written over the gate_up output): the same bits,
+    forward and every gradient, FP8 dgrad and wgrad included."""
+    from moe8 import layer
+
+    torch.manual_seed(9)
+    T, H, I, E, K = 64, 128, 128, 4, 2
+    x0 = torch.randn(T, H, device=device).to(torch.bfloat16)
+    weights = [(torch.randn(*s, device=device) * 0.1).to(torch.bfloat16) for s in ((E, 2 * I, H), (E, H, I))]
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    w = torch.rand(T, K, device=device)
+    r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
+
+    def run(consume):
+        monkeypatch.setattr(layer, "CONSUME_GATE_UP", consume)
+        x = x0.clone().requires_grad_()
+        ws = [t.clone().requires_grad_() for t in weights]
+        y = fp8.experts_forward_fp8(x, ids, w, *ws, recipe=r, cache=None)
+        return [y, *torch.autograd.grad(y.float().square().sum(), [x, *ws])]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 def test_weight_cache_refreshes_after_an_update():
     cache = fp8.Fp8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
