@@ -244,17 +244,23 @@ def test_grouped_lowrank_add_is_add_of_the_gemm(device, layout):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+def small_experts_problem(device, seed, T=40, H=32, I=24, E=4, K=2, r=4):
+    """x [T, H], (gate_up [E, 2I, H], down [E, H, I]), ids, weights and the expert LoRA factors
+    (gate_up A, B, down A, B), fp32."""
+    torch.manual_seed(seed)
+    x = torch.randn(T, H, device=device)
+    experts = (torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    w = torch.rand(T, K, device=device)
+    factors = [torch.randn(*s, device=device) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    return x, experts, ids, w, factors
+
+
 @pytest.mark.parametrize("device", devices())
 def test_expert_lora_fused_add_matches(device, monkeypatch):
     """layer.FUSED_LORA_ADD: the expert LoRA's B projection through grouped_lowrank_add gives the unfused
     result (fp32), forward and every gradient."""
-    torch.manual_seed(6)
-    T, H, I, E, K, r = 40, 32, 24, 4, 2, 4
-    x0 = torch.randn(T, H, device=device)
-    gu, dn = torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
-    w = torch.rand(T, K, device=device)
-    factors = [torch.randn(*s, device=device) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    x0, (gu, dn), ids, w, factors = small_experts_problem(device, seed=6)
 
     def run(fused):
         monkeypatch.setattr(layer, "FUSED_LORA_ADD", fused)
@@ -273,13 +279,7 @@ def test_expert_lora_fused_add_matches(device, monkeypatch):
 def test_experts_consuming_gate_up_matches(device, with_lora, monkeypatch):
     """layer.CONSUME_GATE_UP (d h written over the gate_up output) gives the same bits, forward and every
     gradient, with and without the expert LoRA."""
-    torch.manual_seed(8)
-    T, H, I, E, K, r = 40, 32, 24, 4, 2, 4
-    x0 = torch.randn(T, H, device=device)
-    weights = [torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2]
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
-    w = torch.rand(T, K, device=device)
-    factors = [torch.randn(*s, device=device) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    x0, weights, ids, w, factors = small_experts_problem(device, seed=8)
 
     def run(consume):
         monkeypatch.setattr(layer, "CONSUME_GATE_UP", consume)
