@@ -382,6 +382,20 @@ bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, Weigh
   return f.major == 9 && f.minor == 0;
 }
 
+namespace sm90 {
+
+// The tile configuration of a forward or dgrad GEMM (Gemm: FwdGemm or DgradGemm) with N = n, handed to launch.
+template <template <class, class> class Gemm, class T, class Launch>
+void launch_by_tile(int64_t n, bool small, bool along_m, bool solo, Launch&& launch) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    if (n <= kThinN) return launch(Gemm<T, TileThin>{});
+    if (along_m) return launch(Gemm<T, TileLargeM2>{});
+  }
+  small ? launch(Gemm<T, TileSmall>{}) : solo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
+}
+
+}  // namespace sm90
+
 void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                        const TensorView& c, void* workspace, size_t workspace_bytes, void* stream) {
   using namespace sm90;
@@ -403,24 +417,10 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
     const bool along_m = !small && cluster_along_m<T>(n, kd), solo = !small && !along_m && odd_large_tiles(n);
-    constexpr bool kBf16 = std::is_same_v<T, cutlass::bfloat16_t>;
-    if (layout == WeightLayout::kNK) {
-      if constexpr (kBf16) {
-        if (n <= kThinN) return launch(FwdGemm<T, TileThin>{});
-        if (along_m) return launch(FwdGemm<T, TileLargeM2>{});
-      }
-      small  ? launch(FwdGemm<T, TileSmall>{})
-      : solo ? launch(FwdGemm<T, TileLargeSolo>{})
-             : launch(FwdGemm<T, TileLarge>{});
-    } else {
-      if constexpr (kBf16) {
-        if (n <= kThinN) return launch(DgradGemm<T, TileThin>{});
-        if (along_m) return launch(DgradGemm<T, TileLargeM2>{});
-      }
-      small  ? launch(DgradGemm<T, TileSmall>{})
-      : solo ? launch(DgradGemm<T, TileLargeSolo>{})
-             : launch(DgradGemm<T, TileLarge>{});
-    }
+    if (layout == WeightLayout::kNK)
+      launch_by_tile<FwdGemm, T>(n, small, along_m, solo, launch);
+    else
+      launch_by_tile<DgradGemm, T>(n, small, along_m, solo, launch);
   });
 }
 

@@ -472,11 +472,7 @@ def _al_bwd(ctx, g):
         del a
     if need_h:
         da = _linear_grads(None, w, offsets, g, ctx.layout, ctx.recipe, True, False)[0]
-        if ctx.consume_h:  # d h written over h (see ops.activation_consuming)
-            ops.activation_backward_(h, da, *ctx.act)
-            dh = h
-        else:
-            dh = ops.activation_backward(h, da, *ctx.act)
+        dh = ops.activation_grad(h, da, ctx.act, in_place=ctx.consume_h)  # see ops.activation_consuming
     return (dh, dw) + (None,) * 13
 
 

@@ -464,6 +464,10 @@ grouped_lowrank_add.register_autograd(_gla_bwd, setup_context=_gla_setup)
 @torch.library.custom_op("moe8::activation", mutates_args=())
 def activation(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
     """Gated (kind 0 swiglu, 1 swiglu_clamped): h [R, 2I] -> [R, I]; ungated (2 silu, 3 gelu): same shape."""
+    return _activation_forward(h, kind, interleaved, alpha, limit)
+
+
+def _activation_forward(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
     out = _activation_out(h, kind, interleaved, alpha, limit)
     _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
     return out
@@ -500,9 +504,7 @@ def activation_backward_(
 def activation_consuming(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
     """activation(h) for an h that nothing reads after this op's backward, which writes d h over h: one
     [R, 2I] buffer less at the backward's peak (the experts' gate_up output)."""
-    out = _activation_out(h, kind, interleaved, alpha, limit)
-    _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
-    return out
+    return _activation_forward(h, kind, interleaved, alpha, limit)
 
 
 activation_consuming.register_fake(_activation_out)
@@ -513,9 +515,18 @@ def _act_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
+def activation_grad(h: Tensor, dout: Tensor, params, in_place: bool) -> Tensor:
+    """d h of activation(h, *params): a new tensor, or (in_place) written over h, whose version is bumped so
+    that anything saved to read h later raises."""
+    if not in_place:
+        return activation_backward(h, dout, *params)
+    activation_backward_(h, dout, *params)
+    return h
+
+
 def _act_bwd(ctx, g):
     (h,) = ctx.saved_tensors
-    return activation_backward(h, g.contiguous(), *ctx.params), None, None, None, None
+    return activation_grad(h, g.contiguous(), ctx.params, in_place=False), None, None, None, None
 
 
 activation.register_autograd(_act_bwd, setup_context=_act_setup)
@@ -523,8 +534,7 @@ activation.register_autograd(_act_bwd, setup_context=_act_setup)
 
 def _act_consuming_bwd(ctx, g):
     (h,) = ctx.saved_tensors
-    activation_backward_(h, g.contiguous(), *ctx.params)  # bumps h's version: a second backward raises
-    return h, None, None, None, None
+    return activation_grad(h, g.contiguous(), ctx.params, in_place=True), None, None, None, None
 
 
 activation_consuming.register_autograd(_act_consuming_bwd, setup_context=_act_setup)
@@ -556,7 +566,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @rope.register_fake
-def _(x, cos, sin):
+def _rope_fake(x, cos, sin):
     return _rope_out(x if x.stride(-1) == 1 else x.contiguous())
 
 
@@ -566,9 +576,7 @@ def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rope_call(dy, cos, sin, True)
 
 
-@rope_backward.register_fake
-def _(dy, cos, sin):
-    return _rope_out(dy if dy.stride(-1) == 1 else dy.contiguous())
+rope_backward.register_fake(_rope_fake)
 
 
 def _rope_setup(ctx, inputs, output):
