@@ -9,8 +9,10 @@
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
 # bench_hf_train.py, LORA30B=1 bench_lora_30b.py (moe8 bf16 adapters vs PEFT fp32, profiled).
-# PREBUILT=dir (not with STAGE=test): link dir/_C*.so, built elsewhere for this Python, instead of building
-# (a build runs when it does not import with CUDA). PYTEST_ARGS also runs pytest in the other stages.
+# PREBUILT=dir: link dir/_C*.so, built elsewhere for this Python, instead of building (a build runs when it
+# does not import with CUDA); with STAGE=test dir must also hold the GoogleTest binary moe8_tests (built with
+# MOE8_BUILD_TESTS=ON and CUDA), run in 8 parallel gtest shards instead of ctest. PYTEST_ARGS also runs pytest
+# in the other stages. WHEELS=dir (default .carry/wheels) holds the wheels to install.
 # GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
 # wheels in .carry/wheels (nanobind, CUTLASS, peft, pytest-xdist, ...) are installed into /tmp/moe8-site and
 # put on PYTHONPATH when present (see docs/gpu.md). PYTEST_TIMEOUT (default 400 s), PYTEST_WORKERS (default
@@ -24,14 +26,15 @@ PY=$(command -v python3)
 mkdir -p "$OUT"
 [ -d .carry/gtest/usr ] && export CMAKE_PREFIX_PATH=$PWD/.carry/gtest/usr
 SITE=
-if ls .carry/wheels/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site .carry/wheels/*.whl && SITE=/tmp/moe8-site
+WHEELS=${WHEELS:-.carry/wheels}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site "$WHEELS"/*.whl && SITE=/tmp/moe8-site
 fi
 export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
-if [ -n "${PREBUILT:-}" ] && [ "$STAGE" != test ]; then  # a _C built elsewhere for this Python (docs/gpu.md)
+if [ -n "${PREBUILT:-}" ] && { [ "$STAGE" != test ] || [ -x "$PREBUILT/moe8_tests" ]; }; then  # docs/gpu.md
   ln -sf "$PWD/$PREBUILT"/_C*.so python/moe8/
   if $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)"; then
     echo "prebuilt $PREBUILT: moe8 with CUDA"
@@ -55,7 +58,16 @@ echo "build took $(($(date +%s) - t0)) s"
 [ "$STAGE" = build ] && exit 0
 fi
 
-if [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
+if [ "$STAGE" = test ] && [ -n "${SKIP_BUILD:-}" ]; then
+  echo "== gtest ($PREBUILT/moe8_tests, 8 shards)"
+  for i in 0 1 2 3 4 5 6 7; do
+    GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 300 "$PREBUILT/moe8_tests" --gtest_filter='-*Speed*' \
+      >"$OUT/gtest_shard$i.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/gtest_shard*.log >"$OUT/ctest.log"
+  grep -h -E "^\[  (PASSED|FAILED)  \]|tests? ran" "$OUT"/gtest_shard*.log
+elif [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
   cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
   echo "== ctest"
   # the *.Speed tests only print TFLOP/s tables: STAGE=bench runs them
