@@ -9,6 +9,10 @@ shared/data/baselines/h200.md) and moe8 / torch.
     PYTHONPATH=python python bench/bench_gemm.py --json bench/results/gemm_h200.json
     PYTHONPATH=python python bench/bench_gemm.py --shapes qwen3 --routing zipf --kinds fwd,fp8_fwd
     PYTHONPATH=python python bench/bench_gemm.py --tiny        # smoke test of the script, CPU is fine
+    PYTHONPATH=python python bench/bench_gemm.py --kinds fwd,dgrad,wgrad --tiles large,m2,pong128,tall
+
+--tiles also times moe8's bf16 GEMMs with each sm_90a tile configuration forced (MOE8_SM90_TILE, see
+csrc/cuda/grouped_gemm_sm90.cu) and prints the fastest per GEMM: the data behind the per-shape tile choice.
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -126,6 +131,8 @@ def bench(shape, dims, routing, args, device, gen):
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
             except Exception as e:  # one failing kernel must not lose the other rows
                 row["moe8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if ceil == "bf16" and args.tiles:
+                row["tiles_ms"] = forced_tiles_ms(mine, device, args)
             if theirs is not None:
                 try:
                     row["torch_ms"] = median_ms(theirs, device, args.warmup, args.iters)
@@ -140,6 +147,34 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
+TILES = ("large", "solo", "m2", "pong128", "tall")
+
+
+def forced_tiles_ms(fn, device, args) -> dict:
+    """{tile: ms} of fn with MOE8_SM90_TILE=tile (read by the kernel at each call); errors recorded."""
+    out = {}
+    old = os.environ.get("MOE8_SM90_TILE")
+    try:
+        for t in args.tiles:
+            os.environ["MOE8_SM90_TILE"] = t
+            try:
+                out[t] = median_ms(fn, device, args.warmup, args.iters)
+            except Exception as e:
+                out[t] = f"{type(e).__name__}: {str(e)[:120]}"
+    finally:
+        if old is None:
+            os.environ.pop("MOE8_SM90_TILE", None)
+        else:
+            os.environ["MOE8_SM90_TILE"] = old
+    return out
+
+
+def best_tile(r):
+    """(tile, ms) of the fastest forced tile of row r, or None."""
+    timed = [(ms, t) for t, ms in r.get("tiles_ms", {}).items() if isinstance(ms, float)]
+    return (min(timed)[1], min(timed)[0]) if timed else None
+
+
 def line(r) -> str:
     def num(key, fmt):
         return format(r[key], fmt) if key in r else "-"
@@ -150,7 +185,17 @@ def line(r) -> str:
         f"{num('moe8_ms', '8.3f')} ms {num('moe8_tflops', '6.0f')} TF/s {num('moe8_pct_of_ceiling', '4.0f')}% | "
         f"torch {num('torch_ms', '8.3f')} ms {num('torch_tflops', '6.0f')} TF/s | {num('ratio', '5.2f')}x"
         + (err if err.strip() else "")
+        + tiles_text(r)
     )
+
+
+def tiles_text(r) -> str:
+    if "tiles_ms" not in r:
+        return ""
+    parts = [f"{t} {ms:.3f}" if isinstance(ms, float) else f"{t} error" for t, ms in r["tiles_ms"].items()]
+    best = best_tile(r)
+    vs = f", best {best[0]}: {r['torch_ms'] / best[1]:.2f}x torch" if best and "torch_ms" in r else ""
+    return "\n    tiles ms: " + ", ".join(parts) + vs
 
 
 def main() -> int:
@@ -167,8 +212,14 @@ def main() -> int:
     ap.add_argument(
         "--tiny", action="store_true", help="one tiny shape, 64 tokens: a smoke test, CPU is fine"
     )
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help=f"comma-separated, from {TILES}: also time the bf16 GEMMs with each tile forced (MOE8_SM90_TILE)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    args.tiles = [t for t in args.tiles.split(",") if t]
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -177,6 +228,7 @@ def main() -> int:
         ("--shapes", names, shapes),
         ("--kinds", args.kinds, KINDS),
         ("--routing", routings, ("balanced", "zipf")),
+        ("--tiles", args.tiles, TILES),
     ):
         bad = [x for x in given if x not in allowed]
         if bad:
@@ -215,6 +267,9 @@ def main() -> int:
     ratios = [r["ratio"] for r in rows if "ratio" in r and r["kind"] != "fp8_fwd"]
     if ratios:
         print(f"bf16 moe8 / torch: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x")
+    best = [r["torch_ms"] / b[1] for r in rows if "torch_ms" in r and (b := best_tile(r))]
+    if best:
+        print(f"bf16 best forced tile / torch: min {min(best):.2f}x, median {statistics.median(best):.2f}x")
     return 1 if any("moe8_error" in r for r in rows) else 0
 
 

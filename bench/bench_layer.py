@@ -106,7 +106,7 @@ def recipe_of(name: str):
     return Float8Recipe(base, dgrad=fp8("dgrad"), wgrad=fp8("wgrad"))
 
 
-def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
+def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
     block = hf_block(H, I, E, K).cuda().to(dtype)
@@ -151,6 +151,15 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
         except Exception as e:  # report and go on: one recipe failing must not lose the others
             fp8_rows[recipe] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"  fp8 {recipe}: {fp8_rows[recipe]}", flush=True)
+    profiles = {}
+    if profile_top:  # one more call of each under torch.profiler: its top kernels
+        from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
+
+        profiles["moe8_bf16"] = profile_step(moe8_step, profile_top)
+        for recipe in fp8:
+            if "error" not in fp8_rows[recipe]:
+                print(f"  fp8 {recipe}:", flush=True)
+                profiles[f"moe8_{recipe}"] = profile_step(lambda r=recipe: moe8_step(r), profile_top)
     moe8.ops.set_index_validation(True)
     flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
     row = {
@@ -171,6 +180,8 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=()):
         "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
     }
     row["moe8_pct_of_bf16_ceiling"] = 100 * row["moe8_expert_tflops"] * 1e12 / BF16_CEILING
+    if profiles:
+        row["profile"] = profiles
     if fp8_rows:
         row["fp8"] = fp8_rows  # expert GEMM forwards in FP8, backward in bf16 (moe8.fp8)
     if check:
@@ -246,8 +257,16 @@ def main():
     )
     ap.add_argument(
         "--consume-gate-up",
-        action="store_true",
-        help="moe8.layer.CONSUME_GATE_UP: the experts' backward writes d h over the gate_up output",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="moe8.layer.CONSUME_GATE_UP (default on): the experts' backward writes d h over the gate_up output",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile one more moe8 call per shape (and FP8 recipe) and print its N kernels with the most time",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -275,7 +294,11 @@ def main():
         fp8 = [r for r in args.fp8.split(",") if r]
         for r in fp8:
             recipe_of(r)  # an unknown name fails before any timing
-        layers.append(bench_shape(n, args.tokens, check=not args.no_check and n == "qwen3", fp8=fp8))
+        layers.append(
+            bench_shape(
+                n, args.tokens, check=not args.no_check and n == "qwen3", fp8=fp8, profile_top=args.profile
+            )
+        )
         print(json.dumps(layers[-1]), flush=True)
     gemms = bench_gemm(args.tokens) if args.gemm else []
     if args.json:

@@ -250,6 +250,8 @@ def child(args):
             save()
         res["steady_gib"] = gib(torch.cuda.memory_allocated())  # weights + adapters + AdamW state
         if args.profile:
+            from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
+
             res["profile_top"] = profile_step(step, args.profile)
             save()
     except torch.cuda.OutOfMemoryError as e:
@@ -264,44 +266,6 @@ def child(args):
             res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
             res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
         save()
-
-
-def profile_step(step, rows):
-    """One more step under torch.profiler: prints the `rows` kernels/ops with the most self device time and
-    returns them as [name, self device ms, calls]."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    cuda = torch.cuda.is_available()
-
-    def self_us(e):  # device time on a GPU (kernels, copies; ops' CPU time would mix in otherwise), else CPU
-        if cuda:
-            return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0
-        return getattr(e, "self_cpu_time_total", 0.0) or 0.0
-
-    timed = [e for e in events if self_us(e) > 0]
-    if cuda:  # kernels and copies only: an op's self device time is its kernels' again
-        from torch.autograd import DeviceType
-
-        timed = [e for e in timed if getattr(e, "device_type", None) == DeviceType.CUDA] or timed
-    top = sorted(timed, key=self_us, reverse=True)[:rows]
-    total = sum(self_us(e) for e in timed) or 1.0
-    what = "GPU time (kernels and copies)" if cuda else "CPU self time"
-    print(f"profile: {len(timed)} entries, {what} {total / 1e3:.1f} ms; top {rows}:", flush=True)
-    out = []
-    for e in top:
-        out.append([e.key[:120], round(self_us(e) / 1e3, 3), e.count])
-        print(
-            f"  {self_us(e) / 1e3:9.2f} ms {100 * self_us(e) / total:5.1f}% x{e.count:<6} {e.key[:100]}",
-            flush=True,
-        )
-    return out
 
 
 # ------------------------------------------------------------------------------------------ parent process
@@ -461,10 +425,10 @@ def main():
     )
     ap.add_argument(
         "--moe8-fuse",
-        default="router,norm,rope",
-        help="what moe8 fuses besides the experts, comma-separated from router, norm, rope (default: these "
-        "three, as `moe8 finetune`), lora_add (moe8.layer.FUSED_LORA_ADD) and consume "
-        "(moe8.layer.CONSUME_GATE_UP), or none",
+        default="router,norm,rope,consume",
+        help="what moe8 fuses besides the experts, comma-separated from router, norm, rope, consume "
+        "(moe8.layer.CONSUME_GATE_UP) (default: these four, as `moe8 finetune`) and lora_add "
+        "(moe8.layer.FUSED_LORA_ADD), or none",
     )
     ap.add_argument(
         "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"

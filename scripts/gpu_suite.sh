@@ -4,7 +4,9 @@
 # in build/gpu, runs ctest and pytest (CUDA tests included), then the benchmarks. Logs and JSON go to $OUT
 # (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C
 # only), bench (build _C, benchmarks), lora (build _C, bench_lowrank.py, the 30B LoRA step: moe8 with the
-# fusions FUSE (default router,norm,rope) vs PEFT, then moe8 with FUSE plus lora_add) or all.
+# fusions FUSE (default router,norm,rope,consume) vs PEFT, then moe8 with FUSE plus lora_add),
+# tiles (the Sm90Test gtests when PREBUILT holds moe8_tests, then bench_gemm.py --tiles TILES and
+# bench_layer.py on LAYER_SHAPES once per forced tile, MOE8_SM90_TILE) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
@@ -105,7 +107,7 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   fi
 fi
 if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: moe8 (fusions FUSE) vs PEFT, then moe8 with lora_add too
-  FUSE=${FUSE:-router,norm,rope}
+  FUSE=${FUSE:-router,norm,rope,consume}
   timeout 60 $PY bench/bench_lowrank.py --ranks 16,32 --json "$OUT/lowrank.json" >"$OUT/lowrank.log" 2>&1
   cat "$OUT/lowrank.log"
   timeout 220 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
@@ -114,5 +116,22 @@ if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: moe8 (fusions FUSE) vs 
   timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 --steps 5 \
     --moe8-fuse "$FUSE,lora_add" --timeout 70 --json "$OUT/lora_30b_lora_add.json" >"$OUT/lora_30b_lora_add.log" 2>&1
   grep -E "^moe8 " "$OUT/lora_30b_lora_add.log"
+fi
+if [ "$STAGE" = tiles ]; then  # the per-shape tile sweep: each forced sm_90a tile, per GEMM and per layer
+  TILES=${TILES:-large,m2,pong128,tall}
+  if [ -x "${PREBUILT:-}/moe8_tests" ]; then
+    timeout 200 "$PREBUILT/moe8_tests" --gtest_filter='Sm90Test.*-*Speed*' >"$OUT/gtest_sm90.log" 2>&1
+    grep -E "^\[  (PASSED|FAILED)  \]" "$OUT/gtest_sm90.log"
+  fi
+  timeout 240 $PY bench/bench_gemm.py --kinds fwd,dgrad,wgrad --iters 5 --warmup 2 --tiles "$TILES" \
+    --json "$OUT/gemm_tiles.json" >"$OUT/gemm_tiles.log" 2>&1
+  tail -2 "$OUT/gemm_tiles.log"
+  for t in default ${TILES//,/ }; do
+    [ "$t" = default ] && unset MOE8_SM90_TILE || export MOE8_SM90_TILE=$t
+    timeout 90 $PY bench/bench_layer.py --shapes "${LAYER_SHAPES:-qwen3,mixtral}" --no-check \
+      --json "$OUT/layer_tile_$t.json" >"$OUT/layer_tile_$t.log" 2>&1
+    echo "layer, tile $t:"; grep -A3 "^shape" "$OUT/layer_tile_$t.log"
+  done
+  unset MOE8_SM90_TILE
 fi
 echo "total $(($(date +%s) - t0)) s"

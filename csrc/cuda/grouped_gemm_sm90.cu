@@ -27,6 +27,7 @@
 #include <cstring>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
@@ -79,9 +80,16 @@ using TileLargeM2 = CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
 // ran at ~1/3 of their bytes' time at the Qwen3-30B LoRA shapes. bf16 only.
 using TileThin = CooperativeTile<Shape<_128, _32, _128>, Shape<_1, _1, _1>>;
 constexpr int64_t kThinN = 32;
-using TileSmall =
-    TileConfig<Shape<_64, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+template <class Tile, class Cluster>
+using PingpongTile = TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
+// Candidates for the per-shape choice, bf16 only, picked with MOE8_SM90_TILE (see large_tile): each
+// consumer warpgroup owns a whole 128x128 tile and the two alternate mainloop and epilogue (ping-pong, the
+// epilogue hidden behind the other's mainloop), CTAs paired along M; and a 256x128 cooperative tile (each
+// warpgroup 128x128, twice the rows per weight tile of TileLarge), CTAs paired along N.
+using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
+using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc.
 // NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C
@@ -127,21 +135,38 @@ using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::
 // Whether the GEMM's N spans an odd number of large tiles (then TileLargeSolo, see there).
 inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
 
+// The configuration of a bf16/f16 GEMM that takes neither the small nor the thin tile.
+enum class LargeTile { kLarge, kSolo, kM2, kPong128, kTall };
+
 // MOE8_SM90_CLUSTER=2x1: the large bf16 tile pairs CTAs along M (TileLargeM2); =auto: only where every side
 // of the weight (the GEMM's N and the other weight dimension) is <= kAutoM2Width, where 2x1 measured faster
 // on the H200 (Qwen3-30B-A3B shapes: 7.6% less time, median of 12 GEMMs; GPT-OSS-20B's 2880 / 5760: 4.5%
-// more, gemm_h200.md). Read at each call; unset or anything else: the 1x2 cluster.
+// more, gemm_h200.md). MOE8_SM90_TILE=large|solo|m2|pong128|tall forces one configuration for every such
+// bf16 GEMM (for tile sweeps: bench/bench_gemm.py --tiles); it wins over MOE8_SM90_CLUSTER. Both are read at
+// each call; unset: the 1x2 cluster (TileLarge, or TileLargeSolo for an odd number of 256-wide tiles).
 constexpr int64_t kAutoM2Width = 2048;
 
 template <class T>
-bool cluster_along_m(int64_t n, int64_t k) {
+LargeTile large_tile(int64_t n, int64_t k) {
+  const LargeTile plain = odd_large_tiles(n) ? LargeTile::kSolo : LargeTile::kLarge;
   if constexpr (!std::is_same_v<T, cutlass::bfloat16_t>) {
-    return false;
+    return plain;
   } else {
+    if (const char* t = std::getenv("MOE8_SM90_TILE")) {
+      constexpr std::pair<const char*, LargeTile> kNames[] = {{"large", LargeTile::kLarge},
+                                                              {"solo", LargeTile::kSolo},
+                                                              {"m2", LargeTile::kM2},
+                                                              {"pong128", LargeTile::kPong128},
+                                                              {"tall", LargeTile::kTall}};
+      for (const auto& [name, tile] : kNames)
+        if (std::strcmp(t, name) == 0) return tile;
+      fail("MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got '", t, "'");
+    }
     const char* v = std::getenv("MOE8_SM90_CLUSTER");
-    if (v == nullptr) return false;
-    if (std::strcmp(v, "2x1") == 0) return true;
-    return std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width;
+    if (v == nullptr) return plain;
+    const bool m2 = std::strcmp(v, "2x1") == 0 ||
+                    (std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width);
+    return m2 ? LargeTile::kM2 : plain;
   }
 }
 
@@ -362,7 +387,13 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
                   cutlass_workspace_bytes<WgradGemm<B16, TileLargeM2>>(num_experts, sms),
                   cutlass_workspace_bytes<FwdGemm<B16, TileThin>>(num_experts, sms),
                   cutlass_workspace_bytes<DgradGemm<B16, TileThin>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TileThin>>(num_experts, sms)});
+                  cutlass_workspace_bytes<WgradGemm<B16, TileThin>>(num_experts, sms),
+                  cutlass_workspace_bytes<FwdGemm<B16, TilePong128>>(num_experts, sms),
+                  cutlass_workspace_bytes<DgradGemm<B16, TilePong128>>(num_experts, sms),
+                  cutlass_workspace_bytes<WgradGemm<B16, TilePong128>>(num_experts, sms),
+                  cutlass_workspace_bytes<FwdGemm<B16, TileTall>>(num_experts, sms),
+                  cutlass_workspace_bytes<DgradGemm<B16, TileTall>>(num_experts, sms),
+                  cutlass_workspace_bytes<WgradGemm<B16, TileTall>>(num_experts, sms)});
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -384,14 +415,19 @@ bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, Weigh
 
 namespace sm90 {
 
-// The tile configuration of a forward or dgrad GEMM (Gemm: FwdGemm or DgradGemm) with N = n, handed to launch.
+// The tile configuration of a GEMM (Gemm: FwdGemm, DgradGemm or WgradGemm) whose N (the GEMM's, i.e. kd
+// for wgrad) is n, handed to launch; small: the ping-pong 64x128 tile (forward and dgrad with few rows per
+// group), else large's choice.
 template <template <class, class> class Gemm, class T, class Launch>
-void launch_by_tile(int64_t n, bool small, bool along_m, bool solo, Launch&& launch) {
+void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
     if (n <= kThinN) return launch(Gemm<T, TileThin>{});
-    if (along_m) return launch(Gemm<T, TileLargeM2>{});
+    if (!small && large == LargeTile::kM2) return launch(Gemm<T, TileLargeM2>{});
+    if (!small && large == LargeTile::kPong128) return launch(Gemm<T, TilePong128>{});
+    if (!small && large == LargeTile::kTall) return launch(Gemm<T, TileTall>{});
   }
-  small ? launch(Gemm<T, TileSmall>{}) : solo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
+  if (small) return launch(Gemm<T, TileSmall>{});
+  large == LargeTile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
 }
 
 }  // namespace sm90
@@ -416,11 +452,11 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
-    const bool along_m = !small && cluster_along_m<T>(n, kd), solo = !small && !along_m && odd_large_tiles(n);
+    const LargeTile large = large_tile<T>(n, kd);
     if (layout == WeightLayout::kNK)
-      launch_by_tile<FwdGemm, T>(n, small, along_m, solo, launch);
+      launch_by_tile<FwdGemm, T>(n, small, large, launch);
     else
-      launch_by_tile<DgradGemm, T>(n, small, along_m, solo, launch);
+      launch_by_tile<DgradGemm, T>(n, small, large, launch);
   });
 }
 
@@ -445,11 +481,8 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
     };
     using T = decltype(t);
-    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-      if (kd <= kThinN) return launch(WgradGemm<T, TileThin>{});                  // the GEMM's N is kd
-      if (cluster_along_m<T>(n, kd)) return launch(WgradGemm<T, TileLargeM2>{});  // pairs along the GEMM's M = n
-    }
-    odd_large_tiles(kd) ? launch(WgradGemm<T, TileLargeSolo>{}) : launch(WgradGemm<T>{});  // the GEMM's N is kd
+    // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
+    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n), launch);
   });
 }
 

@@ -322,6 +322,22 @@ TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
   unsetenv("MOE8_SM90_CLUSTER");
 }
 
+// Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
+TEST_F(Sm90Test, ForcedTilesMatchReference) {
+  uint64_t seed = 97000;
+  for (const char* tile : {"large", "solo", "m2", "pong128", "tall"}) {
+    SCOPED_TRACE(std::string("MOE8_SM90_TILE=") + tile);
+    setenv("MOE8_SM90_TILE", tile, 1);
+    forward_and_dgrad_match_reference(seed += 100);
+    wgrad_matches_reference(seed += 100);
+  }
+  setenv("MOE8_SM90_TILE", "wide", 1);
+  Problem p({64, 200}, 0, 256, 256, 1);
+  DeviceProblem d(p);
+  EXPECT_THROW(d.forward(WeightLayout::kNK), Error);
+  unsetenv("MOE8_SM90_TILE");
+}
+
 TEST_F(Sm90Test, Float16MatchesReference) {
   DeviceBuffer probe(64);
   ASSERT_TRUE(cuda::grouped_gemm_sm90_supported(make_view(probe.get(), DType::kF16, {8, 8}, DeviceType::kCUDA),
