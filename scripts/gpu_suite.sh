@@ -120,8 +120,12 @@ fi
 if [ "$STAGE" = tiles ]; then  # the per-shape tile sweep: each forced sm_90a tile, per GEMM and per layer
   TILES=${TILES:-large,m2,pong128,tall}
   if [ -x "${PREBUILT:-}/moe8_tests" ]; then
-    timeout 200 "$PREBUILT/moe8_tests" --gtest_filter='Sm90Test.*-*Speed*' >"$OUT/gtest_sm90.log" 2>&1
-    grep -E "^\[  (PASSED|FAILED)  \]" "$OUT/gtest_sm90.log"
+    for i in 0 1 2 3; do
+      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 200 "$PREBUILT/moe8_tests" \
+        --gtest_filter='Sm90Test.*-*Speed*' >"$OUT/gtest_sm90_$i.log" 2>&1 &
+    done
+    wait
+    grep -h -E "^\[  (PASSED|FAILED)  \]" "$OUT"/gtest_sm90_*.log
   fi
   timeout 240 $PY bench/bench_gemm.py --kinds fwd,dgrad,wgrad --iters 5 --warmup 2 --tiles "$TILES" \
     --json "$OUT/gemm_tiles.json" >"$OUT/gemm_tiles.log" 2>&1
