@@ -84,10 +84,11 @@ template <class Tile, class Cluster>
 using PingpongTile = TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
-// Candidates for the per-shape choice, bf16 only, picked with MOE8_SM90_TILE (see large_tile): each
-// consumer warpgroup owns a whole 128x128 tile and the two alternate mainloop and epilogue (ping-pong, the
-// epilogue hidden behind the other's mainloop), CTAs paired along M; and a 256x128 cooperative tile (each
-// warpgroup 128x128, twice the rows per weight tile of TileLarge), CTAs paired along N.
+// Two more bf16 configurations (MOE8_SM90_TILE forces any, see large_tile): each consumer warpgroup owns a
+// whole 128x128 tile and the two alternate mainloop and epilogue (ping-pong, the epilogue hidden behind the
+// other's mainloop), CTAs paired along M: the weight gradient's default for experts with small weights
+// (pong_wgrad); and a 256x128 cooperative tile (each warpgroup 128x128, twice the rows per weight tile of
+// TileLarge), CTAs paired along N: a sweep candidate, nowhere faster on the H200 (gemm_h200.md).
 using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
 using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 
@@ -143,11 +144,12 @@ enum class LargeTile { kLarge, kSolo, kM2, kPong128, kTall };
 // on the H200 (Qwen3-30B-A3B shapes: 7.6% less time, median of 12 GEMMs; GPT-OSS-20B's 2880 / 5760: 4.5%
 // more, gemm_h200.md). MOE8_SM90_TILE=large|solo|m2|pong128|tall forces one configuration for every such
 // bf16 GEMM (for tile sweeps: bench/bench_gemm.py --tiles); it wins over MOE8_SM90_CLUSTER. Both are read at
-// each call; unset: the 1x2 cluster (TileLarge, or TileLargeSolo for an odd number of 256-wide tiles).
+// each call; unset: TilePong128 where pong is true (bf16), else the 1x2 cluster (TileLarge, or
+// TileLargeSolo for an odd number of 256-wide tiles).
 constexpr int64_t kAutoM2Width = 2048;
 
 template <class T>
-LargeTile large_tile(int64_t n, int64_t k) {
+LargeTile large_tile(int64_t n, int64_t k, bool pong = false) {
   const LargeTile plain = odd_large_tiles(n) ? LargeTile::kSolo : LargeTile::kLarge;
   if constexpr (!std::is_same_v<T, cutlass::bfloat16_t>) {
     return plain;
@@ -163,7 +165,7 @@ LargeTile large_tile(int64_t n, int64_t k) {
       fail("MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got '", t, "'");
     }
     const char* v = std::getenv("MOE8_SM90_CLUSTER");
-    if (v == nullptr) return plain;
+    if (v == nullptr) return pong ? LargeTile::kPong128 : plain;
     const bool m2 = std::strcmp(v, "2x1") == 0 ||
                     (std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width);
     return m2 ? LargeTile::kM2 : plain;
@@ -415,6 +417,19 @@ bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, Weigh
 
 namespace sm90 {
 
+// Whether the weight gradient (db [E, n, kd]) takes the 128x128 ping-pong tile by default: for at least
+// kPongWgradMinGroups experts whose 128x128 output tiles number <= kPongWgradMaxTiles in all. H200 sweep
+// (bench_gemm.py --tiles, gemm_h200.md): 9-25% less time than the 128x256 tiles at the Qwen3-30B-A3B shapes
+// (12k, 25k tiles), 5-11% at GPT-OSS-20B's (17k, 33k) on balanced routing; 1.2-1.3x slower on DeepSeek-V3's
+// 229k-458k tiles with Zipf routing and on Mixtral's 8 large experts (the 128x256 tile moves fewer operand
+// bytes per FLOP, which wins once the tiles are many or the groups few and large).
+constexpr int64_t kPongWgradMaxTiles = 40000;
+constexpr int kPongWgradMinGroups = 16;
+
+inline bool pong_wgrad(int groups, int64_t n, int64_t kd) {
+  return groups >= kPongWgradMinGroups && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
+}
+
 // The tile configuration of a GEMM (Gemm: FwdGemm, DgradGemm or WgradGemm) whose N (the GEMM's, i.e. kd
 // for wgrad) is n, handed to launch; small: the ping-pong 64x128 tile (forward and dgrad with few rows per
 // group), else large's choice.
@@ -482,7 +497,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     };
     using T = decltype(t);
     // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
-    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n), launch);
+    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n, pong_wgrad(groups, n, kd)), launch);
   });
 }
 

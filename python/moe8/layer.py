@@ -228,9 +228,11 @@ def moe_forward(
     scaling: float = 1.0,
     **expert_kwargs,
 ) -> tuple[Tensor, RouteOut]:
-    """A whole MoE layer: x [T, H], router_weight [E, H] -> (y [T, H], RouteOut)."""
+    """A whole MoE layer: x [T, H], router_weight [E, H] -> (y [T, H], RouteOut). The ids come from the
+    router's top-k, so they are not range-checked again (no host sync) unless check_ids=True is passed."""
     logits = x @ router_weight.t()  # [T, E]
     r = route(logits, k, scheme, renormalize, router_bias, n_group, topk_group, scaling)
+    expert_kwargs.setdefault("check_ids", False)
     return experts_forward(x, r.ids, r.weights, gate_up, down, **expert_kwargs), r
 
 
