@@ -109,7 +109,7 @@ def recipe_of(name: str):
     return Float8Recipe(base, dgrad=fp8("dgrad"), wgrad=fp8("wgrad"))
 
 
-def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0):
+def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, trace_dir=None):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
     block = hf_block(H, I, E, K).cuda().to(dtype)
@@ -171,6 +171,19 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0):
             if "error" not in fp8_rows[recipe]:
                 print(f"  fp8 {recipe}:", flush=True)
                 profiles[f"moe8_{recipe}"] = profile_step(lambda r=recipe: moe8_step(r), profile_top)
+    if trace_dir:  # Chrome traces of one more step each, and where their GPU idles
+        from pathlib import Path
+
+        from profiling import export_trace, gpu_gaps, print_gaps
+
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        profiles["gaps"] = {}
+        for who, step in (("hf", hf_step), ("moe8", moe8_step)):
+            path = Path(trace_dir) / f"{name}_{who}.json"
+            export_trace(step, path)
+            with open(path) as f:
+                profiles["gaps"][who] = gpu_gaps(json.load(f))
+            print_gaps(f"  {who} trace {path}", profiles["gaps"][who])
     moe8.ops.set_index_validation(True)
     flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
     row = {
@@ -279,6 +292,12 @@ def main():
         metavar="N",
         help="profile one more moe8 call per shape (and FP8 recipe) and print its N kernels with the most time",
     )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="save a Chrome trace of one more HF and moe8 step per shape in DIR and print where the GPU idles",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     moe8.layer.CONSUME_GATE_UP = args.consume_gate_up
@@ -307,7 +326,12 @@ def main():
             recipe_of(r)  # an unknown name fails before any timing
         layers.append(
             bench_shape(
-                n, args.tokens, check=not args.no_check and n == "qwen3", fp8=fp8, profile_top=args.profile
+                n,
+                args.tokens,
+                check=not args.no_check and n == "qwen3",
+                fp8=fp8,
+                profile_top=args.profile,
+                trace_dir=args.trace,
             )
         )
         print(json.dumps(layers[-1]), flush=True)

@@ -82,3 +82,31 @@ def test_finetune_compare(tmp_path):
     assert "| full-moe8 | - | - | - | - | missing | - |" in p.stdout
     res = json.loads((tmp_path / "c.json").read_text())
     assert res["moe8_over_transformers"]["lora"]["tokens_per_s"] == pytest.approx(2.0)
+
+
+def test_gpu_gaps_of_a_trace(tmp_path):
+    """bench/profiling.py: the GPU's idle intervals in a Chrome trace and the CPU ops running meanwhile,
+    through its command line."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "moe8::plan", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 50, "dur": 30},
+        {"ph": "X", "cat": "cpu_op", "name": "moe8::permute", "ts": 90, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 120, "dur": 80},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 190, "dur": 60},
+        {"ph": "i", "cat": "marker", "name": "ignored", "ts": 10},
+    ]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from profiling import gpu_gaps
+    finally:
+        sys.path.pop(0)
+    g = gpu_gaps(json.loads(trace.read_text()))
+    assert (g["span_us"], g["busy_us"], g["idle_us"]) == (250.0, 160.0, 90.0)
+    assert [(x["at_us"], x["idle_us"]) for x in g["gaps"]] == [(0.0, 50.0), (80.0, 40.0)]
+    assert g["gaps"][0]["cpu_ops"] == ["moe8::plan"]
+    assert g["gaps"][1]["cpu_ops"] == ["moe8::plan", "moe8::permute"]
+    p = run("bench/profiling.py", trace, "--top", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
