@@ -419,10 +419,11 @@ namespace sm90 {
 
 // Whether the weight gradient (db [E, n, kd]) takes the 128x128 ping-pong tile by default: for at least
 // kPongWgradMinGroups experts whose 128x128 output tiles number <= kPongWgradMaxTiles in all. H200 sweep
-// (bench_gemm.py --tiles, gemm_h200.md): 9-25% less time than the 128x256 tiles at the Qwen3-30B-A3B shapes
-// (12k, 25k tiles), 5-11% at GPT-OSS-20B's (17k, 33k) on balanced routing; 1.2-1.3x slower on DeepSeek-V3's
-// 229k-458k tiles with Zipf routing and on Mixtral's 8 large experts (the 128x256 tile moves fewer operand
-// bytes per FLOP, which wins once the tiles are many or the groups few and large).
+// (bench_gemm.py --tiles, gemm_h200.md, session 5), time against the 128x256 tiles: Qwen3-30B-A3B (12k,
+// 25k tiles) -9% to -25% with balanced and Zipf routing; GPT-OSS-20B (17k, 33k) -13% / -1% balanced, -5% /
+// +3% Zipf; DeepSeek-V3 (229k, 458k) -6% / -14% balanced but +16% / +17% Zipf; Mixtral-8x7B's 8 experts
+// +26% to +31% at gate_up (the 128x256 tile moves fewer operand bytes per FLOP, which wins once the tiles
+// are many or the groups few and large).
 constexpr int64_t kPongWgradMaxTiles = 40000;
 constexpr int kPongWgradMinGroups = 16;
 
