@@ -166,8 +166,8 @@ LargeTile large_tile(int64_t n, int64_t k, bool pong = false) {
     }
     const char* v = std::getenv("MOE8_SM90_CLUSTER");
     if (v == nullptr) return pong ? LargeTile::kPong128 : plain;
-    const bool m2 = std::strcmp(v, "2x1") == 0 ||
-                    (std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width);
+    const bool m2 =
+        std::strcmp(v, "2x1") == 0 || (std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width);
     return m2 ? LargeTile::kM2 : plain;
   }
 }
