@@ -1,10 +1,12 @@
 // quant.cu — FP8 e4m3 quantisation kernels of the training recipes (semantics: cpu/ops.h; conversion and
 // NaN policy: core/fp8.h), bit-exact with the CPU reference:
-//   rows 1x128 (+ gather)  one warp per (row, 128-column block): 4 values per lane, warp max, scale, store
+//   rows 1x128 (+ gather)  16 lanes per (row, 128-column block): 8 values per lane (one 16-byte load),
+//                          half-warp max, scale, one 8-byte store; two blocks per warp
 //   weight 128x128         one 256-thread block per tile, 64 values per thread in registers
 //   cols 1x128 (wgrad)     one block per (128-row block of a group, 64 columns), staged in shared memory
 //                          and written transposed
-//   swiglu_quant           rows 1x128 with the activation computed on the way (activation.cuh)
+//   swiglu_quant           rows 1x128 with the activation computed on the way (activation.cuh), 16-byte
+//                          loads of gate and up
 //   rowwise / tensorwise   block per row / grid-wide amax (atomicMax on the float bits) then a cast
 //   dequantize             one thread per element
 // Bit-exactness rests on three things: amax is a max (order-free; fmaxf drops NaN like the CPU's compare),
@@ -56,52 +58,73 @@ __device__ __forceinline__ float block_max(float v) {
   return warp_max(m);
 }
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-// Four consecutive values of a row starting at column k0 (zeros past K); vectorised when the caller knows
-// the four are in range and 4-element aligned.
-template <typename T>
-__device__ __forceinline__ void load4(const T* row, int64_t k0, int64_t K, bool vec, float (&v)[4]) {
-  if (vec && k0 + 4 <= K) {
-    const Pack<T, 4> p = *reinterpret_cast<const Pack<T, 4>*>(row + k0);
+// V consecutive values of a row starting at column k0 (zeros past K); one vector load when the caller
+// knows the row's packs are aligned (vec) and the V are in range.
+template <int V, typename T>
+__device__ __forceinline__ void load_n(const T* row, int64_t k0, int64_t K, bool vec, float (&v)[V]) {
+  if (vec && k0 + V <= K) {
+    const Pack<T, V> p = *reinterpret_cast<const Pack<T, V>*>(row + k0);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = to_float(p.v[j]);
+    for (int j = 0; j < V; ++j) v[j] = to_float(p.v[j]);
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
+    for (int j = 0; j < V; ++j) v[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
   }
 }
 
-__device__ __forceinline__ void store4(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[4], float s) {
-  uint8_t b[4];
+template <int V>
+__device__ __forceinline__ void store_n(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[V], float s) {
+  static_assert(V == 4 || V == 8, "4 or 8 codes per store");
+  uint8_t b[V];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) b[j] = to_e4m3(__fdiv_rn(v[j], s));
-  if (vec && k0 + 4 <= K) {
-    *reinterpret_cast<uint32_t*>(row + k0) = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+  for (int j = 0; j < V; ++j) b[j] = to_e4m3(__fdiv_rn(v[j], s));
+  if (vec && k0 + V <= K) {
+    uint32_t w[V / 4];
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i)
+      w[i] = b[4 * i] | (b[4 * i + 1] << 8) | (b[4 * i + 2] << 16) | (static_cast<uint32_t>(b[4 * i + 3]) << 24);
+    if constexpr (V == 4)
+      *reinterpret_cast<uint32_t*>(row + k0) = w[0];
+    else
+      *reinterpret_cast<uint2*>(row + k0) = make_uint2(w[0], w[1]);
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < V; ++j)
       if (k0 + j < K) row[k0 + j] = b[j];
   }
 }
 
-// Quantises the 128 values a warp holds (4 per lane) and writes its scale; v is in-register.
-__device__ __forceinline__ void warp_quantize(const float (&v)[4], uint8_t* qrow, int64_t k0, int64_t K, bool vec,
-                                              float* scale_out) {
+// The 1x128 row kernels: 16 lanes per (row, 128-column block), 8 values each, two blocks per warp. A
+// half warp is enough lanes for one 16-byte load per lane; the warp's two blocks double the bytes each
+// warp has in flight over one block per warp, which is what these memory-bound kernels are limited by.
+constexpr int kLaneVals = 8;
+constexpr int kBlockLanes = kQuantBlock / kLaneVals;  // 16
+
+__device__ __forceinline__ float half_warp_max(float v) {
+#pragma unroll
+  for (int o = kBlockLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Quantises the 128 values 16 lanes hold (8 each) and writes their scale (live: this half warp has a
+// block; all 32 lanes must call).
+__device__ __forceinline__ void block_quantize(const float (&v)[kLaneVals], bool live, uint8_t* qrow, int64_t k0,
+                                               int64_t K, bool vec, float* scale_out) {
   float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[j]));
-  const float s = scale_of(warp_max(m));
-  if (threadIdx.x % 32 == 0) *scale_out = s;
-  store4(qrow, k0, K, vec, v, s);
+  for (int j = 0; j < kLaneVals; ++j) m = fmaxf(m, fabsf(v[j]));
+  const float s = scale_of(half_warp_max(m));
+  if (!live) return;
+  if (threadIdx.x % kBlockLanes == 0) *scale_out = s;
+  store_n(qrow, k0, K, vec, v, s);
+}
+
+// Grid of the 1x128 row kernels for `items` (row, block) pairs.
+inline unsigned blocks_for_items(int64_t items) {
+  return static_cast<unsigned>(ceil_div(items, kThreads / kBlockLanes));
 }
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-inline unsigned blocks_for_warps(int64_t warps) { return static_cast<unsigned>(ceil_div(warps, kWarpsPerBlock)); }
 
 // ---------------------------------------------------------------------------------------- rows 1x128
 
@@ -111,18 +134,18 @@ __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_to_slot, int k, int64_t rows,
                          int64_t K, bool vec, uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int64_t KB = quant_blocks(K);
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  if (w >= rows * KB) return;  // whole warps leave together
-  const int64_t r = w / KB, b = w % KB;
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes;
+  const bool live = item < rows * KB;
+  const int64_t r = live ? item / KB : 0, b = live ? item % KB : 0;
   int64_t src = r;
-  if (row_to_slot) {
+  if (live && row_to_slot) {
     const int32_t slot = row_to_slot[r];
     src = slot < 0 ? -1 : slot / k;
   }
-  const int64_t k0 = b * kQuantBlock + (threadIdx.x % 32) * 4;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (src >= 0) load4(x + src * K, k0, K, vec, v);
-  warp_quantize(v, q + r * K, k0, K, vec, scale + r * KB + b);
+  const int64_t k0 = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
+  float v[kLaneVals] = {};
+  if (live && src >= 0) load_n(x + src * K, k0, K, vec, v);
+  block_quantize(v, live, q + r * K, k0, K, vec, scale + r * KB + b);
 }
 
 // ------------------------------------------------------------------------------------ weight 128x128
@@ -143,7 +166,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[i][j] = 0.f;
-    if (n < N) load4(w + (e * N + n) * K, k0, K, vec, v[i]);
+    if (n < N) load_n(w + (e * N + n) * K, k0, K, vec, v[i]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[i][j]));
   }
@@ -152,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
-    if (n < N) store4(q + (e * N + n) * K, k0, K, vec, v[i], s);
+    if (n < N) store_n(q + (e * N + n) * K, k0, K, vec, v[i], s);
   }
 }
 
@@ -265,36 +288,41 @@ __global__ void __launch_bounds__(kThreads)
 
 // ------------------------------------------------------------------------------------ swiglu_quant
 
-// One warp per (row, 128-column block of the output); h [rows, 2I] (gated) or [rows, I].
+// 16 lanes per (row, 128-column block of the output); h [rows, 2I] (gated) or [rows, I]. vec: I % 8 == 0
+// and h, q aligned, so a lane's 8 gate and 8 up values (8 interleaved pairs) are vector loads.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_quant_kernel(const T* __restrict__ h, ActParams p, bool gated, int64_t rows, int64_t I, bool vec_out,
+    swiglu_quant_kernel(const T* __restrict__ h, ActParams p, bool gated, int64_t rows, int64_t I, bool vec,
                         uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int64_t IB = quant_blocks(I);
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  if (w >= rows * IB) return;
-  const int64_t r = w / IB, b = w % IB;
-  const int64_t i0 = b * kQuantBlock + (threadIdx.x % 32) * 4;
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes;
+  const bool live = item < rows * IB;
+  const int64_t r = live ? item / IB : 0, b = live ? item % IB : 0;
+  const int64_t i0 = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
   const T* row = h + r * (gated ? 2 * I : I);
-  float v[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t i = i0 + j;
-    v[j] = 0.f;
-    if (i >= I) continue;
-    float g, u = 0.f;
+  float g[kLaneVals] = {}, u[kLaneVals] = {};
+  if (live) {
     if (!gated) {
-      g = to_float(row[i]);
-    } else if (p.interleaved) {
-      g = to_float(row[2 * i]);
-      u = to_float(row[2 * i + 1]);
-    } else {
-      g = to_float(row[i]);
-      u = to_float(row[I + i]);
+      load_n(row, i0, I, vec, g);
+    } else if (!p.interleaved) {
+      load_n(row, i0, I, vec, g);
+      load_n(row + I, i0, I, vec, u);
+    } else {  // pairs (g, u) at 2i, 2i + 1: the lane's 16 values, in two loads
+      float gu[2][kLaneVals];
+      load_n(row, 2 * i0, 2 * I, vec, gu[0]);
+      load_n(row, 2 * i0 + kLaneVals, 2 * I, vec, gu[1]);
+#pragma unroll
+      for (int j = 0; j < kLaneVals; ++j) {
+        g[j] = gu[j / 4][2 * (j % 4)];
+        u[j] = gu[j / 4][2 * (j % 4) + 1];
+      }
     }
-    v[j] = to_float(from_float<T>(act_forward(p, g, u)));  // rounded to T, as activation_forward stores it
   }
-  warp_quantize(v, q + r * I, i0, I, vec_out, scale + r * IB + b);
+  float v[kLaneVals];
+#pragma unroll
+  for (int j = 0; j < kLaneVals; ++j)  // rounded to T, as activation_forward stores it; 0 past I
+    v[j] = live && i0 + j < I ? to_float(from_float<T>(act_forward(p, g[j], u[j]))) : 0.f;
+  block_quantize(v, live, q + r * I, i0, I, vec, scale + r * IB + b);
 }
 
 // ------------------------------------------------------------------------------ rowwise / tensorwise
@@ -389,8 +417,8 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   if (rows == 0 || K == 0) return;
   MOE8_DISPATCH_FLOAT(x.dtype, "quantize_rows_1x128: x", [&] {
     using T = scalar_t;
-    const bool vec = K % 4 == 0 && aligned(x.data, 4 * sizeof(T)) && aligned(q.data, 4);
-    quantize_rows_kernel<T><<<blocks_for_warps(rows * quant_blocks(K)), kThreads, 0, as_stream(stream)>>>(
+    const bool vec = K % kLaneVals == 0 && aligned(x.data, sizeof(T) * kLaneVals) && aligned(q.data, kLaneVals);
+    quantize_rows_kernel<T><<<blocks_for_items(rows * quant_blocks(K)), kThreads, 0, as_stream(stream)>>>(
         x.ptr<T>(), row_to_slot.present ? row_to_slot.ptr<int32_t>() : nullptr, k, rows, K, vec, q.ptr<uint8_t>(),
         scale.ptr<float>());
     check_launch("quantize_rows_kernel");
@@ -429,8 +457,8 @@ void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, 
   if (rows == 0 || I == 0) return;
   MOE8_DISPATCH_FLOAT(h.dtype, "swiglu_quant: h", [&] {
     using T = scalar_t;
-    const bool vec = I % 4 == 0 && aligned(q.data, 4);
-    swiglu_quant_kernel<T><<<blocks_for_warps(rows * quant_blocks(I)), kThreads, 0, as_stream(stream)>>>(
+    const bool vec = I % kLaneVals == 0 && aligned(h.data, sizeof(T) * kLaneVals) && aligned(q.data, kLaneVals);
+    swiglu_quant_kernel<T><<<blocks_for_items(rows * quant_blocks(I)), kThreads, 0, as_stream(stream)>>>(
         h.ptr<T>(), p, is_gated(p.kind), rows, I, vec, q.ptr<uint8_t>(), scale.ptr<float>());
     check_launch("swiglu_quant_kernel");
   });

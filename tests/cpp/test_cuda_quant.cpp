@@ -56,7 +56,8 @@ TEST_F(CudaTest, QuantRowsMatchCpuBitExact) {
   struct RK {
     int64_t R, K;
   };
-  const RK shapes[] = {{1, 1}, {5, 129}, {17, 300}, {0, 64}, {3, 6}, {1024, 7168}, {257, 2048}};
+  // 2880: 16-byte loads with a half block at the end of each row (GPT-OSS widths)
+  const RK shapes[] = {{1, 1}, {5, 129}, {17, 300}, {0, 64}, {3, 6}, {1024, 7168}, {257, 2048}, {9, 2880}};
   Rng rng(100);
   for (DType dt : kFloatTypes)
     for (RK s : shapes) {
@@ -210,7 +211,7 @@ TEST_F(CudaTest, SwigluQuantFusedEqualsActivationThenQuantize) {
   struct RI {
     int64_t R, I;
   };
-  const RI shapes[] = {{7, 300}, {1, 1}, {3, 6}, {512, 768}};
+  const RI shapes[] = {{7, 300}, {1, 1}, {3, 6}, {512, 768}, {5, 2880}};  // 2880: vector loads, half last block
   for (DType dt : kFloatTypes)
     for (const ActParams& p : ps)
       for (RI s : shapes) {
