@@ -73,7 +73,8 @@ using TileLarge = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _2, _1>>;
 using TileLargeSolo = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _1, _1>>;
 // TileLarge with the CTAs paired along M instead (torch._grouped_mm's choice): the pair shares the weight
 // tile, 20% fewer operand bytes per k-step than pairing along N, at the cost of rounding each group's
-// M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1, bf16) until measured against TileLarge on a GPU.
+// M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1 or auto, bf16): 7.6% less GEMM time at the Qwen3 shapes
+// on the H200 but no faster a whole layer (gemm_h200.md, layer_h200_tiles.json).
 using TileLargeM2 = CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
 // For a GEMM with a rank-sized N (the expert LoRA's A projection x·A[e] and its input gradient dt·A[e],
 // N = r <= 32): a 256-wide tile would compute 16 columns for each one kept, so these memory-bound GEMMs
