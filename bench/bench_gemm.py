@@ -29,7 +29,7 @@ import sys
 import time
 
 import torch
-from bench_layer import median_ms  # the same timing as the layer benchmark (this folder is on sys.path)
+from bench_layer import one_ms  # the same timing as the layer benchmark (this folder is on sys.path)
 
 import moe8
 from moe8 import fp8, ops
@@ -125,20 +125,20 @@ def bench(shape, dims, routing, args, device, gen):
         for kind, (mine, theirs, flops, ceil) in cases(a, w, dc, offsets, ends, E, args.kinds).items():
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())
-            try:
-                row["moe8_ms"] = median_ms(mine, device, args.warmup, args.iters)
-                row["moe8_tflops"] = flops / row["moe8_ms"] / 1e9
+            cands = {"moe8": mine} | ({"torch": theirs} if theirs is not None else {})
+            if ceil == "bf16":
+                cands |= {f"tile {t}": with_tile(mine, t) for t in args.tiles}
+            ms = interleaved_ms(cands, device, args.warmup, args.iters)
+            for who in ("moe8", "torch"):
+                if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
+                    row[f"{who}_error"] = ms[who]
+                elif who in ms:
+                    row[f"{who}_ms"] = ms[who]
+                    row[f"{who}_tflops"] = flops / ms[who] / 1e9
+            if "moe8_ms" in row:
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
-            except Exception as e:  # one failing kernel must not lose the other rows
-                row["moe8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if ceil == "bf16" and args.tiles:
-                row["tiles_ms"] = forced_tiles_ms(mine, device, args)
-            if theirs is not None:
-                try:
-                    row["torch_ms"] = median_ms(theirs, device, args.warmup, args.iters)
-                    row["torch_tflops"] = flops / row["torch_ms"] / 1e9
-                except Exception as e:
-                    row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row["tiles_ms"] = {t: ms[f"tile {t}"] for t in args.tiles}
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -150,22 +150,49 @@ def bench(shape, dims, routing, args, device, gen):
 TILES = ("large", "solo", "m2", "pong128", "tall")
 
 
-def forced_tiles_ms(fn, device, args) -> dict:
-    """{tile: ms} of fn with MOE8_SM90_TILE=tile (read by the kernel at each call); errors recorded."""
-    out = {}
-    old = os.environ.get("MOE8_SM90_TILE")
-    try:
-        for t in args.tiles:
-            os.environ["MOE8_SM90_TILE"] = t
+def with_tile(fn, tile):
+    """fn with MOE8_SM90_TILE=tile (read by the kernel at each launch) for the duration of each call."""
+
+    def call():
+        old = os.environ.get("MOE8_SM90_TILE")
+        os.environ["MOE8_SM90_TILE"] = tile
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("MOE8_SM90_TILE", None)
+            else:
+                os.environ["MOE8_SM90_TILE"] = old
+
+    return call
+
+
+def interleaved_ms(fns: dict, device, warmup: int, iters: int) -> dict:
+    """{name: median ms} of each fn, timed round-robin with the order rotating every round, so that the
+    GPU's clock changes under sustained load fall on all alike (timing each fn's iterations in a block
+    favoured whichever ran first: up to 20% on the same kernel, gemm_h200.md); {name: error text} for a
+    fn that raised."""
+    out, live = {}, {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            live[name] = fn
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    times = {name: [] for name in live}
+    for i in range(iters):
+        names = list(live)
+        if not names:
+            break
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             try:
-                out[t] = median_ms(fn, device, args.warmup, args.iters)
+                times[name].append(one_ms(live[name], device))
             except Exception as e:
-                out[t] = f"{type(e).__name__}: {str(e)[:120]}"
-    finally:
-        if old is None:
-            os.environ.pop("MOE8_SM90_TILE", None)
-        else:
-            os.environ["MOE8_SM90_TILE"] = old
+                out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                live.pop(name)
+                times.pop(name)
+    out.update({name: statistics.median(t) for name, t in times.items()})
     return out
 
 

@@ -45,24 +45,25 @@ def hf_block(H, I, E, K):
     return block
 
 
+def one_ms(fn, device) -> float:
+    """Milliseconds of one fn() call (CUDA events on a GPU, else wall time)."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b)
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
 def median_ms(fn, device, warmup=3, iters=10) -> float:
-    """Median milliseconds of fn() over iters after warmup calls (CUDA events on a GPU, else wall time)."""
+    """Median milliseconds of fn() over iters after warmup calls."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
+    return statistics.median(one_ms(fn, device) for _ in range(iters))
 
 
 def timed(fn, warmup=3, iters=10):
