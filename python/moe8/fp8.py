@@ -601,3 +601,6 @@ def experts_forward_fp8(
             h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit, layer.CONSUME_GATE_UP
         )
     return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
+
+
+ops._make_direct(globals())  # last: after every op's registrations (ops.set_eager_direct)

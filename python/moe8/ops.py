@@ -9,6 +9,7 @@ Differentiable ops (autograd registered): route, permute, combine, grouped_gemm,
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -43,6 +44,92 @@ _validate = {"indices": True}
 def set_index_validation(enabled: bool) -> None:
     """Turn the range check of expert ids in `plan` on (default) or off (no device sync on CUDA)."""
     _validate["indices"] = bool(enabled)
+
+
+# Direct eager calls. A torch.library custom op call goes twice through the dispatcher and through the
+# custom-op wrappers before it reaches the op's Python function (~30 us of host time a call measured on a
+# CPU, 2x the function itself), which a single MoE layer pays ~15 times a step; on a GPU the kernels of
+# the router, plan and permute take microseconds, so the GPU waits for that host time. With direct calls
+# on, a call from plain eager code runs the op's own function, and a differentiable op an autograd.Function
+# built from its registered setup_context / backward: the same functions and kernels, the same results.
+# Anything else takes the custom op: torch.compile tracing, functorch transforms, an active
+# TorchDispatchMode or TorchFunctionMode (fake / meta tensors, FlopCounter, ...), tensors other than plain
+# CPU / CUDA tensors and parameters (DTensor, meta), keyword arguments. An op that writes an input bumps its
+# version counter as the dispatcher does. Off by default until GPU-tested: set_eager_direct(True) or
+# MOE8_EAGER_DIRECT=1.
+_eager = {"direct": os.environ.get("MOE8_EAGER_DIRECT", "0") == "1"}
+
+
+def set_eager_direct(enabled: bool) -> None:
+    """Run moe8's ops from plain eager code without the custom-op dispatch (see above)."""
+    _eager["direct"] = bool(enabled)
+
+
+def eager_direct() -> bool:
+    return _eager["direct"]
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct_ok(args) -> bool:
+    if not _eager["direct"] or torch.compiler.is_compiling():
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(
+        not isinstance(a, Tensor) or (type(a) in _PLAIN and a.device.type in ("cpu", "cuda")) for a in args
+    )
+
+
+class _DirectOp(torch._library.custom_ops.CustomOpDef):
+    """A moe8 custom op whose plain eager calls skip the dispatcher (see set_eager_direct); an instance of
+    CustomOpDef still (torch.library.opcheck, register_fake, ... see the same op)."""
+
+    def _setup_direct(self) -> None:
+        schema = self._opoverload._schema
+        self._direct_nargs = len(schema.arguments)
+        # the arguments an in-place op writes: their version counters are bumped as the dispatcher would,
+        # so that autograd still refuses a saved tensor that was overwritten
+        self._direct_writes = [
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        self._direct_fn = None
+        impl, setup, bwd = self._init_fn, self._setup_context_fn, self._backward_fn
+        if bwd is not None and setup is not None:
+
+            def forward(ctx, *args):
+                out = impl(*args)
+                setup(ctx=ctx, inputs=args, output=out)
+                return out
+
+            def backward(ctx, *grads):
+                return bwd(ctx, *grads)
+
+            methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+            self._direct_fn = type("Direct_" + self._name, (torch.autograd.Function,), methods)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs or len(args) != self._direct_nargs or not _direct_ok(args):
+            return super().__call__(*args, **kwargs)
+        if self._direct_fn is not None and torch.is_grad_enabled():
+            if any(isinstance(a, Tensor) and a.requires_grad for a in args):
+                return self._direct_fn.apply(*args)
+        out = self._init_fn(*args)
+        for i in self._direct_writes:
+            torch.autograd.graph.increment_version(args[i])
+        return out
+
+
+def _make_direct(namespace: dict) -> None:
+    """Turns every custom op in `namespace` (a module's globals, after all its registrations) into a
+    _DirectOp (the same object, its class swapped)."""
+    for value in namespace.values():
+        if type(value) is torch._library.custom_ops.CustomOpDef:
+            value.__class__ = _DirectOp
+            value._setup_direct()
 
 
 def _stream(t: Tensor) -> int:
@@ -692,3 +779,5 @@ def _ggr_bwd(ctx, g):
 
 
 _grouped_gemm_recompute.register_autograd(_ggr_bwd, setup_context=_ggr_setup)
+
+_make_direct(globals())  # last: after every op's registrations

@@ -110,3 +110,14 @@ def test_gpu_gaps_of_a_trace(tmp_path):
     p = run("bench/profiling.py", trace, "--top", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
+
+
+def test_bench_host_runs(tmp_path):
+    out = tmp_path / "host.json"
+    p = run("bench/bench_host.py", "--device", "cpu", "--steps", "3", "--repeats", "2", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    v = json.loads(out.read_text())
+    assert set(v["us_per_step"]) == {"dispatcher", "direct"} and all(x > 0 for x in v["us_per_step"].values())
+    assert "direct / dispatcher" in p.stdout
+    bad = run("bench/bench_host.py", "--device", "tpu")
+    assert bad.returncode != 0 and "--device: expected cpu or cuda, got 'tpu'" in bad.stderr

@@ -1,0 +1,104 @@
+"""Host time of one MoE layer step (forward + backward) with moe8's ops called through the torch.library
+dispatcher vs directly (moe8.ops.set_eager_direct): a tiny layer, so the kernels take next to nothing
+and the wall time per step is the Python and dispatch work that a GPU would wait for.
+
+    PYTHONPATH=python python bench/bench_host.py                     # CPU, or the GPU when there is one
+    PYTHONPATH=python python bench/bench_host.py --device cpu --steps 300 --json host.json
+
+Prints microseconds per step (median of --repeats blocks of --steps steps) for each way, alternating."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import moe8
+from moe8 import ops
+
+
+def make_step(device, T, H, I, E, K):
+    torch.manual_seed(0)
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    params = [
+        torch.randn(E, H, device=device).requires_grad_(),
+        torch.randn(E, 2 * I, H, device=device).requires_grad_(),
+        torch.randn(E, H, I, device=device).requires_grad_(),
+    ]
+
+    def step():
+        for p in (x, *params):
+            p.grad = None
+        y, _ = moe8.moe_forward(x, *params, K, "softmax", True)
+        y.sum().backward()
+
+    return step
+
+
+def us_per_step(step, steps, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when moe8 can use it)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per timed block (default 200)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed blocks per way (default 5)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.steps < 1 or args.repeats < 1:
+        raise SystemExit(f"--steps, --repeats: expected >= 1, got {args.steps}, {args.repeats}")
+    name = args.device or ("cuda" if torch.cuda.is_available() and moe8.cuda_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: expected cpu or cuda, got {name!r}")
+    if name == "cuda" and not (torch.cuda.is_available() and moe8.cuda_available()):
+        raise SystemExit("--device cuda: needs a CUDA GPU and moe8 built with CUDA")
+    device = torch.device(name)
+    shape = dict(T=16, H=64, I=32, E=8, K=2)
+    step = make_step(device, **shape)
+    before = ops.eager_direct()
+    times = {"dispatcher": [], "direct": []}
+    try:
+        for way in times:  # warm both ways
+            ops.set_eager_direct(way == "direct")
+            us_per_step(step, 20, device)
+        for _ in range(args.repeats):
+            for way in times:
+                ops.set_eager_direct(way == "direct")
+                times[way].append(us_per_step(step, args.steps, device))
+    finally:
+        ops.set_eager_direct(before)
+    med = {way: statistics.median(t) for way, t in times.items()}
+    meta = dict(
+        device=torch.cuda.get_device_name(0) if name == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__,
+        moe8=moe8.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        shape=shape,
+        steps=args.steps,
+        repeats=args.repeats,
+    )
+    print(meta)
+    for way, us in med.items():
+        print(f"{way:<10} {us:9.1f} us per layer step (blocks: {', '.join(f'{t:.0f}' for t in times[way])})")
+    print(f"direct / dispatcher: {med['direct'] / med['dispatcher']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, us_per_step=med, blocks=times), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
