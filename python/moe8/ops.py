@@ -79,9 +79,10 @@ def _direct_ok(args) -> bool:
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(
-        not isinstance(a, Tensor) or (type(a) in _PLAIN and a.device.type in ("cpu", "cuda")) for a in args
-    )
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
+            return False
+    return True
 
 
 class _DirectOp(torch._library.custom_ops.CustomOpDef):
