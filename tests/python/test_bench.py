@@ -121,3 +121,16 @@ def test_bench_host_runs(tmp_path):
     assert "direct / dispatcher" in p.stdout
     bad = run("bench/bench_host.py", "--device", "tpu")
     assert bad.returncode != 0 and "--device: expected cpu or cuda, got 'tpu'" in bad.stderr
+
+
+def test_fp8_accuracy_runs(tmp_path):
+    out = tmp_path / "acc.json"
+    p = run(
+        "bench/fp8_accuracy.py", "--tokens", "16", "--hidden", "256", "--intermediate", "128", "--json", out
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    v = json.loads(out.read_text())
+    for r in ("blockwise", "rowwise", "tensorwise"):
+        assert 0 < v[r]["output"] < 0.2 and 0 < v[r]["grad_x"] < 0.2
+    bad = run("bench/fp8_accuracy.py", "--experts", "2", "--top-k", "3")
+    assert bad.returncode != 0 and "--top-k <= --experts" in bad.stderr
