@@ -33,6 +33,19 @@ def test_bench_gemm_tiny(tmp_path):
     assert all(r["moe8_ms"] > 0 for r in rows)
     bad = run("bench/bench_gemm.py", "--tiny", "--kinds", "fwd,nope")
     assert bad.returncode != 0 and "--kinds: unknown ['nope']" in bad.stderr
+    # --tiles: each bf16 GEMM also timed with each forced tile (round-robin with moe8 and torch)
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd,fp8_fwd --routing balanced --iters 2".split(),
+        "--tiles",
+        "large,pong128",
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    assert all(set(r["tiles_ms"]) == {"large", "pong128"} for r in rows if r["kind"] == "fwd")
+    assert all("tiles_ms" not in r for r in rows if r["kind"] == "fp8_fwd")
+    assert "best forced tile / torch" in p.stdout
 
 
 def test_bench_lowrank_tiny(tmp_path):
