@@ -12,7 +12,8 @@ shared/data/baselines/h200.md) and moe8 / torch.
     PYTHONPATH=python python bench/bench_gemm.py --kinds fwd,dgrad,wgrad --tiles large,m2,pong128,tall
 
 --tiles also times moe8's bf16 GEMMs with each sm_90a tile configuration forced (MOE8_SM90_TILE, see
-csrc/cuda/grouped_gemm_sm90.cu) and prints the fastest per GEMM: the data behind the per-shape tile choice.
+csrc/cuda/grouped_gemm_sm90.cu) and prints the fastest per GEMM: the data behind the per-shape tile choice;
+--fp8-tiles does the same for the FP8 forward and wgrad (MOE8_SM90_FP8_TILE, grouped_gemm_fp8_sm90.cu).
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -126,8 +127,9 @@ def bench(shape, dims, routing, args, device, gen):
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())
             cands = {"moe8": mine} | ({"torch": theirs} if theirs is not None else {})
-            if ceil == "bf16":
-                cands |= {f"tile {t}": with_tile(mine, t) for t in args.tiles}
+            forced = args.tiles if ceil == "bf16" else args.fp8_tiles
+            var = "MOE8_SM90_TILE" if ceil == "bf16" else "MOE8_SM90_FP8_TILE"
+            cands |= {f"tile {t}": with_tile(mine, t, var) for t in forced}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
                 if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
@@ -137,8 +139,8 @@ def bench(shape, dims, routing, args, device, gen):
                     row[f"{who}_tflops"] = flops / ms[who] / 1e9
             if "moe8_ms" in row:
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
-            if ceil == "bf16" and args.tiles:
-                row["tiles_ms"] = {t: ms[f"tile {t}"] for t in args.tiles}
+            if forced:
+                row["tiles_ms"] = {t: ms[f"tile {t}"] for t in forced}
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -148,21 +150,22 @@ def bench(shape, dims, routing, args, device, gen):
 
 
 TILES = ("large", "solo", "m2", "pong128", "tall")
+FP8_TILES = ("large", "solo", "m2", "small")
 
 
-def with_tile(fn, tile):
-    """fn with MOE8_SM90_TILE=tile (read by the kernel at each launch) for the duration of each call."""
+def with_tile(fn, tile, var="MOE8_SM90_TILE"):
+    """fn with the environment variable var = tile (read by the kernels at each launch) for each call."""
 
     def call():
-        old = os.environ.get("MOE8_SM90_TILE")
-        os.environ["MOE8_SM90_TILE"] = tile
+        old = os.environ.get(var)
+        os.environ[var] = tile
         try:
             return fn()
         finally:
             if old is None:
-                os.environ.pop("MOE8_SM90_TILE", None)
+                os.environ.pop(var, None)
             else:
-                os.environ["MOE8_SM90_TILE"] = old
+                os.environ[var] = old
 
     return call
 
@@ -244,9 +247,15 @@ def main() -> int:
         default="",
         help=f"comma-separated, from {TILES}: also time the bf16 GEMMs with each tile forced (MOE8_SM90_TILE)",
     )
+    ap.add_argument(
+        "--fp8-tiles",
+        default="",
+        help=f"comma-separated, from {FP8_TILES}: also time the FP8 GEMMs with each tile forced (MOE8_SM90_FP8_TILE)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.tiles = [t for t in args.tiles.split(",") if t]
+    args.fp8_tiles = [t for t in args.fp8_tiles.split(",") if t]
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -256,6 +265,7 @@ def main() -> int:
         ("--kinds", args.kinds, KINDS),
         ("--routing", routings, ("balanced", "zipf")),
         ("--tiles", args.tiles, TILES),
+        ("--fp8-tiles", args.fp8_tiles, FP8_TILES),
     ):
         bad = [x for x in given if x not in allowed]
         if bad:
@@ -294,9 +304,18 @@ def main() -> int:
     ratios = [r["ratio"] for r in rows if "ratio" in r and r["kind"] != "fp8_fwd"]
     if ratios:
         print(f"bf16 moe8 / torch: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x")
-    best = [r["torch_ms"] / b[1] for r in rows if "torch_ms" in r and (b := best_tile(r))]
+    bf16 = [r for r in rows if r["kind"] in ("fwd", "dgrad", "wgrad")]
+    best = [r["torch_ms"] / b[1] for r in bf16 if "torch_ms" in r and (b := best_tile(r))]
     if best:
         print(f"bf16 best forced tile / torch: min {min(best):.2f}x, median {statistics.median(best):.2f}x")
+    for kind in ("fp8_fwd", "fp8_wgrad"):
+        tf = [
+            2 * r["rows"] * r["K"] * r["N"] / b[1] / 1e9
+            for r in rows
+            if r["kind"] == kind and (b := best_tile(r))
+        ]
+        if tf:
+            print(f"{kind} best forced tile: {min(tf):.0f} .. {max(tf):.0f} TFLOP/s")
     return 1 if any("moe8_error" in r for r in rows) else 0
 
 

@@ -29,7 +29,10 @@
 
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "core/fp8.h"
 #include "cuda/common.cuh"
@@ -132,8 +135,31 @@ struct Fp8Gemm {
 using FwdLarge = Fp8Gemm<TileLarge>;
 using FwdLargeSolo = Fp8Gemm<TileLargeSolo>;
 using FwdSmall = Fp8Gemm<TileSmall>;
+// TileLarge with the CTAs paired along M (the pair shares the weight tile): a candidate for the per-shape
+// choice, like every configuration MOE8_SM90_FP8_TILE can force (see fp8_tile).
+using TileM2 = CooperativeTile<Shape<_128, _128, _128>, Shape<_2, _1, _1>>;
+using FwdM2 = Fp8Gemm<TileM2>;
 // Weight gradient: M = N_out and N = K_in are model widths, K = the group's rows; no cluster.
 using Wgrad = Fp8Gemm<TileLargeSolo, ScaleConfigWgrad>;
+// The weight gradient under the other configurations (MOE8_SM90_FP8_TILE, for sweeps).
+using WgradLarge = Fp8Gemm<TileLarge, ScaleConfigWgrad>;
+using WgradM2 = Fp8Gemm<TileM2, ScaleConfigWgrad>;
+using WgradSmall = Fp8Gemm<TileSmall, ScaleConfigWgrad>;
+
+// MOE8_SM90_FP8_TILE=large|solo|m2|small forces one configuration on every FP8 forward and weight-gradient
+// GEMM (for tile sweeps: bench/bench_gemm.py --fp8-tiles); a bad name raises. Read at each call; unset:
+// the shape rules of grouped_gemm_fp8_sm90 and the unclustered 128x128 tile for wgrad.
+enum class Fp8Tile { kAuto, kLarge, kSolo, kM2, kSmall };
+
+inline Fp8Tile fp8_tile() {
+  const char* t = std::getenv("MOE8_SM90_FP8_TILE");
+  if (t == nullptr) return Fp8Tile::kAuto;
+  constexpr std::pair<const char*, Fp8Tile> kNames[] = {
+      {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
+  for (const auto& [name, tile] : kNames)
+    if (std::strcmp(t, name) == 0) return tile;
+  fail("MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got '", t, "'");
+}
 
 // What the scale pointers of the prep kernels assume.
 static_assert(!FwdLarge::Mainloop::MMajorSFA && !FwdLarge::Mainloop::NMajorSFB, "forward scales are read K-major");
@@ -329,7 +355,8 @@ size_t grouped_gemm_fp8_sm90_workspace_bytes(int num_experts) {
   const int sms = f.sms > 0 ? f.sms : 1;
   const size_t cut = std::max({cutlass_workspace_bytes<FwdLarge::Gemm>(num_experts, sms),
                                cutlass_workspace_bytes<FwdLargeSolo::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms)});
+                               cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<FwdM2::Gemm>(num_experts, sms)});
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -372,6 +399,18 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
+  switch (fp8_tile()) {
+    case Fp8Tile::kLarge:
+      return launch(FwdLarge{});
+    case Fp8Tile::kSolo:
+      return launch(FwdLargeSolo{});
+    case Fp8Tile::kM2:
+      return launch(FwdM2{});
+    case Fp8Tile::kSmall:
+      return launch(FwdSmall{});
+    case Fp8Tile::kAuto:
+      break;
+  }
   if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
     launch(FwdSmall{});
   else if (((n + 127) / 128) % 2 == 1)
@@ -389,8 +428,11 @@ size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int num_experts) {
   using namespace sm90_fp8;
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
-  return kAlignWs + group_arrays_bytes(num_experts) +
-         align_up(cutlass_workspace_bytes<Wgrad::Gemm>(num_experts, sms), kAlignWs);
+  const size_t cut = std::max({cutlass_workspace_bytes<Wgrad::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<WgradLarge::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<WgradM2::Gemm>(num_experts, sms),
+                               cutlass_workspace_bytes<WgradSmall::Gemm>(num_experts, sms)});
+  return kAlignWs + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
 void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
@@ -409,11 +451,25 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
   const DeviceFacts f = device_facts(device);
   const GroupArrays w = carve(workspace, groups);
   cudaStream_t s = as_stream(stream);
-  prep_fp8_wgrad_kernel<Wgrad><<<prep_blocks(groups, n * kd / 8, f.sms), kPrepThreads, 0, s>>>(
-      offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
-      a_scale.ptr<float>(), db.data, w);
-  check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
-  if (groups > 0 && rows > 0) run_cutlass<Wgrad>(w, groups, device, f.sms, s);
+  auto launch = [&](auto g) {
+    using G = decltype(g);
+    prep_fp8_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, f.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
+        a_scale.ptr<float>(), db.data, w);
+    check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
+  };
+  switch (fp8_tile()) {
+    case Fp8Tile::kLarge:
+      return launch(WgradLarge{});
+    case Fp8Tile::kM2:
+      return launch(WgradM2{});
+    case Fp8Tile::kSmall:
+      return launch(WgradSmall{});
+    case Fp8Tile::kSolo:
+    case Fp8Tile::kAuto:
+      return launch(Wgrad{});
+  }
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs

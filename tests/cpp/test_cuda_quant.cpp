@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "core/fp8.h"
 #include "cuda/grouped_gemm_fp8_sm90.h"
@@ -436,8 +438,7 @@ struct DeviceFp8 {
   }
 };
 
-TEST_F(Sm90Fp8Test, MatchesReference) {
-  uint64_t seed = 300;
+void fp8_forward_matches_reference(uint64_t seed) {
   for (const GemmCase& gc : gemm_cases()) {
     SCOPED_TRACE(gc.name);
     Fp8Problem p(gc.counts, gc.tail, gc.N, gc.K, ++seed);
@@ -447,6 +448,8 @@ TEST_F(Sm90Fp8Test, MatchesReference) {
     EXPECT_TRUE(c.bitwise_equal(d.run())) << "two runs differ";
   }
 }
+
+TEST_F(Sm90Fp8Test, MatchesReference) { fp8_forward_matches_reference(300); }
 
 TEST_F(Sm90Fp8Test, ApiPicksTheHopperPath) {
   // Through the API with a workspace (the sm90 kernel) and without (the portable one): both within the
@@ -470,7 +473,7 @@ TEST_F(Sm90Fp8Test, ApiPicksTheHopperPath) {
 // (float32 from a float64 sum): per element within bf16 rounding plus 2^-8 of the sum of |products| (FP8
 // accumulation inside a block, as check_fp8_gemm allows), normwise within 1e-2; an expert without rows gets
 // zeros.
-TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) {
+void fp8_wgrad_matches_cpu_reference(uint64_t seed) {
   struct WCase {
     const char* name;
     std::vector<int> counts;  // multiples of 16, as the kernel needs
@@ -480,7 +483,6 @@ TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) {
       {"ragged_with_empty", {0, 16, 128, 272, 0, 48, 160}, 16, 136, 264},
       {"qwen3_down_like", {256, 256, 256, 256}, 0, 512, 384},
   };
-  uint64_t seed = 800;
   for (const WCase& wc : wcases) {
     SCOPED_TRACE(wc.name);
     const std::vector<int> off = offsets_of(wc.counts);
@@ -529,6 +531,24 @@ TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) {
       if (wc.counts[e] == 0)
         for (int64_t i = 0; i < wc.N * wc.K; ++i) ASSERT_EQ(got.get(e * wc.N * wc.K + i), 0.0) << "empty expert " << e;
   }
+}
+
+TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) { fp8_wgrad_matches_cpu_reference(800); }
+
+// Every configuration MOE8_SM90_FP8_TILE can force (the FP8 tile sweep's candidates), forward and wgrad.
+TEST_F(Sm90Fp8Test, ForcedTilesMatchReference) {
+  uint64_t seed = 900;
+  for (const char* tile : {"large", "solo", "m2", "small"}) {
+    SCOPED_TRACE(std::string("MOE8_SM90_FP8_TILE=") + tile);
+    setenv("MOE8_SM90_FP8_TILE", tile, 1);
+    fp8_forward_matches_reference(seed += 100);
+    fp8_wgrad_matches_cpu_reference(seed += 100);
+  }
+  setenv("MOE8_SM90_FP8_TILE", "wide", 1);
+  Fp8Problem p({64, 200}, 0, 256, 256, 1);
+  DeviceFp8 d(p);
+  EXPECT_THROW(d.run(), Error);
+  unsetenv("MOE8_SM90_FP8_TILE");
 }
 
 TEST_F(Sm90Fp8Test, AllGroupsEmpty) {

@@ -38,13 +38,15 @@ def test_bench_gemm_tiny(tmp_path):
         *"bench/bench_gemm.py --tiny --kinds fwd,fp8_fwd --routing balanced --iters 2".split(),
         "--tiles",
         "large,pong128",
+        "--fp8-tiles",
+        "m2",
         "--json",
         out,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())["gemms"]
     assert all(set(r["tiles_ms"]) == {"large", "pong128"} for r in rows if r["kind"] == "fwd")
-    assert all("tiles_ms" not in r for r in rows if r["kind"] == "fp8_fwd")
+    assert all(set(r["tiles_ms"]) == {"m2"} for r in rows if r["kind"] == "fp8_fwd")
     assert "best forced tile / torch" in p.stdout
 
 
