@@ -37,6 +37,9 @@ export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 t0=$(date +%s)
+if [ -n "${PREBUILT:-}" ] && [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tgz" ]; then  # carried packed (64 MiB limit)
+  mkdir -p "$(dirname "$PREBUILT")" && tar xzf "$PREBUILT.tgz" -C "$(dirname "$PREBUILT")"
+fi
 if [ -n "${PREBUILT:-}" ] && { [ "$STAGE" != test ] || [ -x "$PREBUILT/moe8_tests" ]; }; then  # docs/gpu.md
   ln -sf "$PWD/$PREBUILT"/_C*.so python/moe8/
   if $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)"; then
