@@ -537,13 +537,10 @@ TEST_F(Sm90Fp8Test, WgradMatchesCpuReference) { fp8_wgrad_matches_cpu_reference(
 
 // Every configuration MOE8_SM90_FP8_TILE can force (the FP8 tile sweep's candidates), forward and wgrad.
 TEST_F(Sm90Fp8Test, ForcedTilesMatchReference) {
-  uint64_t seed = 900;
-  for (const char* tile : {"large", "solo", "m2", "small"}) {
-    SCOPED_TRACE(std::string("MOE8_SM90_FP8_TILE=") + tile);
-    setenv("MOE8_SM90_FP8_TILE", tile, 1);
-    fp8_forward_matches_reference(seed += 100);
-    fp8_wgrad_matches_cpu_reference(seed += 100);
-  }
+  for_each_forced("MOE8_SM90_FP8_TILE", {"large", "solo", "m2", "small"}, 900, [](uint64_t seed) {
+    fp8_forward_matches_reference(seed);
+    fp8_wgrad_matches_cpu_reference(seed + 50);
+  });
   setenv("MOE8_SM90_FP8_TILE", "wide", 1);
   Fp8Problem p({64, 200}, 0, 256, 256, 1);
   DeviceFp8 d(p);

@@ -324,13 +324,10 @@ TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
 
 // Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
 TEST_F(Sm90Test, ForcedTilesMatchReference) {
-  uint64_t seed = 97000;
-  for (const char* tile : {"large", "solo", "m2", "pong128", "tall"}) {
-    SCOPED_TRACE(std::string("MOE8_SM90_TILE=") + tile);
-    setenv("MOE8_SM90_TILE", tile, 1);
-    forward_and_dgrad_match_reference(seed += 100);
-    wgrad_matches_reference(seed += 100);
-  }
+  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall"}, 97000, [](uint64_t seed) {
+    forward_and_dgrad_match_reference(seed);
+    wgrad_matches_reference(seed + 50);
+  });
   setenv("MOE8_SM90_TILE", "wide", 1);
   Problem p({64, 200}, 0, 256, 256, 1);
   DeviceProblem d(p);

@@ -4,10 +4,15 @@
 #pragma once
 #ifdef MOE8_WITH_CUDA
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "test_ref.h"
@@ -126,6 +131,19 @@ double median_ms(Fn&& fn) {
   cudaEventDestroy(e1);
   std::sort(ms.begin(), ms.end());
   return static_cast<double>(ms[ms.size() / 2]);
+}
+
+// Runs check(seed) with the environment variable `var` set to each of `values` in turn (a fresh seed
+// each, under a SCOPED_TRACE naming the value), then unsets it: the kernels that read `var` at each call
+// (MOE8_SM90_TILE, MOE8_SM90_FP8_TILE) run every forced configuration.
+template <class Check>
+void for_each_forced(const char* var, std::initializer_list<const char*> values, uint64_t seed, Check&& check) {
+  for (const char* v : values) {
+    SCOPED_TRACE(std::string(var) + "=" + v);
+    setenv(var, v, 1);
+    check(seed += 100);
+  }
+  unsetenv(var);
 }
 
 }  // namespace moe8::test
