@@ -29,8 +29,6 @@
 
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -132,33 +130,44 @@ struct Fp8Gemm {
   static_assert(sizeof(LayoutSFA) <= 32 && sizeof(LayoutSFB) <= 32, "scale layout slot");
 };
 
-using FwdLarge = Fp8Gemm<TileLarge>;
-using FwdLargeSolo = Fp8Gemm<TileLargeSolo>;
-using FwdSmall = Fp8Gemm<TileSmall>;
-// TileLarge with the CTAs paired along M (the pair shares the weight tile): a candidate for the per-shape
-// choice, like every configuration MOE8_SM90_FP8_TILE can force (see fp8_tile).
-using TileM2 = CooperativeTile<Shape<_128, _128, _128>, Shape<_2, _1, _1>>;
-using FwdM2 = Fp8Gemm<TileM2>;
+// The configurations MOE8_SM90_FP8_TILE can force (see launch_forced), for either scale layout.
+using TileM2 = CooperativeTile<Shape<_128, _128, _128>, Shape<_2, _1, _1>>;  // CTAs paired along M
+template <class Scales>
+struct Fp8Tiles {
+  using Large = Fp8Gemm<TileLarge, Scales>;
+  using Solo = Fp8Gemm<TileLargeSolo, Scales>;
+  using M2 = Fp8Gemm<TileM2, Scales>;
+  using Small = Fp8Gemm<TileSmall, Scales>;
+};
+
+using FwdLarge = Fp8Tiles<ScaleConfig>::Large;
+using FwdLargeSolo = Fp8Tiles<ScaleConfig>::Solo;
+using FwdSmall = Fp8Tiles<ScaleConfig>::Small;
 // Weight gradient: M = N_out and N = K_in are model widths, K = the group's rows; no cluster.
-using Wgrad = Fp8Gemm<TileLargeSolo, ScaleConfigWgrad>;
-// The weight gradient under the other configurations (MOE8_SM90_FP8_TILE, for sweeps).
-using WgradLarge = Fp8Gemm<TileLarge, ScaleConfigWgrad>;
-using WgradM2 = Fp8Gemm<TileM2, ScaleConfigWgrad>;
-using WgradSmall = Fp8Gemm<TileSmall, ScaleConfigWgrad>;
+using Wgrad = Fp8Tiles<ScaleConfigWgrad>::Solo;
 
 // MOE8_SM90_FP8_TILE=large|solo|m2|small forces one configuration on every FP8 forward and weight-gradient
-// GEMM (for tile sweeps: bench/bench_gemm.py --fp8-tiles); a bad name raises. Read at each call; unset:
-// the shape rules of grouped_gemm_fp8_sm90 and the unclustered 128x128 tile for wgrad.
-enum class Fp8Tile { kAuto, kLarge, kSolo, kM2, kSmall };
-
-inline Fp8Tile fp8_tile() {
-  const char* t = std::getenv("MOE8_SM90_FP8_TILE");
-  if (t == nullptr) return Fp8Tile::kAuto;
-  constexpr std::pair<const char*, Fp8Tile> kNames[] = {
-      {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
-  for (const auto& [name, tile] : kNames)
-    if (std::strcmp(t, name) == 0) return tile;
-  fail("MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got '", t, "'");
+// GEMM (for tile sweeps: bench/bench_gemm.py --fp8-tiles); a bad name raises. Read at each call. Returns
+// whether it launched one; unset: false (the caller's shape rules pick).
+template <class Scales, class Launch>
+bool launch_forced(Launch&& launch) {
+  enum class Forced { kNone, kLarge, kSolo, kM2, kSmall };
+  constexpr std::pair<const char*, Forced> kNames[] = {
+      {"large", Forced::kLarge}, {"solo", Forced::kSolo}, {"m2", Forced::kM2}, {"small", Forced::kSmall}};
+  using C = Fp8Tiles<Scales>;
+  switch (sm90_util::env_choice("MOE8_SM90_FP8_TILE", kNames, Forced::kNone)) {
+    case Forced::kLarge:
+      return launch(typename C::Large{}), true;
+    case Forced::kSolo:
+      return launch(typename C::Solo{}), true;
+    case Forced::kM2:
+      return launch(typename C::M2{}), true;
+    case Forced::kSmall:
+      return launch(typename C::Small{}), true;
+    case Forced::kNone:
+      break;
+  }
+  return false;
 }
 
 // What the scale pointers of the prep kernels assume.
@@ -353,10 +362,8 @@ size_t grouped_gemm_fp8_sm90_workspace_bytes(int num_experts) {
   using namespace sm90_fp8;
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
-  const size_t cut = std::max({cutlass_workspace_bytes<FwdLarge::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<FwdLargeSolo::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<FwdSmall::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<FwdM2::Gemm>(num_experts, sms)});
+  using C = Fp8Tiles<ScaleConfig>;
+  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm>(num_experts, sms);
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -399,18 +406,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  switch (fp8_tile()) {
-    case Fp8Tile::kLarge:
-      return launch(FwdLarge{});
-    case Fp8Tile::kSolo:
-      return launch(FwdLargeSolo{});
-    case Fp8Tile::kM2:
-      return launch(FwdM2{});
-    case Fp8Tile::kSmall:
-      return launch(FwdSmall{});
-    case Fp8Tile::kAuto:
-      break;
-  }
+  if (launch_forced<ScaleConfig>(launch)) return;
   if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
     launch(FwdSmall{});
   else if (((n + 127) / 128) % 2 == 1)
@@ -428,10 +424,8 @@ size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int num_experts) {
   using namespace sm90_fp8;
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
-  const size_t cut = std::max({cutlass_workspace_bytes<Wgrad::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<WgradLarge::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<WgradM2::Gemm>(num_experts, sms),
-                               cutlass_workspace_bytes<WgradSmall::Gemm>(num_experts, sms)});
+  using C = Fp8Tiles<ScaleConfigWgrad>;
+  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm>(num_experts, sms);
   return kAlignWs + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -459,17 +453,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  switch (fp8_tile()) {
-    case Fp8Tile::kLarge:
-      return launch(WgradLarge{});
-    case Fp8Tile::kM2:
-      return launch(WgradM2{});
-    case Fp8Tile::kSmall:
-      return launch(WgradSmall{});
-    case Fp8Tile::kSolo:
-    case Fp8Tile::kAuto:
-      return launch(Wgrad{});
-  }
+  if (!launch_forced<ScaleConfigWgrad>(launch)) launch(Wgrad{});
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -155,16 +156,12 @@ LargeTile large_tile(int64_t n, int64_t k, bool pong = false) {
   if constexpr (!std::is_same_v<T, cutlass::bfloat16_t>) {
     return plain;
   } else {
-    if (const char* t = std::getenv("MOE8_SM90_TILE")) {
-      constexpr std::pair<const char*, LargeTile> kNames[] = {{"large", LargeTile::kLarge},
-                                                              {"solo", LargeTile::kSolo},
-                                                              {"m2", LargeTile::kM2},
-                                                              {"pong128", LargeTile::kPong128},
-                                                              {"tall", LargeTile::kTall}};
-      for (const auto& [name, tile] : kNames)
-        if (std::strcmp(t, name) == 0) return tile;
-      fail("MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got '", t, "'");
-    }
+    constexpr std::pair<const char*, std::optional<LargeTile>> kNames[] = {{"large", LargeTile::kLarge},
+                                                                           {"solo", LargeTile::kSolo},
+                                                                           {"m2", LargeTile::kM2},
+                                                                           {"pong128", LargeTile::kPong128},
+                                                                           {"tall", LargeTile::kTall}};
+    if (const auto forced = sm90_util::env_choice("MOE8_SM90_TILE", kNames, std::optional<LargeTile>{})) return *forced;
     const char* v = std::getenv("MOE8_SM90_CLUSTER");
     if (v == nullptr) return pong ? LargeTile::kPong128 : plain;
     const bool m2 =
@@ -370,33 +367,23 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
   using namespace sm90;
   const DeviceFacts f = device_facts(current_device());
   const int sms = f.sms > 0 ? f.sms : 1;
-  size_t cut = 0;
-  auto take_max = [&](auto t) {
+  // every configuration a launch below can pick: (the GEMMs of) its kinds x tiles, per element type
+  auto of = [&](auto t) {
     using T = decltype(t);
-    cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<T, TileLarge>>(num_experts, sms),
-                    cutlass_workspace_bytes<FwdGemm<T, TileSmall>>(num_experts, sms),
-                    cutlass_workspace_bytes<FwdGemm<T, TileLargeSolo>>(num_experts, sms),
-                    cutlass_workspace_bytes<DgradGemm<T, TileLarge>>(num_experts, sms),
-                    cutlass_workspace_bytes<DgradGemm<T, TileSmall>>(num_experts, sms),
-                    cutlass_workspace_bytes<DgradGemm<T, TileLargeSolo>>(num_experts, sms),
-                    cutlass_workspace_bytes<WgradGemm<T>>(num_experts, sms),
-                    cutlass_workspace_bytes<WgradGemm<T, TileLargeSolo>>(num_experts, sms)});
+    auto rows_and_wgrad = [&](auto... tiles) {
+      return sm90_util::max_workspace_bytes<typename FwdGemm<T, decltype(tiles)>::Gemm...,
+                                            typename DgradGemm<T, decltype(tiles)>::Gemm...,
+                                            typename WgradGemm<T, decltype(tiles)>::Gemm...>(num_experts, sms);
+    };
+    size_t bytes = std::max(
+        rows_and_wgrad(TileLarge{}, TileLargeSolo{}),
+        sm90_util::max_workspace_bytes<typename FwdGemm<T, TileSmall>::Gemm, typename DgradGemm<T, TileSmall>::Gemm>(
+            num_experts, sms));
+    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+      bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}));
+    return bytes;
   };
-  take_max(cutlass::bfloat16_t{});
-  take_max(cutlass::half_t{});
-  using B16 = cutlass::bfloat16_t;
-  cut = std::max({cut, cutlass_workspace_bytes<FwdGemm<B16, TileLargeM2>>(num_experts, sms),
-                  cutlass_workspace_bytes<DgradGemm<B16, TileLargeM2>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TileLargeM2>>(num_experts, sms),
-                  cutlass_workspace_bytes<FwdGemm<B16, TileThin>>(num_experts, sms),
-                  cutlass_workspace_bytes<DgradGemm<B16, TileThin>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TileThin>>(num_experts, sms),
-                  cutlass_workspace_bytes<FwdGemm<B16, TilePong128>>(num_experts, sms),
-                  cutlass_workspace_bytes<DgradGemm<B16, TilePong128>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TilePong128>>(num_experts, sms),
-                  cutlass_workspace_bytes<FwdGemm<B16, TileTall>>(num_experts, sms),
-                  cutlass_workspace_bytes<DgradGemm<B16, TileTall>>(num_experts, sms),
-                  cutlass_workspace_bytes<WgradGemm<B16, TileTall>>(num_experts, sms)});
+  const size_t cut = std::max(of(cutlass::bfloat16_t{}), of(cutlass::half_t{}));
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 

@@ -11,9 +11,14 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <type_traits>
+#include <utility>
 
+#include "core/error.h"
 #include "cuda/common.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -157,6 +162,27 @@ struct Carver {
     return r;
   }
 };
+
+// The value named by environment variable `var` among `names` (value_unset when unset); any other name
+// raises, listing the expected ones. For the tile overrides read at each call (MOE8_SM90_TILE,
+// MOE8_SM90_FP8_TILE).
+template <class E, size_t N>
+E env_choice(const char* var, const std::pair<const char*, E> (&names)[N], E value_unset) {
+  const char* v = std::getenv(var);
+  if (v == nullptr) return value_unset;
+  std::string expected;
+  for (const auto& [name, value] : names) {
+    if (std::strcmp(v, name) == 0) return value;
+    expected += (expected.empty() ? "" : ", ") + std::string(name);
+  }
+  fail(var, ": expected one of ", expected, ", got '", v, "'");
+}
+
+// The largest CUTLASS workspace among the Gemm types (each a GemmUniversalAdapter).
+template <class... Gemms>
+size_t max_workspace_bytes(int groups, int sms) {
+  return std::max({size_t{0}, cutlass_workspace_bytes<Gemms>(groups, sms)...});
+}
 
 // A tile configuration of a CUTLASS sm_90a grouped GEMM: CTA tile (M, N, K), cluster, mainloop and
 // epilogue schedules (what GroupedGemm / Fp8Gemm read from it).

@@ -80,7 +80,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _direct_ok(args) -> bool:
-    if not _eager["direct"] or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return False
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
         return False
@@ -120,7 +120,7 @@ class _DirectOp(torch._library.custom_ops.CustomOpDef):
             self._direct_fn = type("Direct_" + self._name, (torch.autograd.Function,), methods)
 
     def __call__(self, *args, **kwargs):
-        if kwargs or len(args) != self._direct_nargs or not _direct_ok(args):
+        if not _eager["direct"] or kwargs or len(args) != self._direct_nargs or not _direct_ok(args):
             return super().__call__(*args, **kwargs)
         if self._direct_fn is not None and torch.is_grad_enabled():
             if any(isinstance(a, Tensor) and a.requires_grad for a in args):
