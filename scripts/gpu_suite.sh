@@ -6,8 +6,8 @@
 # only), bench (build _C, benchmarks), lora (build _C, bench_lowrank.py, the 30B LoRA step: moe8 with the
 # fusions FUSE (default router,norm,rope,consume) vs PEFT, then moe8 with FUSE plus lora_add),
 # tiles (the Sm90Test gtests when PREBUILT holds moe8_tests, then bench_gemm.py --tiles TILES and
-# bench_layer.py on LAYER_SHAPES once per forced tile, MOE8_SM90_TILE), direct (ops.set_eager_direct: its
-# tests, bench_host.py, bench_layer.py on LAYER_SHAPES three times each way, alternating) or all.
+# bench_layer.py on LAYER_SHAPES once per forced tile, MOE8_SM90_TILE), direct (ops.set_eager_direct, on by default: its
+# tests (also with it off), bench_host.py, bench_layer.py on LAYER_SHAPES three times each way, alternating) or all.
 #   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
 #   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
 # STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
@@ -144,7 +144,7 @@ if [ "$STAGE" = tiles ]; then  # the per-shape tile sweep: each forced sm_90a ti
 fi
 if [ "$STAGE" = direct ]; then  # ops.set_eager_direct on the GPU: its tests, host time, the layer both ways
   timeout 200 $PY -m pytest -q tests/python/test_direct.py tests/python/test_layer.py >"$OUT/pytest_direct.log" 2>&1
-  MOE8_EAGER_DIRECT=1 timeout 200 $PY -m pytest -q tests/python/test_layer.py tests/python/test_cuda_ops.py \
+  MOE8_EAGER_DIRECT=0 timeout 200 $PY -m pytest -q tests/python/test_layer.py tests/python/test_cuda_ops.py \
     >>"$OUT/pytest_direct.log" 2>&1
   grep -E "passed|failed" "$OUT/pytest_direct.log" | tail -2
   timeout 60 $PY bench/bench_host.py --json "$OUT/host.json" >"$OUT/host.log" 2>&1
