@@ -419,6 +419,12 @@ inline bool pong_wgrad(int groups, int64_t n, int64_t kd) {
   return groups >= kPongWgradMinGroups && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
 }
 
+// With balanced routing (sm90_util::routing_balanced) the ping-pong tile also wins for the weight gradient
+// of many experts past kPongWgradMaxTiles: DeepSeek-V3 balanced -22% / -16% (gate_up / down; session 6, a
+// second lease -11% / -1%), while under Zipf routing it loses 10-12%. The forward and dgrad are left out:
+// their isolated GEMMs gained 1-8% balanced at DeepSeek-V3 / GPT-OSS-20B widths, but the GPT-OSS-20B layer
+// with them on took 19.1-19.3 ms against 18.5-18.7 (three runs each way, gemm_h200.md).
+
 // The tile configuration of a GEMM (Gemm: FwdGemm, DgradGemm or WgradGemm) whose N (the GEMM's, i.e. kd
 // for wgrad) is n, handed to launch; small: the ping-pong 64x128 tile (forward and dgrad with few rows per
 // group), else large's choice.
@@ -464,6 +470,13 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   });
 }
 
+bool grouped_gemm_sm90_routing_balanced(const TensorView& offsets, void* stream) {
+  MOE8_CHECK(offsets.dtype == DType::kI32 && offsets.ndim == 1 && offsets.shape[0] >= 1 && offsets.is_cuda(),
+             "grouped_gemm_sm90_routing_balanced: expected offsets int32 [E + 1] on a CUDA device");
+  return sm90_util::routing_balanced(offsets.ptr<int32_t>(), static_cast<int>(offsets.shape[0] - 1),
+                                     offsets.device_index, as_stream(stream));
+}
+
 void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
                              void* workspace, size_t workspace_bytes, void* stream) {
   using namespace sm90;
@@ -486,13 +499,18 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     };
     using T = decltype(t);
     // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
-    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n, pong_wgrad(groups, n, kd)), launch);
+    const bool pong =
+        pong_wgrad(groups, n, kd) ||
+        (groups >= kPongWgradMinGroups && sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s));
+    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n, pong), launch);
   });
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs
 
 size_t grouped_gemm_sm90_workspace_bytes(int, int64_t, int64_t, int64_t) { return 0; }
+
+bool grouped_gemm_sm90_routing_balanced(const TensorView&, void*) { return false; }
 
 bool grouped_gemm_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
 

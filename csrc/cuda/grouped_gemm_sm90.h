@@ -37,4 +37,10 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
 void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
                              void* workspace, size_t workspace_bytes, void* stream);
 
+// The routing-balance hint the weight gradient consults for many experts (grouped_gemm_sm90.cu): whether
+// the offsets of recent calls on this device had their largest group within 1.25x the mean. Hands these
+// offsets [E + 1] (int32, on the device) over as grouped_gemm_wgrad_sm90 does (an asynchronous copy, read
+// by a later call; nothing while the stream is captured); MOE8_SM90_BALANCE=balanced|skewed fixes it.
+bool grouped_gemm_sm90_routing_balanced(const TensorView& offsets, void* stream);
+
 }  // namespace moe8::cuda

@@ -178,6 +178,70 @@ E env_choice(const char* var, const std::pair<const char*, E> (&names)[N], E val
   fail(var, ": expected one of ", expected, ", got '", v, "'");
 }
 
+// Whether the routing that recent grouped GEMM calls saw was balanced (the largest group at most
+// kBalancedMaxOverMean times the mean), for the tile choices whose best answer depends on it (see
+// grouped_gemm_sm90.cu). The group sizes stay on the device, so nothing here waits for them: a call copies
+// its offsets to pinned host memory asynchronously on its stream (one copy in flight per device, at most
+// every kBalanceEvery calls) and a later call reads the copy once its event has completed. Until one has,
+// and while the stream is being captured into a CUDA graph, the last answer stands (at first: false).
+// MOE8_SM90_BALANCE=balanced|skewed fixes the answer (for tests and sweeps); unset or auto: measured.
+constexpr double kBalancedMaxOverMean = 1.25;
+constexpr int kBalanceMaxGroups = 1024;
+constexpr int kBalanceEvery = 8;
+
+inline bool routing_balanced(const int32_t* offsets, int groups, int device, cudaStream_t stream) {
+  enum class Mode { kAuto, kBalanced, kSkewed };
+  constexpr std::pair<const char*, Mode> kNames[] = {
+      {"auto", Mode::kAuto}, {"balanced", Mode::kBalanced}, {"skewed", Mode::kSkewed}};
+  const Mode mode = env_choice("MOE8_SM90_BALANCE", kNames, Mode::kAuto);
+  if (mode != Mode::kAuto) return mode == Mode::kBalanced;
+  struct State {
+    std::mutex mu;
+    int32_t* host = nullptr;  // pinned, kBalanceMaxGroups + 1 offsets
+    cudaEvent_t done = nullptr;
+    int in_flight = 0;  // groups of the copy in flight (0: none)
+    int since = 0;      // calls since the last copy landed
+    bool measured = false, balanced = false, off = false;
+  };
+  static std::array<State, kMaxDevices> states;
+  if (groups < 1 || groups > kBalanceMaxGroups || device < 0 || device >= kMaxDevices) return false;
+  State& st = states[device];
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.off) return st.balanced;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return st.balanced;
+  }
+  auto give_up = [&] {  // an error here only loses the hint, never the GEMM
+    (void)cudaGetLastError();
+    st.off = true;
+    return st.balanced;
+  };
+  if (st.in_flight > 0) {
+    const cudaError_t q = cudaEventQuery(st.done);
+    if (q == cudaErrorNotReady) return st.balanced;
+    if (q != cudaSuccess) return give_up();
+    const int32_t total = st.host[st.in_flight] - st.host[0];
+    int32_t largest = 0;
+    for (int g = 0; g < st.in_flight; ++g) largest = std::max(largest, st.host[g + 1] - st.host[g]);
+    st.balanced = total > 0 && largest <= kBalancedMaxOverMean * total / st.in_flight;
+    st.in_flight = 0;
+    st.since = 0;
+    st.measured = true;
+  }
+  if (st.measured && ++st.since < kBalanceEvery) return st.balanced;
+  if (st.host == nullptr && (cudaMallocHost(&st.host, sizeof(int32_t) * (kBalanceMaxGroups + 1)) != cudaSuccess ||
+                             cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming) != cudaSuccess))
+    return give_up();
+  if (cudaMemcpyAsync(st.host, offsets, sizeof(int32_t) * (groups + 1), cudaMemcpyDeviceToHost, stream) !=
+          cudaSuccess ||
+      cudaEventRecord(st.done, stream) != cudaSuccess)
+    return give_up();
+  st.in_flight = groups;
+  return st.balanced;
+}
+
 // The largest CUTLASS workspace among the Gemm types (each a GemmUniversalAdapter).
 template <class... Gemms>
 size_t max_workspace_bytes(int groups, int sms) {

@@ -400,6 +400,66 @@ TEST_F(Sm90Test, CapturedGraphFollowsDeviceOffsets) {
   cudaStreamDestroy(s);
 }
 
+// The tiles the routing-balance hint switches between (1x2 cooperative 128x256, 2x1, 128x128 ping-pong)
+// give the same bits: the same K order per element, so a timing-dependent hint (sm90_util::routing_balanced)
+// can't make results differ between runs.
+TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
+  Problem p({200, 0, 300, 129, 513, 160}, 4, 512, 384, 98000);
+  DeviceProblem d(p);
+  std::vector<Bits> runs;
+  for_each_forced("MOE8_SM90_TILE", {"large", "m2", "pong128"}, 0, [&](uint64_t) {
+    runs.push_back(d.forward(WeightLayout::kNK));
+    runs.push_back(d.forward(WeightLayout::kKN));
+    runs.push_back(d.wgrad(false));
+  });
+  for (size_t i = 3; i < runs.size(); ++i) EXPECT_TRUE(runs[i] == runs[i % 3]) << "result " << i << " differs";
+}
+
+// The routing-balance hint (grouped_gemm_sm90_routing_balanced): MOE8_SM90_BALANCE=balanced|skewed fixes
+// it and a bad name raises; unset, it follows the offsets it was handed once their asynchronous copies
+// land (balanced: the largest group <= 1.25x the mean), and inside a CUDA graph capture it adds nothing
+// to the graph.
+TEST_F(Sm90Test, RoutingBalanceHint) {
+  auto hint_after = [](const std::vector<int>& counts, bool want) {
+    const std::vector<int> off = prefix(counts);
+    auto d = upload(off.data(), off.size() * 4);
+    const TensorView v = dview(*d, DType::kI32, {static_cast<int64_t>(off.size())});
+    for (int i = 0; i < 40; ++i) {  // a copy lands within a few calls (one every 8 after the first)
+      if (cuda::grouped_gemm_sm90_routing_balanced(v, nullptr) == want) return true;
+      cuda_ok(cudaDeviceSynchronize(), "sync");
+    }
+    return false;
+  };
+  std::vector<int> skewed(16, 100);
+  skewed[3] = 1000;
+  EXPECT_TRUE(hint_after(std::vector<int>(16, 144), true));
+  EXPECT_TRUE(hint_after(skewed, false));
+  EXPECT_TRUE(hint_after(std::vector<int>(16, 144), true));
+  setenv("MOE8_SM90_BALANCE", "skewed", 1);
+  EXPECT_TRUE(hint_after(std::vector<int>(16, 144), false));
+  setenv("MOE8_SM90_BALANCE", "balanced", 1);
+  EXPECT_TRUE(hint_after(skewed, true));
+  setenv("MOE8_SM90_BALANCE", "maybe", 1);
+  EXPECT_THROW(hint_after(skewed, true), Error);
+  unsetenv("MOE8_SM90_BALANCE");
+
+  const std::vector<int> off = prefix(skewed);
+  auto d = upload(off.data(), off.size() * 4);
+  cudaStream_t s;
+  cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture");
+  bool during = false;
+  for (int i = 0; i < 20; ++i) during = cuda::grouped_gemm_sm90_routing_balanced(dview(*d, DType::kI32, {17}), s);
+  cuda_ok(cudaStreamEndCapture(s, &graph), "end capture");
+  size_t nodes = 99;
+  cuda_ok(cudaGraphGetNodes(graph, nullptr, &nodes), "nodes");
+  EXPECT_EQ(nodes, 0u);
+  EXPECT_TRUE(during);  // the last answer (balanced) stands while capturing
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
 TEST_F(Sm90Test, SmallWorkspaceIsRejected) {
   Problem p({4, 4}, 0, 64, 32, 94000);
   DeviceProblem d(p);
