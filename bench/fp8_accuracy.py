@@ -1,6 +1,7 @@
 """FP8 error of each recipe: a whole MoE layer (moe8.moe_forward) with its forward expert GEMMs in FP8 vs the
 same layer in bf16, on random bf16 data: the relative (Frobenius) error of the output and of the input
-gradient for a random upstream gradient. Runs on the CPU (whose quantisation bytes equal the GPU's) or a GPU.
+gradient for a random upstream gradient; then the floor e4m3 sets, the error of one GEMM of the same data
+with its operands rounded through e4m3 in plain torch (no moe8 kernel). Runs on the CPU (whose quantisation bytes equal the GPU's) or a GPU.
 
     PYTHONPATH=python python bench/fp8_accuracy.py --json bench/results/fp8_accuracy_cpu.json
     PYTHONPATH=python python bench/fp8_accuracy.py --tokens 16384 --experts 128 --top-k 8 --device cuda
@@ -22,6 +23,26 @@ RECIPES = ("blockwise", "rowwise", "tensorwise")
 def rel(a, b) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm()).item()
+
+
+def e4m3_1x128(t):
+    """t rounded through e4m3 with a float32 scale per 1x128 block of its last dim (amax -> 448), in float32:
+    the blockwise recipe's activation rounding, simulated in plain torch (the last dim zero-padded to 128)."""
+    t = t.float()
+    width = t.shape[-1]
+    t = torch.nn.functional.pad(t, (0, -width % 128)).unflatten(-1, (-1, 128))
+    scale = t.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
+    return ((t / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :width]
+
+
+def e4m3_floor(x, w) -> dict:
+    """The error e4m3 itself puts on one GEMM x @ w^T (float32 accumulation, pure torch, no moe8 kernel):
+    both operands rounded through e4m3 with 1x128 scales, and the activations alone."""
+    want = x.float() @ w.float().t()
+    return {
+        "one_gemm_both_operands": rel(e4m3_1x128(x) @ e4m3_1x128(w).t(), want),
+        "one_gemm_activations_only": rel(e4m3_1x128(x) @ w.float().t(), want),
+    }
 
 
 def main() -> int:
@@ -72,6 +93,12 @@ def main() -> int:
         y8, g8 = layer(r)
         out[r] = {"output": rel(y8, y16), "grad_x": rel(g8, g16)}
         print(f"{r:<10} output {out[r]['output']:.2e}  input gradient {out[r]['grad_x']:.2e}", flush=True)
+    out["e4m3_floor"] = floor = e4m3_floor(x, gate_up[0])
+    print(
+        f"e4m3 floor, one GEMM x @ gate_up[0]^T in plain torch: both operands {floor['one_gemm_both_operands']:.2e}, "
+        f"activations only {floor['one_gemm_activations_only']:.2e}",
+        flush=True,
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -147,5 +147,8 @@ def test_fp8_accuracy_runs(tmp_path):
     v = json.loads(out.read_text())
     for r in ("blockwise", "rowwise", "tensorwise"):
         assert 0 < v[r]["output"] < 0.2 and 0 < v[r]["grad_x"] < 0.2
+    floor = v["e4m3_floor"]  # one e4m3 GEMM: ~2.5% per operand, in quadrature
+    assert 0.02 < floor["one_gemm_both_operands"] < 0.06
+    assert 0.01 < floor["one_gemm_activations_only"] < floor["one_gemm_both_operands"]
     bad = run("bench/fp8_accuracy.py", "--experts", "2", "--top-k", "3")
     assert bad.returncode != 0 and "--top-k <= --experts" in bad.stderr
