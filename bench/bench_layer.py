@@ -26,6 +26,9 @@ SHAPES = {  # name: (hidden, intermediate, experts, top-k)
     "mixtral": (4096, 14336, 8, 2),
     "olmoe": (2048, 1024, 64, 8),
     "gptoss": (2880, 2880, 32, 4),
+    # DeepSeek-V3's routed experts in the same Qwen3-MoE block (softmax top-k; no shared expert, no group
+    # routing): ~45 GiB of bf16 weights and gradients, for the GEMM choices of many wide experts
+    "deepseek": (7168, 2048, 256, 8),
 }
 BF16_CEILING = 780e12  # dense bf16 GEMM measured on an H200 with torch 2.11 (shared/data/baselines/h200.md)
 
