@@ -1,6 +1,7 @@
 // sm90_util.cuh — host-side plumbing every CUTLASS sm90a ptr-array grouped GEMM needs: per-device facts
-// (SM count, compute capability), the persistent grid size of a kernel (clusters that fit at once), and
-// the layout of the per-group arrays a device-side prep kernel writes into the caller's workspace.
+// (SM count, compute capability), the persistent grid size of a kernel (clusters that fit at once), the
+// layout of the per-group arrays a device-side prep kernel writes into the caller's workspace, the
+// environment overrides of the tile choice, and the routing-balance hint (routing_balanced).
 // Include only from translation units compiled with CUTLASS (MOE8_WITH_CUTLASS); used by the bf16 and the FP8
 // grouped GEMMs.
 #pragma once
