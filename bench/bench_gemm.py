@@ -10,10 +10,14 @@ shared/data/baselines/h200.md) and moe8 / torch.
     PYTHONPATH=python python bench/bench_gemm.py --shapes qwen3 --routing zipf --kinds fwd,fp8_fwd
     PYTHONPATH=python python bench/bench_gemm.py --tiny        # smoke test of the script, CPU is fine
     PYTHONPATH=python python bench/bench_gemm.py --kinds fwd,dgrad,wgrad --tiles large,m2,pong128,tall
+    PYTHONPATH=python python bench/bench_gemm.py --schedules m1,m8,n1,n8
 
 --tiles also times moe8's bf16 GEMMs with each sm_90a tile configuration forced (MOE8_SM90_TILE, see
 csrc/cuda/grouped_gemm_sm90.cu) and prints the fastest per GEMM: the data behind the per-shape tile choice;
 --fp8-tiles does the same for the FP8 forward and wgrad (MOE8_SM90_FP8_TILE, grouped_gemm_fp8_sm90.cu).
+--schedules times every sm_90a GEMM (bf16 and FP8, default tiles) under each order of the persistent tile
+scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizzle 1|2|4|8
+(MOE8_SM90_SWIZZLE), e.g. m1 (CUTLASS's grouped default) or n8; see sm90_util.cuh.
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -129,7 +133,8 @@ def bench(shape, dims, routing, args, device, gen):
             cands = {"moe8": mine} | ({"torch": theirs} if theirs is not None else {})
             forced = args.tiles if ceil == "bf16" else args.fp8_tiles
             var = "MOE8_SM90_TILE" if ceil == "bf16" else "MOE8_SM90_FP8_TILE"
-            cands |= {f"tile {t}": with_tile(mine, t, var) for t in forced}
+            cands |= {f"tile {t}": with_env(mine, {var: t}) for t in forced}
+            cands |= {f"schedule {o}": with_env(mine, schedule_env(o)) for o in args.schedules}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
                 if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
@@ -141,6 +146,8 @@ def bench(shape, dims, routing, args, device, gen):
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
             if forced:
                 row["tiles_ms"] = {t: ms[f"tile {t}"] for t in forced}
+            if args.schedules:
+                row["schedules_ms"] = {o: ms[f"schedule {o}"] for o in args.schedules}
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -153,19 +160,28 @@ TILES = ("large", "solo", "m2", "pong128", "tall")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 
-def with_tile(fn, tile, var="MOE8_SM90_TILE"):
-    """fn with the environment variable var = tile (read by the kernels at each launch) for each call."""
+SCHEDULES = tuple(r + z for r in "mn" for z in "1248")
+
+
+def schedule_env(order: str) -> dict:
+    """The environment of a --schedules entry, e.g. n8: MOE8_SM90_RASTER=n, MOE8_SM90_SWIZZLE=8."""
+    return {"MOE8_SM90_RASTER": order[0], "MOE8_SM90_SWIZZLE": order[1:]}
+
+
+def with_env(fn, env: dict):
+    """fn with the environment variables env (read by the kernels at each launch) set for each call."""
 
     def call():
-        old = os.environ.get(var)
-        os.environ[var] = tile
+        old = {var: os.environ.get(var) for var in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            if old is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = old
+            for var, value in old.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
 
     return call
 
@@ -199,9 +215,9 @@ def interleaved_ms(fns: dict, device, warmup: int, iters: int) -> dict:
     return out
 
 
-def best_tile(r):
-    """(tile, ms) of the fastest forced tile of row r, or None."""
-    timed = [(ms, t) for t, ms in r.get("tiles_ms", {}).items() if isinstance(ms, float)]
+def best_tile(r, key="tiles_ms"):
+    """(tile, ms) of the fastest forced tile (key="schedules_ms": scheduler order) of row r, or None."""
+    timed = [(ms, t) for t, ms in r.get(key, {}).items() if isinstance(ms, float)]
     return (min(timed)[1], min(timed)[0]) if timed else None
 
 
@@ -220,12 +236,15 @@ def line(r) -> str:
 
 
 def tiles_text(r) -> str:
-    if "tiles_ms" not in r:
-        return ""
-    parts = [f"{t} {ms:.3f}" if isinstance(ms, float) else f"{t} error" for t, ms in r["tiles_ms"].items()]
-    best = best_tile(r)
-    vs = f", best {best[0]}: {r['torch_ms'] / best[1]:.2f}x torch" if best and "torch_ms" in r else ""
-    return "\n    tiles ms: " + ", ".join(parts) + vs
+    text = ""
+    for key, label in (("tiles_ms", "tiles"), ("schedules_ms", "schedules")):
+        if key not in r:
+            continue
+        parts = [f"{t} {ms:.3f}" if isinstance(ms, float) else f"{t} error" for t, ms in r[key].items()]
+        best = best_tile(r, key)
+        vs = f", best {best[0]}: {r['torch_ms'] / best[1]:.2f}x torch" if best and "torch_ms" in r else ""
+        text += f"\n    {label} ms: " + ", ".join(parts) + vs
+    return text
 
 
 def main() -> int:
@@ -252,10 +271,17 @@ def main() -> int:
         default="",
         help=f"comma-separated, from {FP8_TILES}: also time the FP8 GEMMs with each tile forced (MOE8_SM90_FP8_TILE)",
     )
+    ap.add_argument(
+        "--schedules",
+        default="",
+        help=f"comma-separated, from {SCHEDULES}: also time every sm_90a GEMM under each tile-scheduler order "
+        "(raster m|n then swizzle: MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.tiles = [t for t in args.tiles.split(",") if t]
     args.fp8_tiles = [t for t in args.fp8_tiles.split(",") if t]
+    args.schedules = [t for t in args.schedules.split(",") if t]
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -266,6 +292,7 @@ def main() -> int:
         ("--routing", routings, ("balanced", "zipf")),
         ("--tiles", args.tiles, TILES),
         ("--fp8-tiles", args.fp8_tiles, FP8_TILES),
+        ("--schedules", args.schedules, SCHEDULES),
     ):
         bad = [x for x in given if x not in allowed]
         if bad:
@@ -308,6 +335,20 @@ def main() -> int:
     best = [r["torch_ms"] / b[1] for r in bf16 if "torch_ms" in r and (b := best_tile(r))]
     if best:
         print(f"bf16 best forced tile / torch: min {min(best):.2f}x, median {statistics.median(best):.2f}x")
+    for kind in ("fwd", "dgrad", "wgrad", "fp8_fwd", "fp8_wgrad"):  # each order's total time over the rows
+        sched = [
+            r
+            for r in rows
+            if r["kind"] == kind
+            and "moe8_ms" in r
+            and all(isinstance(ms, float) for ms in r.get("schedules_ms", {"": None}).values())
+        ]
+        if sched:
+            base = sum(r["moe8_ms"] for r in sched)
+            parts = ", ".join(
+                f"{o} {sum(r['schedules_ms'][o] for r in sched) / base:.3f}" for o in args.schedules
+            )
+            print(f"{kind} schedules, total time / default's ({len(sched)} GEMMs): {parts}")
     for kind in ("fp8_fwd", "fp8_wgrad"):
         tf = [
             2 * r["rows"] * r["K"] * r["N"] / b[1] / 1e9

@@ -33,7 +33,9 @@ SHAPES = {  # name: (hidden, intermediate, experts, top-k)
 BF16_CEILING = 780e12  # dense bf16 GEMM measured on an H200 with torch 2.11 (shared/data/baselines/h200.md)
 
 
-def hf_block(H, I, E, K):
+def hf_block(H, I, E, K, device="cuda", dtype=torch.bfloat16):
+    """transformers' Qwen3-MoE block (grouped_mm experts) built and initialised on `device` (the DeepSeek-V3
+    shape's 11G parameters would take minutes to draw on the CPU)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -41,7 +43,8 @@ def hf_block(H, I, E, K):
         hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True
     )
     cfg._experts_implementation = "grouped_mm"
-    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.device(device):
+        block = Qwen3MoeSparseMoeBlock(cfg).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, H**-0.5)
@@ -116,7 +119,7 @@ def recipe_of(name: str):
 def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, trace_dir=None):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
-    block = hf_block(H, I, E, K).cuda().to(dtype)
+    block = hf_block(H, I, E, K, "cuda", dtype)
     x = torch.randn(1, T, H, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(1, T, H, device="cuda", dtype=dtype)
     gate, experts = block.gate, block.experts

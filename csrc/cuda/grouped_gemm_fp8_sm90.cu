@@ -344,6 +344,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  sm90_util::apply_schedule(args, {});
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess)

@@ -24,7 +24,6 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <type_traits>
@@ -141,7 +140,8 @@ inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
 // The configuration of a bf16/f16 GEMM that takes neither the small nor the thin tile.
 enum class LargeTile { kLarge, kSolo, kM2, kPong128, kTall };
 
-// MOE8_SM90_CLUSTER=2x1: the large bf16 tile pairs CTAs along M (TileLargeM2); =auto: only where every side
+// MOE8_SM90_CLUSTER=2x1: the large bf16 tile pairs CTAs along M (TileLargeM2); =1x2: along N (TileLarge /
+// TileLargeSolo, no ping-pong weight gradient); =auto: 2x1 only where every side
 // of the weight (the GEMM's N and the other weight dimension) is <= kAutoM2Width, where 2x1 measured faster
 // on the H200 (Qwen3-30B-A3B shapes: 7.6% less time, median of 12 GEMMs; GPT-OSS-20B's 2880 / 5760: 4.5%
 // more, gemm_h200.md). MOE8_SM90_TILE=large|solo|m2|pong128|tall forces one configuration for every such
@@ -162,11 +162,20 @@ LargeTile large_tile(int64_t n, int64_t k, bool pong = false) {
                                                                            {"pong128", LargeTile::kPong128},
                                                                            {"tall", LargeTile::kTall}};
     if (const auto forced = sm90_util::env_choice("MOE8_SM90_TILE", kNames, std::optional<LargeTile>{})) return *forced;
-    const char* v = std::getenv("MOE8_SM90_CLUSTER");
-    if (v == nullptr) return pong ? LargeTile::kPong128 : plain;
-    const bool m2 =
-        std::strcmp(v, "2x1") == 0 || (std::strcmp(v, "auto") == 0 && n <= kAutoM2Width && k <= kAutoM2Width);
-    return m2 ? LargeTile::kM2 : plain;
+    enum class Cluster { kUnset, k1x2, k2x1, kAuto };
+    constexpr std::pair<const char*, Cluster> kClusters[] = {
+        {"1x2", Cluster::k1x2}, {"2x1", Cluster::k2x1}, {"auto", Cluster::kAuto}};
+    switch (sm90_util::env_choice("MOE8_SM90_CLUSTER", kClusters, Cluster::kUnset)) {
+      case Cluster::kUnset:
+        return pong ? LargeTile::kPong128 : plain;
+      case Cluster::k1x2:
+        return plain;
+      case Cluster::k2x1:
+        return LargeTile::kM2;
+      case Cluster::kAuto:
+        break;
+    }
+    return n <= kAutoM2Width && k <= kAutoM2Width ? LargeTile::kM2 : plain;
   }
 }
 
@@ -247,6 +256,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  sm90_util::apply_schedule(args, {});
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess)
@@ -499,9 +509,11 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     };
     using T = decltype(t);
     // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
+    // (only bf16 reads pong: f16 hands no offsets to the balance hint)
     const bool pong =
-        pong_wgrad(groups, n, kd) ||
-        (groups >= kPongWgradMinGroups && sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s));
+        std::is_same_v<T, cutlass::bfloat16_t> &&
+        (pong_wgrad(groups, n, kd) ||
+         (groups >= kPongWgradMinGroups && sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
     launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n, pong), launch);
   });
 }

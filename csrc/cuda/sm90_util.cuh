@@ -179,6 +179,35 @@ E env_choice(const char* var, const std::pair<const char*, E> (&names)[N], E val
   fail(var, ": expected one of ", expected, ", got '", v, "'");
 }
 
+// The order in which the persistent group scheduler hands out each group's output tiles (CUTLASS's
+// PersistentTileSchedulerSm90Group arguments): along_n false walks down a band of `swizzle` cluster columns
+// along M first (CUTLASS's grouped default, AlongM with swizzle 1: one column of N tiles at a time), true
+// walks along N first. Only which tiles are in flight together changes (what shares L2), never any element's
+// arithmetic. MOE8_SM90_RASTER=m|n and MOE8_SM90_SWIZZLE=1|2|4|8 override the caller's choice (for sweeps:
+// bench/bench_gemm.py --schedules); a bad value raises. Read at each call.
+struct Schedule {
+  bool along_n = false;
+  int swizzle = 1;
+};
+
+inline Schedule schedule_from_env(Schedule s) {
+  constexpr std::pair<const char*, int> kRaster[] = {{"m", 0}, {"n", 1}};
+  constexpr std::pair<const char*, int> kSwizzle[] = {{"1", 1}, {"2", 2}, {"4", 4}, {"8", 8}};
+  const int raster = env_choice("MOE8_SM90_RASTER", kRaster, -1);
+  if (raster >= 0) s.along_n = raster == 1;
+  s.swizzle = env_choice("MOE8_SM90_SWIZZLE", kSwizzle, s.swizzle);
+  return s;
+}
+
+// Sets a grouped GEMM's scheduler arguments to `s` (after the environment's overrides).
+template <class Arguments>
+void apply_schedule(Arguments& args, Schedule s) {
+  s = schedule_from_env(s);
+  using Raster = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = s.along_n ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = s.swizzle;
+}
+
 // Whether the routing that recent grouped GEMM calls saw was balanced (the largest group at most
 // kBalancedMaxOverMean times the mean), for the tile choices whose best answer depends on it (see
 // grouped_gemm_sm90.cu). The group sizes stay on the device, so nothing here waits for them: a call copies

@@ -548,6 +548,43 @@ TEST_F(Sm90Fp8Test, ForcedTilesMatchReference) {
   unsetenv("MOE8_SM90_FP8_TILE");
 }
 
+// The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE) gives the default's bits, forward and
+// weight gradient.
+TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
+  Fp8Problem p({0, 40, 200, 3, 700, 129}, 2, 512, 384, 950);
+  DeviceFp8 d(p);
+  const std::vector<int> off = offsets_of({256, 0, 128, 384, 512});
+  const int64_t R = off.back(), E = 5, N = 384, K = 256, NBLK = col_scale_blocks(R, E);
+  Rng rng(951);
+  HostTensor dc_t = Fp8Problem::codes({N, R}, 952), a_t = Fp8Problem::codes({K, R}, 953);
+  HostTensor sd = random_tensor(DType::kF32, {NBLK, N}, rng, 0.5 / 448, 2.0 / 448);
+  HostTensor sa = random_tensor(DType::kF32, {NBLK, K}, rng, 0.5 / 448, 2.0 / 448);
+  HostTensor offs = ints({E + 1}, off);
+  HostTensor wsh(DType::kU8, {api::grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true)});
+  auto wgrad = [&] {
+    HostTensor got(DType::kBF16, {E, N, K});
+    Runner gpu(true);
+    api::grouped_gemm_fp8_wgrad(gpu.in(dc_t), gpu.in(sd), gpu.in(a_t), gpu.in(sa), gpu.in(offs), gpu.out(got), 0, true,
+                                gpu.in(wsh));
+    gpu.finish();
+    return got;
+  };
+  const HostTensor fwd0 = d.run(), wgrad0 = wgrad();
+  EXPECT_TRUE(check_fp8_gemm(p, fwd0, 0));
+  for (const auto& [raster, swizzle] :
+       {std::pair<const char*, const char*>{"n", "1"}, {"m", "8"}, {"n", "4"}, {"m", "2"}}) {
+    SCOPED_TRACE(std::string("raster ") + raster + ", swizzle " + swizzle);
+    setenv("MOE8_SM90_RASTER", raster, 1);
+    setenv("MOE8_SM90_SWIZZLE", swizzle, 1);
+    EXPECT_TRUE(fwd0.bitwise_equal(d.run()));
+    EXPECT_TRUE(wgrad0.bitwise_equal(wgrad()));
+  }
+  setenv("MOE8_SM90_SWIZZLE", "16", 1);
+  EXPECT_THROW(d.run(), Error);
+  unsetenv("MOE8_SM90_RASTER");
+  unsetenv("MOE8_SM90_SWIZZLE");
+}
+
 TEST_F(Sm90Fp8Test, AllGroupsEmpty) {
   Fp8Problem p({0, 0, 0}, 9, 64, 32, 500);
   DeviceFp8 d(p);

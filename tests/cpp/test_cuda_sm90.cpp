@@ -415,6 +415,37 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
   for (size_t i = 3; i < runs.size(); ++i) EXPECT_TRUE(runs[i] == runs[i % 3]) << "result " << i << " differs";
 }
 
+// The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE; sm90_util::apply_schedule) moves only
+// which tiles run together, so every order gives the default's bits, on the cooperative and the ping-pong
+// kernel; a bad value of either, or of MOE8_SM90_CLUSTER, raises.
+TEST_F(Sm90Test, SchedulesGiveTheSameBits) {
+  Problem p({200, 0, 300, 129, 513, 160, 1000}, 4, 512, 384, 98500);
+  DeviceProblem d(p);
+  const std::pair<const char*, const char*> orders[] = {{"m", "1"}, {"n", "1"}, {"m", "8"}, {"n", "4"}, {"m", "2"}};
+  for_each_forced("MOE8_SM90_TILE", {"large", "pong128"}, 0, [&](uint64_t) {
+    std::vector<Bits> runs;
+    for (const auto& [raster, swizzle] : orders) {
+      setenv("MOE8_SM90_RASTER", raster, 1);
+      setenv("MOE8_SM90_SWIZZLE", swizzle, 1);
+      runs.push_back(d.forward(WeightLayout::kNK));
+      runs.push_back(d.forward(WeightLayout::kKN));
+      runs.push_back(d.wgrad(false));
+    }
+    unsetenv("MOE8_SM90_RASTER");
+    unsetenv("MOE8_SM90_SWIZZLE");
+    EXPECT_TRUE(check_forward(p, WeightLayout::kNK, runs[0], 0));
+    for (size_t i = 3; i < runs.size(); ++i) EXPECT_TRUE(runs[i] == runs[i % 3]) << "result " << i << " differs";
+  });
+  for (const auto& [var, bad] : {std::pair<const char*, const char*>{"MOE8_SM90_RASTER", "k"},
+                                 {"MOE8_SM90_SWIZZLE", "3"},
+                                 {"MOE8_SM90_CLUSTER", "3x3"}}) {
+    SCOPED_TRACE(std::string(var) + "=" + bad);
+    setenv(var, bad, 1);
+    EXPECT_THROW(d.forward(WeightLayout::kNK), Error);
+    unsetenv(var);
+  }
+}
+
 // The routing-balance hint (grouped_gemm_sm90_routing_balanced): MOE8_SM90_BALANCE=balanced|skewed fixes
 // it and a bad name raises; unset, it follows the offsets it was handed once their asynchronous copies
 // land (balanced: the largest group <= 1.25x the mean), and inside a CUDA graph capture it adds nothing

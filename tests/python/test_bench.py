@@ -48,6 +48,18 @@ def test_bench_gemm_tiny(tmp_path):
     assert all(set(r["tiles_ms"]) == {"large", "pong128"} for r in rows if r["kind"] == "fwd")
     assert all(set(r["tiles_ms"]) == {"m2"} for r in rows if r["kind"] == "fp8_fwd")
     assert "best forced tile / torch" in p.stdout
+    # --schedules: every GEMM also timed under each tile-scheduler order, with the total per kind
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd,fp8_wgrad --routing zipf --iters 2 --schedules n8,m2".split(),
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    assert rows and all(set(r["schedules_ms"]) == {"n8", "m2"} for r in rows)
+    assert "fp8_wgrad schedules, total time / default's (2 GEMMs): n8" in p.stdout
+    bad = run("bench/bench_gemm.py", "--tiny", "--schedules", "n3")
+    assert bad.returncode != 0 and "--schedules: unknown ['n3']" in bad.stderr
 
 
 def test_bench_lowrank_tiny(tmp_path):
