@@ -99,6 +99,7 @@ using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 template <class T, class LayoutA, class LayoutB, class Config>
 struct GroupedGemm {
   using Element = T;
+  using Tiles = Config;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
 
@@ -240,7 +241,8 @@ size_t cutlass_workspace_bytes(int groups, int sms) {
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
 template <class G>
-void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStream_t stream) {
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, sm90_util::Schedule schedule,
+                 cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
   cutlass::KernelHardwareInfo hw;
@@ -256,7 +258,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  sm90_util::apply_schedule(args, {});
+  sm90_util::apply_schedule(args, schedule);
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess)
@@ -450,6 +452,28 @@ void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
   large == LargeTile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
 }
 
+// The tile order (sm90_util::Schedule) by shape, from the H200 sweep of every issue shape and routing
+// (bench_gemm.py --schedules, session 7, gemm_schedules_h200_session7.json), where the order moved most GEMMs
+// by less than the ~2-3% run-to-run noise:
+// - forward and dgrad with N >= kSwizzleMinN (Mixtral-8x7B's gate_up forward, N = 28672): bands of 8 clusters
+//   down M: 12.59 / 12.69 ms vs 13.20 / 13.42 (balanced / Zipf routing; swizzle 4 about halfway), where
+//   the default order sweeps each expert's whole activation block (32 MB) for every pair of column tiles;
+// - the ping-pong weight gradient (TilePong128) of a weight whose output side n (the GEMM's M) is
+//   >= kPongAlongNMinM: along N first: GPT-OSS-20B gate_up 3.73 vs 4.00 ms and down 2.28 vs 2.36 (Zipf), down
+//   1.93 vs 1.99 (balanced), DeepSeek-V3 gate_up 13.74 vs 14.11 (balanced); at Qwen3-30B-A3B's n = 1536 /
+//   2048 it was 1-3.5% slower, so the default stays there. Swizzle rounds each group's tile grid up to whole
+//   bands, so it costs idle tiles where groups are small (2-3% at the Qwen3 shapes).
+constexpr int64_t kSwizzleMinN = 16384;
+constexpr int kWideSwizzle = 8;
+constexpr int64_t kPongAlongNMinM = 2560;
+
+inline sm90_util::Schedule rows_schedule(int64_t n) { return {false, n >= kSwizzleMinN ? kWideSwizzle : 1}; }
+
+template <class G>
+sm90_util::Schedule wgrad_schedule(int64_t n) {
+  return {std::is_same_v<typename G::Tiles, TilePong128> && n >= kPongAlongNMinM, 1};
+}
+
 }  // namespace sm90
 
 void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
@@ -470,7 +494,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, rows_schedule(n), s);
     };
     const LargeTile large = large_tile<T>(n, kd);
     if (layout == WeightLayout::kNK)
@@ -505,7 +529,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
       check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
-      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, s);
+      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, wgrad_schedule<G>(n), s);
     };
     using T = decltype(t);
     // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
