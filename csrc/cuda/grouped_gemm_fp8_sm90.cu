@@ -90,8 +90,6 @@ using TileSmall = TileConfig<Shape<_64, _128, _128>, Shape<_1, _2, _1>,
 // Average rows per expert under which the small tile is used. Taken over from the bf16 kernel's H200
 // measurements (grouped_gemm_sm90.cu); to be re-measured for FP8.
 constexpr int64_t kSmallRowsPerGroup = 128;
-// The forward's N from which its tiles go out along N in bands (see grouped_gemm_fp8_sm90).
-constexpr int64_t kSwizzleMinN = 16384;
 
 // D[g] (M x N, row-major, bf16) = A[g] (M x K, row-major) · B[g] (N x K, row-major)^T with block scales.
 // NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0.
@@ -411,11 +409,10 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
         offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
-    // the tile order (sm90_util::Schedule): along N in bands of 8 clusters for N >= kSwizzleMinN (Mixtral-8x7B's
-    // gate_up, N = 28672: 8.42 / 8.50 ms vs 8.87 / 8.87, balanced / Zipf; H200, bench_gemm.py --schedules,
-    // session 7), where the default order moved the other shapes' FP8 GEMMs by less than the noise
-    const bool wide = n >= kSwizzleMinN;
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, {wide, wide ? 8 : 1}, s);
+    // CUTLASS's default tile order (sm90_util::Schedule{}): on the H200 no other order moved the FP8 GEMMs
+    // by more than the noise in every run (bench_gemm.py --schedules, session 7: Mixtral-8x7B's gate_up forward
+    // along N in bands of 8 was 5% faster on one lease, 1% slower on the next and 1 ms slower in its layer)
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, {}, s);
   };
   if (launch_forced<ScaleConfig>(launch)) return;
   if (groups > 0 && rows <= kSmallRowsPerGroup * groups)

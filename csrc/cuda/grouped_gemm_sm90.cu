@@ -456,12 +456,15 @@ void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
 // (bench_gemm.py --schedules, session 7, gemm_schedules_h200_session7.json), where the order moved most GEMMs
 // by less than the ~2-3% run-to-run noise:
 // - forward and dgrad with N >= kSwizzleMinN (Mixtral-8x7B's gate_up forward, N = 28672): bands of 8 clusters
-//   down M: 12.59 / 12.69 ms vs 13.20 / 13.42 (balanced / Zipf routing; swizzle 4 about halfway), where
-//   the default order sweeps each expert's whole activation block (32 MB) for every pair of column tiles;
+//   down M: 12.59 / 12.69 ms vs 13.20 / 13.42 (balanced / Zipf routing; swizzle 4 about halfway), on a second
+//   lease 11.48 / 11.92 vs 11.58 / 12.12, where the default order sweeps each expert's whole activation
+//   block (32 MB) for every pair of column tiles;
 // - the ping-pong weight gradient (TilePong128) of a weight whose output side n (the GEMM's M) is
 //   >= kPongAlongNMinM: along N first: GPT-OSS-20B gate_up 3.73 vs 4.00 ms and down 2.28 vs 2.36 (Zipf), down
-//   1.93 vs 1.99 (balanced), DeepSeek-V3 gate_up 13.74 vs 14.11 (balanced); at Qwen3-30B-A3B's n = 1536 /
-//   2048 it was 1-3.5% slower, so the default stays there. Swizzle rounds each group's tile grid up to whole
+//   1.93 vs 1.99 (balanced), DeepSeek-V3 gate_up 13.74 vs 14.11 (balanced); second lease, GPT-OSS-20B Zipf
+//   3.59 vs 4.10 and 2.00 vs 2.21; at Qwen3-30B-A3B's n = 1536 / 2048 it was 1-3.5% slower, so not there.
+// Layers (bench_layer.py, two runs each way): Mixtral-8x7B 56.18 / 56.05 vs 56.51 / 56.39 ms, GPT-OSS-20B
+// 18.65 / 18.85 vs 18.83 / 18.95. Swizzle rounds each group's tile grid up to whole
 //   bands, so it costs idle tiles where groups are small (2-3% at the Qwen3 shapes).
 constexpr int64_t kSwizzleMinN = 16384;
 constexpr int kWideSwizzle = 8;
