@@ -168,3 +168,10 @@ def test_fp8_accuracy_runs(tmp_path):
     assert 0.01 < floor["one_gemm_activations_only"] < floor["one_gemm_both_operands"]
     bad = run("bench/fp8_accuracy.py", "--experts", "2", "--top-k", "3")
     assert bad.returncode != 0 and "--top-k <= --experts" in bad.stderr
+
+
+def test_ncu_gemm_arguments():
+    p = run("bench/ncu_gemm.py", "--help")
+    assert p.returncode == 0 and "fp8_mixtral" in p.stdout and "dgrad_qwen3" in p.stdout
+    bad = run("bench/ncu_gemm.py", "nope")
+    assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr
