@@ -175,3 +175,12 @@ def test_ncu_gemm_arguments():
     assert p.returncode == 0 and "fp8_mixtral" in p.stdout and "dgrad_qwen3" in p.stdout
     bad = run("bench/ncu_gemm.py", "nope")
     assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_bench_clocks_arguments():
+    p = run("bench/bench_clocks.py", "--help")
+    assert p.returncode == 0 and "fp8_blockwise" in p.stdout
+    bad = run("bench/bench_clocks.py", "--cases", "fp8_blockwise,nope")
+    assert bad.returncode != 0 and "--cases: unknown ['nope']" in bad.stderr
+    bad = run("bench/bench_clocks.py", "--seconds", "0")
+    assert bad.returncode != 0 and "--seconds: expected > 0, got 0.0" in bad.stderr

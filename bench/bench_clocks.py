@@ -1,0 +1,163 @@
+"""Sustained throughput of a grouped GEMM against the GPU's SM clock and power: each case runs back to back
+for about --seconds while nvidia-smi samples clocks.sm and power.draw every 50 ms; prints ms per call,
+TFLOP/s, the mean SM clock and power over the case, and TFLOP/s per GHz (a kernel limited only by the clock
+keeps that last figure when the clock drops). For telling a power-lowered clock from a slower kernel.
+
+    PYTHONPATH=python python bench/bench_clocks.py --json bench/results/clocks_h200.json
+
+Cases (Mixtral-8x7B gate_up forward, balanced routing, 16,384 tokens, top-2: [32768, 4096] x 8 x [28672, 4096]):
+  fp8_blockwise  moe8's FP8 blockwise grouped GEMM (quantisation not timed)
+  fp8_rowwise    torch._scaled_grouped_mm, rowwise scales, fast accumulation (as bench_gemm.py compares)
+  bf16           moe8's bf16 grouped GEMM
+  bf16_torch     torch._grouped_mm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+import torch
+
+import moe8
+from moe8 import fp8, ops
+
+CASES = ("fp8_blockwise", "fp8_rowwise", "bf16", "bf16_torch")
+R, K, N, E = 32768, 4096, 28672, 8
+
+
+def make_cases(names, device) -> dict:
+    torch.manual_seed(0)
+    a = torch.randn(R, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) * K**-0.5
+    ends = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (R // E)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    out = {}
+    if "fp8_blockwise" in names:
+        aq, a_scale = fp8.quantize_rows_1x128(a, None, 1)
+        wq, w_scale = fp8.quantize_weight_128x128(w)
+        out["fp8_blockwise"] = lambda: fp8.grouped_gemm_fp8(aq, a_scale, wq, w_scale, offsets, torch.bfloat16)
+    if "fp8_rowwise" in names:
+        ar, sa = fp8.quantize_rowwise(a)
+        wr, sw = fp8.quantize_rowwise(w)
+        ar, wr = ar.view(torch.float8_e4m3fn), wr.view(torch.float8_e4m3fn)
+        out["fp8_rowwise"] = lambda: torch._scaled_grouped_mm(
+            ar, wr.transpose(1, 2), sa, sw, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True
+        )
+    if "bf16" in names:
+        out["bf16"] = lambda: ops.grouped_gemm(a, w, offsets, 0, None)
+    if "bf16_torch" in names:
+        out["bf16_torch"] = lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
+    return out
+
+
+def sample_clocks(seconds_idle: float):
+    """nvidia-smi sampling every 50 ms in the background, started seconds_idle before returning."""
+    cmd = [
+        "nvidia-smi",
+        "--query-gpu=clocks.sm,power.draw",
+        "--format=csv,noheader,nounits",
+        "-lms",
+        "50",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    time.sleep(seconds_idle)
+    return p
+
+
+def run_case(fn, seconds: float) -> dict:
+    """Back-to-back calls for about `seconds`: calls, ms per call, wall start and end."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    first_ms = a.elapsed_time(b)
+    n = max(3, int(seconds * 1e3 / max(first_ms, 1e-3)))
+    t0 = time.time()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return dict(calls=n, first_call_ms=first_ms, ms=a.elapsed_time(b) / n, t0=t0, t1=time.time())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
+    ap.add_argument(
+        "--seconds", type=float, default=3.0, help="seconds of back-to-back calls per case (default 3)"
+    )
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    names = [c for c in args.cases.split(",") if c]
+    bad = [c for c in names if c not in CASES]
+    if bad:
+        raise SystemExit(f"--cases: unknown {bad}, expected from {list(CASES)}")
+    if args.seconds <= 0:
+        raise SystemExit(f"--seconds: expected > 0, got {args.seconds}")
+    if not (torch.cuda.is_available() and moe8.cuda_available()):
+        raise SystemExit("bench_clocks: needs a CUDA GPU and moe8 built with CUDA")
+    ops.set_index_validation(False)
+    fns = make_cases(names, torch.device("cuda"))
+    flops = 2 * R * K * N
+    rows = []
+    for name in names:
+        time.sleep(2.0)  # let the clock recover between cases
+        smi = sample_clocks(0.2)
+        r = run_case(fns[name], args.seconds)
+        smi.terminate()
+        samples = []
+        for line in smi.communicate()[0].splitlines():
+            try:
+                clock, power = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            samples.append((clock, power))
+        # the sampler started 0.2 s before the calls: keep the samples of the busy part (the last ones)
+        busy = samples[int(0.2 / 0.05) :] or samples
+        clock = sum(s[0] for s in busy) / len(busy) / 1e3 if busy else float("nan")
+        power = sum(s[1] for s in busy) / len(busy) if busy else float("nan")
+        tflops = flops / r["ms"] / 1e9
+        row = dict(
+            case=name,
+            calls=r["calls"],
+            first_call_ms=r["first_call_ms"],
+            ms=r["ms"],
+            tflops=tflops,
+            first_call_tflops=flops / r["first_call_ms"] / 1e9,
+            sm_clock_ghz=clock,
+            power_w=power,
+            tflops_per_ghz=tflops / clock,
+            samples=len(busy),
+        )
+        rows.append(row)
+        print(
+            f"{name:<14} {r['calls']:4d} calls  {r['ms']:7.3f} ms  {tflops:6.0f} TFLOP/s  (first call "
+            f"{row['first_call_tflops']:.0f})  SM {clock:.2f} GHz  {power:.0f} W  {row['tflops_per_ghz']:.0f} "
+            "TFLOP/s per GHz",
+            flush=True,
+        )
+    if args.json:
+        meta = dict(
+            gpu=torch.cuda.get_device_name(0),
+            torch=torch.__version__,
+            moe8=moe8.__version__,
+            python=platform.python_version(),
+            date=time.strftime("%Y-%m-%d"),
+            shape=dict(rows=R, K=K, N=N, experts=E),
+        )
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, cases=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
