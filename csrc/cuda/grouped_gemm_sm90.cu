@@ -464,13 +464,20 @@ void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
 //   1.93 vs 1.99 (balanced), DeepSeek-V3 gate_up 13.74 vs 14.11 (balanced); second lease, GPT-OSS-20B Zipf
 //   3.59 vs 4.10 and 2.00 vs 2.21; at Qwen3-30B-A3B's n = 1536 / 2048 it was 1-3.5% slower, so not there.
 // Layers (bench_layer.py, two runs each way): Mixtral-8x7B 56.18 / 56.05 vs 56.51 / 56.39 ms, GPT-OSS-20B
-// 18.65 / 18.85 vs 18.83 / 18.95. Swizzle rounds each group's tile grid up to whole
-//   bands, so it costs idle tiles where groups are small (2-3% at the Qwen3 shapes).
+// 18.65 / 18.85 vs 18.83 / 18.95.
+// NOTES: the scheduler rounds each group's tile grid up to whole swizzle bands, and the padding tiles run a
+// full mainloop on out-of-bounds (zero-filled) loads: 2-3% at the Qwen3 shapes with swizzle 2, and up to 4x
+// the work for an expert of two M tiles with swizzle 8. So the wide swizzle needs at least
+// kSwizzleMinRowsPerGroup rows per expert on average (measured at 4096, Zipf-skewed groups included).
 constexpr int64_t kSwizzleMinN = 16384;
+constexpr int64_t kSwizzleMinRowsPerGroup = 2048;
 constexpr int kWideSwizzle = 8;
 constexpr int64_t kPongAlongNMinM = 2560;
 
-inline sm90_util::Schedule rows_schedule(int64_t n) { return {false, n >= kSwizzleMinN ? kWideSwizzle : 1}; }
+inline sm90_util::Schedule rows_schedule(int64_t n, int64_t rows, int groups) {
+  const bool wide = n >= kSwizzleMinN && rows >= kSwizzleMinRowsPerGroup * groups;
+  return {false, wide ? kWideSwizzle : 1};
+}
 
 template <class G>
 sm90_util::Schedule wgrad_schedule(int64_t n) {
@@ -497,7 +504,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, rows_schedule(n), s);
+      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, rows_schedule(n, rows, groups), s);
     };
     const LargeTile large = large_tile<T>(n, kd);
     if (layout == WeightLayout::kNK)
