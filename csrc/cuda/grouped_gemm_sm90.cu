@@ -465,9 +465,10 @@ void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
 //   3.59 vs 4.10 and 2.00 vs 2.21; at Qwen3-30B-A3B's n = 1536 / 2048 it was 1-3.5% slower, so not there.
 // Layers (bench_layer.py, two runs each way): Mixtral-8x7B 56.18 / 56.05 vs 56.51 / 56.39 ms, GPT-OSS-20B
 // 18.65 / 18.85 vs 18.83 / 18.95.
-// NOTES: the scheduler rounds each group's tile grid up to whole swizzle bands, and the padding tiles run a
-// full mainloop on out-of-bounds (zero-filled) loads: 2-3% at the Qwen3 shapes with swizzle 2, and up to 4x
-// the work for an expert of two M tiles with swizzle 8. So the wide swizzle needs at least
+// A third lease timed m8 at 11.85 vs 11.77 ms there (+0.7%): the gain is real on two leases of three, small.
+// NOTES: CUTLASS's group scheduler rounds each group's tile grid up to whole swizzle bands (padding tiles in
+// its count), which cost 2-3% at the Qwen3 shapes with swizzle 2 and 1.7% with m8 at 384 rows per expert
+// (Mixtral width, 1536 tokens: 1.130 vs 1.111 ms). So the wide swizzle needs at least
 // kSwizzleMinRowsPerGroup rows per expert on average (measured at 4096, Zipf-skewed groups included).
 constexpr int64_t kSwizzleMinN = 16384;
 constexpr int64_t kSwizzleMinRowsPerGroup = 2048;
