@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
-finetune_compare.py."""
+finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
+scripts/carry_prebuilt.sh)."""
 
 import json
 import os
@@ -184,3 +185,16 @@ def test_bench_clocks_arguments():
     assert bad.returncode != 0 and "--cases: unknown ['nope']" in bad.stderr
     bad = run("bench/bench_clocks.py", "--seconds", "0")
     assert bad.returncode != 0 and "--seconds: expected > 0, got 0.0" in bad.stderr
+
+
+def test_carry_prebuilt_arguments():
+    """scripts/carry_prebuilt.sh (prepares .carry/ for a GPU machine): --help says what it does, and it refuses
+    arguments without touching anything."""
+    help_ = subprocess.run(
+        ["bash", "scripts/carry_prebuilt.sh", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert help_.returncode == 0 and "py312.tgz" in help_.stdout and "PY312" in help_.stdout
+    bad = subprocess.run(
+        ["bash", "scripts/carry_prebuilt.sh", "now"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert bad.returncode == 2 and "takes no arguments (got: now)" in bad.stderr
