@@ -21,37 +21,25 @@ import subprocess
 import time
 
 import torch
+from bench_gemm import balanced_cases  # this folder is on sys.path
 
 import moe8
-from moe8 import fp8, ops
+from moe8 import ops
 
 CASES = ("fp8_blockwise", "fp8_rowwise", "bf16", "bf16_torch")
 R, K, N, E = 32768, 4096, 28672, 8
 
 
 def make_cases(names, device) -> dict:
+    """{case: fn} from bench_gemm.py's fwd (moe8, torch) and fp8_fwd (moe8 blockwise, torch rowwise) GEMMs."""
     torch.manual_seed(0)
-    a = torch.randn(R, K, device=device, dtype=torch.bfloat16)
-    w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) * K**-0.5
-    ends = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (R // E)
-    offsets = torch.cat([ends.new_zeros(1), ends])
-    out = {}
-    if "fp8_blockwise" in names:
-        aq, a_scale = fp8.quantize_rows_1x128(a, None, 1)
-        wq, w_scale = fp8.quantize_weight_128x128(w)
-        out["fp8_blockwise"] = lambda: fp8.grouped_gemm_fp8(aq, a_scale, wq, w_scale, offsets, torch.bfloat16)
-    if "fp8_rowwise" in names:
-        ar, sa = fp8.quantize_rowwise(a)
-        wr, sw = fp8.quantize_rowwise(w)
-        ar, wr = ar.view(torch.float8_e4m3fn), wr.view(torch.float8_e4m3fn)
-        out["fp8_rowwise"] = lambda: torch._scaled_grouped_mm(
-            ar, wr.transpose(1, 2), sa, sw, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True
-        )
-    if "bf16" in names:
-        out["bf16"] = lambda: ops.grouped_gemm(a, w, offsets, 0, None)
-    if "bf16_torch" in names:
-        out["bf16_torch"] = lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
-    return out
+    c = balanced_cases(R, K, N, E, ["fwd", "fp8_fwd"], device)
+    (bf16, bf16_torch, _, _), (fp8_blockwise, fp8_rowwise, _, _) = c["fwd"], c["fp8_fwd"]
+    every = dict(fp8_blockwise=fp8_blockwise, fp8_rowwise=fp8_rowwise, bf16=bf16, bf16_torch=bf16_torch)
+    missing = [name for name in names if every[name] is None]
+    if missing:
+        raise SystemExit(f"bench_clocks: {missing} need torch._scaled_grouped_mm, which this torch lacks")
+    return {name: every[name] for name in names}
 
 
 def sample_clocks(seconds_idle: float):
@@ -69,7 +57,7 @@ def sample_clocks(seconds_idle: float):
 
 
 def run_case(fn, seconds: float) -> dict:
-    """Back-to-back calls for about `seconds`: calls, ms per call, wall start and end."""
+    """Back-to-back calls for about `seconds`: the number of calls, the first call's ms, ms per call."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -80,13 +68,12 @@ def run_case(fn, seconds: float) -> dict:
     torch.cuda.synchronize()
     first_ms = a.elapsed_time(b)
     n = max(3, int(seconds * 1e3 / max(first_ms, 1e-3)))
-    t0 = time.time()
     a.record()
     for _ in range(n):
         fn()
     b.record()
     torch.cuda.synchronize()
-    return dict(calls=n, first_call_ms=first_ms, ms=a.elapsed_time(b) / n, t0=t0, t1=time.time())
+    return dict(calls=n, first_call_ms=first_ms, ms=a.elapsed_time(b) / n)
 
 
 def main() -> int:

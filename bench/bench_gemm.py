@@ -61,6 +61,18 @@ def counts_for(routing: str, rows: int, experts: int, s: float, gen: torch.Gener
     return c[torch.randperm(experts, generator=gen)]
 
 
+def balanced_cases(R, kd, n, E, kinds, device):
+    """cases() of one projection with balanced routing on fresh random operands: a [R, kd], w [E, n, kd],
+    dc [R, n] (only for the backward kinds); for the tools that time or profile one GEMM (ncu_gemm.py,
+    bench_clocks.py)."""
+    ends = counts_for("balanced", R, E, 0.0, None).cumsum(0).to(device, torch.int32)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    a, w = torch.randn(R, kd, **bf16), torch.randn(E, n, kd, **bf16).mul_(kd**-0.5)
+    dc = torch.randn(R, n, **bf16) if {"dgrad", "wgrad", "fp8_wgrad"} & set(kinds) else None
+    return cases(a, w, dc, offsets, ends, E, kinds)
+
+
 def cases(a, w, dc, offsets, ends, E, kinds):
     """{kind: (moe8 fn, torch fn or None, flops, ceiling)}; a [R, K], w [E, N, K], dc [R, N]."""
     R, K = a.shape
@@ -341,7 +353,8 @@ def main() -> int:
             for r in rows
             if r["kind"] == kind
             and "moe8_ms" in r
-            and all(isinstance(ms, float) for ms in r.get("schedules_ms", {"": None}).values())
+            and "schedules_ms" in r
+            and all(isinstance(ms, float) for ms in r["schedules_ms"].values())
         ]
         if sched:
             base = sum(r["moe8_ms"] for r in sched)

@@ -13,34 +13,23 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_gemm import balanced_cases  # this folder is on sys.path
 
 import moe8
-from moe8 import fp8, ops
+from moe8 import ops
 
 CASES = ("fp8_mixtral", "dgrad_qwen3")
 
 
-def balanced_offsets(rows: int, experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets [E + 1], ends [E]) of rows spread evenly over the experts."""
-    ends = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts)
-    return torch.cat([ends.new_zeros(1), ends]), ends
-
-
 def calls(case: str, device) -> list:
+    """The launches to profile: moe8's, then torch's where bench_gemm.py has one."""
     torch.manual_seed(0)
-    bf16 = dict(device=device, dtype=torch.bfloat16)
-    if case == "fp8_mixtral":  # a [R, 4096] . w[e] [28672, 4096]^T
-        R, K, N, E = 32768, 4096, 28672, 8
-        offsets, _ = balanced_offsets(R, E, device)
-        aq, a_scale = fp8.quantize_rows_1x128(torch.randn(R, K, **bf16), None, 1)
-        wq, w_scale = fp8.quantize_weight_128x128(torch.randn(E, N, K, **bf16) * K**-0.5)
-        return [lambda: fp8.grouped_gemm_fp8(aq, a_scale, wq, w_scale, offsets, torch.bfloat16)]
-    # dgrad_qwen3: dc [R, 2048] . w[e] [2048, 768] -> [R, 768]
-    R, H, I, E = 131072, 2048, 768, 128
-    offsets, ends = balanced_offsets(R, E, device)
-    dc = torch.randn(R, H, **bf16)
-    w = torch.randn(E, H, I, **bf16) * I**-0.5
-    return [lambda: ops.grouped_gemm(dc, w, offsets, 1, None), lambda: torch._grouped_mm(dc, w, offs=ends)]
+    if case == "fp8_mixtral":  # a [32768, 4096] . w[e] [28672, 4096]^T
+        mine, _, _, _ = balanced_cases(32768, 4096, 28672, 8, ["fp8_fwd"], device)["fp8_fwd"]
+        return [mine]
+    # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
+    mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]
+    return [mine, theirs]
 
 
 def main() -> int:

@@ -325,8 +325,7 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
 template <class G>
-void run_cutlass(const GroupArrays& w, int groups, int device, int sms, sm90_util::Schedule schedule,
-                 cudaStream_t stream) {
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using AB = typename G::ElementAB;
   using D = typename G::ElementD;
@@ -345,7 +344,9 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, sm90_uti
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  sm90_util::apply_schedule(args, schedule);
+  // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): on the H200 no other order moved the
+  // FP8 GEMMs by more than the noise on every lease (bench_gemm.py --schedules, session 7)
+  sm90_util::apply_schedule(args, {});
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess)
@@ -409,10 +410,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
         offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
-    // CUTLASS's default tile order (sm90_util::Schedule{}): on the H200 no other order moved the FP8 GEMMs
-    // by more than the noise in every run (bench_gemm.py --schedules, session 7: Mixtral-8x7B's gate_up forward
-    // along N in bands of 8 was 5% faster on one lease, 1% slower on the next and 1 ms slower in its layer)
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, {}, s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
   if (launch_forced<ScaleConfig>(launch)) return;
   if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
@@ -459,7 +457,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
         offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
         a_scale.ptr<float>(), db.data, w);
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, {}, s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
   if (!launch_forced<ScaleConfigWgrad>(launch)) launch(Wgrad{});
 }
