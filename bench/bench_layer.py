@@ -293,6 +293,13 @@ def main():
         help="moe8.layer.CONSUME_GATE_UP (default on): the experts' backward writes d h over the gate_up output",
     )
     ap.add_argument(
+        "--routed-down",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="moe8.layer.ROUTED_DOWN (default on): activation, down projection and combine as one op whose "
+        "backward applies the routing weights after the dgrad (the expert outputs are not kept)",
+    )
+    ap.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -308,6 +315,7 @@ def main():
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     moe8.layer.CONSUME_GATE_UP = args.consume_gate_up
+    moe8.layer.ROUTED_DOWN = args.routed_down
     if not moe8.cuda_available():
         raise SystemExit("bench_layer: needs a CUDA GPU and moe8 built with CUDA")
     names = args.shapes.split(",")
@@ -324,6 +332,7 @@ def main():
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "consume_gate_up": args.consume_gate_up,
+        "routed_down": args.routed_down,
     }
     layers = []
     for n in names:

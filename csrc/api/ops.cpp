@@ -440,4 +440,34 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
   }
 }
 
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
+                                bool check_indices) {
+  check_activation(h, p, dout, "dout");
+  check_tensor("dh", dh, "h", h);
+  check_same_dtype("dh", dh, "h", h);
+  check_shape("dh", dh, {h.size(0), h.size(1)});
+  check_tensor("a_w", a_w, "h", h);
+  check_same_dtype("a_w", a_w, "h", h);
+  check_shape("a_w", a_w, {dout.size(0), dout.size(1)});
+  check_tensor("weights", weights, "h", h);
+  check_dtype("weights", weights, {DType::kF32});
+  check_ndim("weights", weights, 1);
+  check_tensor("d_weights", d_weights, "h", h);
+  check_dtype("d_weights", d_weights, {DType::kF32});
+  check_shape("d_weights", d_weights, {weights.size(0)});
+  check_tensor("row_to_slot", row_to_slot, "h", h);
+  check_dtype("row_to_slot", row_to_slot, {DType::kI32});
+  check_shape("row_to_slot", row_to_slot, {h.size(0)});
+  if (check_indices) check_range("row_to_slot", row_to_slot, -1, weights.size(0), stream);
+  if (on_cuda(h, "activation_backward_routed")) {
+#ifdef MOE8_WITH_CUDA
+    cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream));
+#endif
+  } else {
+    cpu::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights);
+  }
+}
+
 }  // namespace moe8::api

@@ -66,6 +66,14 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          intptr_t stream);
 
+// The activation's backward with the routing weights applied here (semantics: cpu/ops.h): h [R,2I] (gated) or
+// [R,I]; dout, a_w [R,I] (a_w may be dout); dh like h (may be h); one float dtype; weights, d_weights [T*K]
+// float32; row_to_slot [R] int32 in [-1, T*K).
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
+                                bool check_indices = true);
+
 // ---- rotary position embedding (api/rope.cpp), rotate_half form (Llama, Qwen); semantics: cpu/ops.h ----
 // x [B,H,S,D] (any strides, last dim contiguous; typically a [B,S,H,D] buffer seen through transpose(1, 2)),
 // cos, sin [B,S,D] or [1,S,D] contiguous, D even, one float dtype -> out [B,H,S,D] (last dim contiguous,

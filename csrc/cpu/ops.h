@@ -58,6 +58,16 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out);
 // dout [R, I] -> dh (shape of h).
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh);
+// The activation's backward with the routing weights applied here rather than to the rows before the down
+// projection's dgrad (ops.activation_down_combine). dout [R, I] is d act(h) of the UNweighted expert outputs;
+// for row r with slot s = row_to_slot[r] and w = weights[s] (0 when s < 0):
+//   dh[r] = act'(h[r]) (w dout[r]),  a_w[r] = w act(h[r]),  d_weights[s] = <act(h[r]), dout[r]> (fp32)
+// (the routing weight's gradient <o_r, dy_t> = <act(h_r) W_e, dy_t> = <act(h_r), dy_t W_e^T>, without the down
+// bias). a_w may be dout and dh may be h (each element is read before it is written); d_weights [T*K] f32 is
+// written at the slots rows map to only.
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights);
 
 // Rotary position embedding, rotate_half form (Llama, Qwen), with half = D/2:
 //   forward:  out = x cos + rotate_half(x) sin,    rotate_half(x) = [-x[half:], x[:half]]

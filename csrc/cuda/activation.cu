@@ -163,6 +163,44 @@ __global__ void __launch_bounds__(kMaxThreads)
   store_grads<T, V>(dh + r * lay.row_elems(), lay, i0, dg, du);
 }
 
+// One warp per row (kRoutedWarps rows a block): lanes step through the row's packs, and the routing weight's
+// gradient is the warp's sum of act(h) * dout (a fixed order: deterministic).
+constexpr int kRoutedWarps = kMaxThreads / 32;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kMaxThreads)
+    activation_backward_routed_kernel(const T* h, const T* dout, const float* __restrict__ weights,
+                                      const int32_t* __restrict__ row_to_slot, ActParams p, Layout lay, int64_t rows,
+                                      T* dh, T* a_w, float* __restrict__ d_weights) {  // dh may be h, a_w dout
+  const int lane = threadIdx.x % 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRoutedWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int32_t slot = row_to_slot[r];
+  const float w = slot >= 0 ? weights[slot] : 0.f;
+  const T* hr = h + r * lay.row_elems();
+  T* dhr = dh + r * lay.row_elems();
+  const T* dr = dout + r * lay.I;
+  T* ar = a_w + r * lay.I;
+  float dot = 0.f;
+  for (int64_t i0 = static_cast<int64_t>(lane) * V; i0 < lay.I; i0 += 32 * V) {
+    float g[V], u[V], dg[V], du[V];
+    load_inputs<T, V>(hr, lay, i0, g, u);
+    const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dr + i0);
+    Pack<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float a = act_forward(p, g[j], u[j]), dj = to_float(d.v[j]);
+      dot += a * dj;
+      o.v[j] = from_float<T>(w * a);
+      act_backward(p, g[j], u[j], w * dj, dg[j], du[j]);
+    }
+    store_grads<T, V>(dhr, lay, i0, dg, du);
+    *reinterpret_cast<Pack<T, V>*>(ar + i0) = o;
+  }
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  if (lane == 0 && slot >= 0) d_weights[slot] = dot;
+}
+
 }  // namespace
 
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, void* stream) {
@@ -201,6 +239,29 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
       activation_backward_kernel<T, 1><<<g.grid, g.block, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), p, lay, rows, dh.ptr<T>());
     }
     check_launch("activation_backward_kernel");
+  });
+}
+
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights, void* stream) {
+  const int64_t rows = dout.shape[0], I = dout.shape[1];
+  if (rows == 0) return;
+  cudaStream_t s = as_stream(stream);
+  const Layout lay{is_gated(p.kind), p.interleaved, I};
+  const unsigned grid = static_cast<unsigned>(ceil_div(rows, kRoutedWarps));
+  MOE8_DISPATCH_FLOAT(h.dtype, "activation_backward_routed: h", [&] {
+    using T = scalar_t;
+    constexpr int V = 16 / sizeof(T);
+    const auto launch = [&](auto kernel) {
+      kernel<<<grid, kMaxThreads, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), weights.ptr<float>(), row_to_slot.ptr<int32_t>(),
+                                          p, lay, rows, dh.ptr<T>(), a_w.ptr<T>(), d_weights.ptr<float>());
+    };
+    if (use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data}))
+      launch(activation_backward_routed_kernel<T, V>);
+    else
+      launch(activation_backward_routed_kernel<T, 1>);
+    check_launch("activation_backward_routed_kernel");
   });
 }
 

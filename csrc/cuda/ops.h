@@ -66,6 +66,10 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
 // dout [R, I] -> dh (shape of h).
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          void* stream);
+// cpu::activation_backward_routed on the GPU (one warp a row: the weight gradient's sum in a fixed order).
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights, void* stream);
 
 // Rotary position embedding (rotate_half form), forward or backward: x [B,H,S,D] and out [B,H,S,D] strided
 // with a contiguous last dim, cos / sin [B,S,D] or [1,S,D] contiguous; see cpu/ops.h.

@@ -427,11 +427,17 @@ def _fp8_activation_linear(
     consume_h: bool,
 ) -> Tensor:
     r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
+    return _act_fp8_forward(
+        h, Fp8Weight(w_q, w_scale, w_row_scale), offsets, r, (kind, interleaved, alpha, limit)
+    )
+
+
+def _act_fp8_forward(h: Tensor, wq: Fp8Weight, offsets: Tensor, r: Float8Recipe, act) -> Tensor:
+    """The FP8 down projection of activation(h, *act)."""
     if r.name == "blockwise":  # activation and 1x128 quantisation in one pass (the same bits as the two ops)
-        aq, a_s = swiglu_quant(h, kind, interleaved, alpha, limit)
-        return grouped_gemm_fp8(aq, a_s, w_q, w_scale, offsets, h.dtype)
-    a = ops.activation(h, kind, interleaved, alpha, limit)
-    return _fp8_forward(a, Fp8Weight(w_q, w_scale, w_row_scale), offsets, r)
+        aq, a_s = swiglu_quant(h, *act)
+        return grouped_gemm_fp8(aq, a_s, wq.q, wq.scale, offsets, h.dtype)
+    return _fp8_forward(ops.activation(h, *act), wq, offsets, r)
 
 
 @_fp8_activation_linear.register_fake
@@ -477,6 +483,69 @@ def _al_bwd(ctx, g):
 
 
 _fp8_activation_linear.register_autograd(_al_bwd, setup_context=_al_setup)
+
+
+@torch.library.custom_op("moe8::fp8_activation_down_combine", mutates_args=())
+def _fp8_activation_down_combine(
+    h: Tensor,
+    w: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    recipe: int,
+    fp8_dgrad: bool,
+    fp8_wgrad: bool,
+    weights: Tensor,
+    slot_to_row: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    consume_h: bool,
+) -> Tensor:
+    """ops.activation_down_combine with the down projection in FP8 (its GEMMs as _fp8_activation_linear's)."""
+    r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
+    o = _act_fp8_forward(
+        h, Fp8Weight(w_q, w_scale, w_row_scale), offsets, r, (kind, interleaved, alpha, limit)
+    )
+    return ops.combine_rows(o, slot_to_row.view(weights.shape), weights)
+
+
+@_fp8_activation_down_combine.register_fake
+def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, weights, *rest):
+    return h.new_empty(weights.shape[0], w_q.shape[1])
+
+
+def _adc_setup(ctx, inputs, output):
+    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, weights, _, row_to_slot, *act, consume = (
+        inputs
+    )
+    ctx.layout, ctx.recipe, ctx.act = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), act
+    ctx.consume_h = consume
+    ctx.save_for_backward(h, w, offsets, weights, row_to_slot)
+
+
+def _adc_bwd(ctx, g):
+    h, w, offsets, weights, row_to_slot = ctx.saved_tensors
+    lay, r = ctx.layout, ctx.recipe
+    dh, dw, d_weights = ops.routed_down_backward(
+        h,
+        g.contiguous(),
+        weights,
+        row_to_slot,
+        ctx.act,
+        ctx.consume_h,
+        lambda rows: _linear_grads(None, w, offsets, rows, lay, r, True, False)[0],
+        lambda a_w, rows: _linear_grads(a_w, w, offsets, rows, lay, r, False, True)[1],
+        ctx.needs_input_grad[1],
+    )
+    return (dh, dw) + (None,) * 8 + (d_weights,) + (None,) * 7
+
+
+_fp8_activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
 
 
 def _add_bias(c: Tensor, bias: Optional[Tensor], offsets: Tensor) -> Tensor:
@@ -596,6 +665,25 @@ def experts_forward_fp8(
     else:
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
         h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache)  # [R, 2I]
+        w = weights.float().contiguous()
+        if layer.ROUTED_DOWN and down_bias is None:  # ops.activation_down_combine: no activations or o kept
+            wq = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)
+            flags = (r.id, r.dgrad == "fp8", r.wgrad == "fp8")
+            act_args = (act, bool(interleaved), float(alpha), float(limit), layer.CONSUME_GATE_UP)
+            return _fp8_activation_down_combine(
+                h,
+                down,
+                wq.q,
+                wq.scale,
+                wq.row_scale,
+                offsets,
+                lay,
+                *flags,
+                w,
+                slot_to_row,
+                row_to_slot,
+                *act_args,
+            )
         # the activations [R, I] are not kept for the backward: recomputed from h there
         o = activation_linear(
             h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit, layer.CONSUME_GATE_UP

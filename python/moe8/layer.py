@@ -96,6 +96,14 @@ FUSED_LORA_ADD = False
 # instead of reading the overwritten h; set False for that.
 CONSUME_GATE_UP = True
 
+# The down projection, activation and combine as one op (ops.activation_down_combine) when the down
+# projection has no bias and no LoRA: the rows of dy are gathered unweighted, the routing weights applied in
+# the activation's backward, which also gives their gradient from d act (<act(h), dy W^T> = <o, dy>) and
+# recomputes the activations in the same pass. The expert outputs o [R, H] are no longer kept for the
+# backward, and one pass over h and the separate weights-gradient pass are saved. False: the separate
+# ops (activation_grouped_gemm, then combine), as before.
+ROUTED_DOWN = True
+
 
 def _plus_low_rank(
     c: Tensor, x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA
@@ -199,6 +207,11 @@ def experts_forward(
     if lora is not None:
         h = _plus_low_rank(h, xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora)
     act_args = (act, bool(interleaved), float(alpha), float(limit))
+    w = weights.float().contiguous()
+    if ROUTED_DOWN and lora is None and down_bias is None:  # neither activations nor expert outputs kept
+        return ops.activation_down_combine(
+            h, down.contiguous(), offsets, lay, w, slot_to_row, row_to_slot, *act_args, CONSUME_GATE_UP
+        )
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
         o = ops.activation_grouped_gemm(
             h, down.contiguous(), offsets, lay, _bias(down_bias), *act_args, consume_h=CONSUME_GATE_UP
@@ -207,7 +220,7 @@ def experts_forward(
         a = (ops.activation_consuming if CONSUME_GATE_UP else ops.activation)(h, *act_args)  # [R, I]
         o = ops.grouped_gemm(a, down.contiguous(), offsets, lay, _bias(down_bias))  # [R, H]
         o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora)
-    return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
+    return ops.combine(o, w, slot_to_row, row_to_slot)  # [T, H]
 
 
 def _bias(b: Optional[Tensor]) -> Optional[Tensor]:

@@ -179,6 +179,45 @@ TEST_F(CudaTest, ActivationsMatchCpu) {
       }
 }
 
+TEST_F(CudaTest, ActivationBackwardRoutedMatchesCpu) {
+  struct Dims {
+    int64_t R, I;
+  };
+  const Dims dims[] = {{13, 7}, {1, 1}, {0, 5}, {33, 131}, {4096, 768}, {1000, 2880}, {64, 14336}};
+  const ActParams params[] = {act(ActKind::kSwiGLU, false), act(ActKind::kSwiGLU, true),
+                              act(ActKind::kSwiGLUClamped, true), act(ActKind::kSiLU, false),
+                              act(ActKind::kGELU, false)};
+  uint64_t seed = 7500;
+  for (const ActParams& p : params)
+    for (DType dt : {DType::kF32, DType::kBF16})
+      for (Dims d : dims) {
+        SCOPED_TRACE("kind=" + std::to_string(static_cast<int>(p.kind)) +
+                     " interleaved=" + std::to_string(p.interleaved) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
+                     " I=" + std::to_string(d.I));
+        Rng rng(++seed);
+        RoutedInputs in = routed_inputs(dt, p, d.R, d.I, std::max<int64_t>(d.R - 1, 0), rng);  // a padding row
+        struct Out {
+          HostTensor dh, a_w, dw;
+        };
+        auto run_on = [&](bool gpu) {
+          Runner run(gpu);
+          Out o{HostTensor(dt, in.h.shape()), HostTensor(dt, in.dout.shape()), HostTensor(DType::kF32, in.weights.shape())};
+          api::activation_backward_routed(run.in(in.h), run.in(in.dout), run.in(in.weights), run.in(in.row_to_slot), p,
+                                          run.out(o.dh), run.out(o.a_w), run.out(o.dw), 0);
+          run.finish();
+          return o;
+        };
+        const Out gpu = run_on(true), cpu = run_on(false), again = run_on(true);
+        const RoutedExpect e = routed_ref(in, p);
+        EXPECT_TRUE(close_pair(gpu.dh, cpu.dh, e.dh, "dh"));
+        EXPECT_TRUE(close_pair(gpu.a_w, cpu.a_w, e.a_w, "a_w"));
+        EXPECT_TRUE(close_pair(gpu.dw, cpu.dw, e.d_weights, "d_weights"));
+        EXPECT_TRUE(gpu.dh.bitwise_equal(again.dh) && gpu.a_w.bitwise_equal(again.a_w) &&
+                    gpu.dw.bitwise_equal(again.dw))
+            << "two GPU runs differ";
+      }
+}
+
 }  // namespace
 }  // namespace moe8::test
 #endif  // MOE8_WITH_CUDA

@@ -456,4 +456,56 @@ inline HostTensor act_input(DType dtype, const Shape& s, const ActParams& p, Rng
   return h;
 }
 
+// Inputs of activation_backward_routed: h, dout [R, I], rows mapped to a shuffle of `slots` slots (the rows
+// beyond them, padding, to -1), routing weights [slots] f32.
+struct RoutedInputs {
+  HostTensor h, dout, weights, row_to_slot;
+};
+
+inline RoutedInputs routed_inputs(DType dtype, const ActParams& p, int64_t R, int64_t I, int64_t slots, Rng& rng) {
+  RoutedInputs in{act_input(dtype, {R, is_gated(p.kind) ? 2 * I : I}, p, rng), random_tensor(dtype, {R, I}, rng, -2, 2),
+                  random_tensor(DType::kF32, {slots}, rng, 0.05, 1.0), HostTensor(DType::kI32, {R})};
+  std::vector<int> order(static_cast<size_t>(R), -1);
+  for (int64_t s = 0; s < std::min(R, slots); ++s) order[static_cast<size_t>(s)] = static_cast<int>(s);
+  std::shuffle(order.begin(), order.end(), rng.g);
+  for (int64_t r = 0; r < R; ++r) in.row_to_slot.i32()[r] = order[static_cast<size_t>(r)];
+  return in;
+}
+
+// float64 expectations of activation_backward_routed: d h = act'(h) (w dout), a_w = w act(h), and
+// d_weights[slot] = <act(h), dout> (slots no row maps to: want 0, never compared for being unwritten).
+struct RoutedExpect {
+  Expect dh, a_w, d_weights;
+};
+
+inline RoutedExpect routed_ref(const RoutedInputs& in, const ActParams& p) {
+  const int64_t R = in.dout.shape()[0], I = in.dout.shape()[1];
+  HostTensor dout_w(DType::kF32, {R, I});
+  std::vector<double> w(static_cast<size_t>(R), 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int slot = in.row_to_slot.i32()[r];
+    w[static_cast<size_t>(r)] = slot >= 0 ? in.weights.get(slot) : 0.0;
+    for (int64_t i = 0; i < I; ++i)
+      dout_w.set(r * I + i, static_cast<float>(w[static_cast<size_t>(r)]) * static_cast<float>(in.dout.get(r * I + i)));
+  }
+  RoutedExpect e{act_grad_ref(in.h, dout_w, p), act_ref(in.h, p), {}};
+  e.d_weights.want.assign(static_cast<size_t>(in.weights.numel()), 0.0);
+  e.d_weights.mag.assign(static_cast<size_t>(in.weights.numel()), 0.0);
+  e.d_weights.comp_rel = fp32_rel(I + 24);
+  for (int64_t r = 0; r < R; ++r) {
+    const int slot = in.row_to_slot.i32()[r];
+    for (int64_t i = 0; i < I; ++i) {
+      const size_t k = static_cast<size_t>(r * I + i);
+      const double d = in.dout.get(r * I + i);
+      if (slot >= 0) {
+        e.d_weights.want[static_cast<size_t>(slot)] += e.a_w.want[k] * d;
+        e.d_weights.mag[static_cast<size_t>(slot)] += (std::fabs(e.a_w.want[k]) + e.a_w.mag[k]) * std::fabs(d);
+      }
+      e.a_w.want[k] *= w[static_cast<size_t>(r)];
+      e.a_w.mag[k] *= w[static_cast<size_t>(r)];
+    }
+  }
+  return e;
+}
+
 }  // namespace moe8::test

@@ -91,7 +91,7 @@ def dispatched(fn) -> set:
 
 def test_direct_calls_skip_the_dispatcher(direct):
     direct(False)
-    assert {"moe8::route", "moe8::plan", "moe8::permute", "moe8::combine"} <= dispatched(
+    assert {"moe8::route", "moe8::plan", "moe8::permute", "moe8::activation_down_combine"} <= dispatched(
         lambda: layer_step("cpu")
     )
     direct(True)
@@ -102,6 +102,27 @@ def test_direct_calls_skip_the_dispatcher(direct):
     v = h._version
     assert dispatched(lambda: ops.activation_backward_(h, d, 0, False, 1.702, 7.0)) == set()
     assert h._version == v + 1
+
+
+@pytest.mark.parametrize("use_direct", [False, True])
+def test_second_backward_through_consumed_h_of_down_combine_raises(direct, use_direct):
+    """activation_down_combine with consume_h: the backward writes d h over h (version bumped on both paths),
+    so a second backward through the graph raises instead of reading d h as h."""
+    direct(use_direct)
+    torch.manual_seed(6)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]], dtype=torch.int32)
+    _, offsets, row_to_slot, slot_to_row = ops.plan(ids, 2, 1, True)
+    x = torch.randn(12, 8, requires_grad=True)
+    w, b = torch.randn(2, 16, 8, requires_grad=True), torch.randn(2, 6, 8, requires_grad=True)
+    weights = torch.rand(6, 2, requires_grad=True)
+    h = ops.grouped_gemm(x, w, offsets, 0, None)
+    y = ops.activation_down_combine(
+        h, b, offsets, 0, weights, slot_to_row, row_to_slot, 0, False, 1.702, 7.0, True
+    )
+    g = torch.randn_like(y)
+    torch.autograd.grad(y, [x, weights], g, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y, [x], g)
 
 
 def test_modes_and_meta_tensors_take_the_custom_op(direct):

@@ -160,6 +160,15 @@ def test_opcheck():
         ),
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
         (
+            moe8.ops.activation_down_combine,
+            (torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, torch.rand(12, 2), s2r, r2s)
+            + (0, False, 1.702, 7.0, False),
+        ),
+        (
+            moe8.ops.activation_backward_routed,
+            (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0),
+        ),
+        (
             moe8.ops.grouped_lowrank_add,
             (torch.randn(24, 8), torch.randn(24, 2), torch.randn(4, 8, 2), offsets, 0),
         ),
@@ -469,3 +478,85 @@ def test_activation_gemm_backward_peak_is_no_higher():
 
     peak(True), peak(False)  # warm the allocator and the workspaces
     assert peak(True) <= peak(False)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_clamped", "gelu"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("consume", [False, True])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_activation_down_combine_matches_unfused(device, act, interleaved, consume, layout):
+    """activation_down_combine (the routing weights applied after the down projection's dgrad, their
+    gradient from d act, not from kept expert outputs) gives activation -> grouped_gemm -> combine's output
+    and gradients (float32: up to rounding), with padding rows in the plan, while saving neither the
+    activations [R, I] nor the expert outputs [R, H] for the backward."""
+    if act == "gelu" and interleaved:
+        pytest.skip("interleaving is for gated activations")
+    torch.manual_seed(8)
+    T, K, E, Hd, I, D = 23, 2, 4, 16, 12, 10  # D: the gate_up GEMM's input width
+    ops = moe8.ops
+    kind = ops.ACTIVATIONS[act]
+    width = 2 * I if act != "gelu" else I
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(torch.int32).to(device)
+    _, offsets, row_to_slot, slot_to_row = ops.plan(ids, E, 4, True)  # padded groups: rows with slot -1
+    assert (row_to_slot < 0).any()
+    xp0 = torch.randn(row_to_slot.shape[0], D, device=device)
+    w10 = torch.randn(*((E, width, D) if layout == 0 else (E, D, width)), device=device) * 0.5
+    w20 = torch.randn(*((E, Hd, I) if layout == 0 else (E, I, Hd)), device=device) * 0.5
+    r0 = torch.rand(T, K, device=device)
+    g = torch.randn(T, Hd, device=device)
+
+    def run(fused):
+        xp, w1, w2, r = (t.clone().requires_grad_() for t in (xp0, w10, w20, r0))
+        kept = {}
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (kept.setdefault(t.data_ptr(), t.shape), t)[1], lambda t: t
+        ):
+            h = ops.grouped_gemm(xp, w1, offsets, layout, None)
+            args = (kind, interleaved, 1.702, 7.0)
+            if fused:
+                y = ops.activation_down_combine(
+                    h, w2, offsets, layout, r, slot_to_row, row_to_slot, *args, consume
+                )
+            else:
+                o = ops.activation_grouped_gemm(h, w2, offsets, layout, None, *args, consume)
+                y = ops.combine(o, r, slot_to_row, row_to_slot)
+        return y, torch.autograd.grad(y, [xp, w1, w2, r], g), list(kept.values())
+
+    (y1, g1, kept1), (y2, g2, kept2) = run(True), run(False)
+    torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(["xp", "gate_up", "down", "weights"], g1, g2):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m, n=name: f"d {n}: {m}")
+    R = row_to_slot.shape[0]
+    assert torch.Size([R, Hd]) in kept2 and torch.Size([R, Hd]) not in kept1  # the expert outputs
+    assert width == I or torch.Size([R, I]) not in kept1  # the activations (ungated: h has their shape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_experts_peak_without_kept_expert_outputs(monkeypatch):
+    """The layer no longer holds the expert outputs o [R, H] into the backward (they were kept for the
+    routing weights' gradient): forward + backward peak lower by about one [R, H] buffer (less the [R, I]
+    d act the new backward holds at its peak) than with the separate activation_grouped_gemm and combine."""
+    T, K, E, Hd, I = 4096, 4, 8, 2048, 128
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(T, Hd, device=dev, dtype=bf, requires_grad=True)
+    gu = (torch.randn(E, 2 * I, Hd, device=dev, dtype=bf) * Hd**-0.5).requires_grad_()
+    dn = (torch.randn(E, Hd, I, device=dev, dtype=bf) * I**-0.5).requires_grad_()
+    ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, device=dev, requires_grad=True)
+    g = torch.randn(T, Hd, device=dev, dtype=bf)
+
+    def peak(routed):  # ROUTED_DOWN False: activation_grouped_gemm, then combine keeping o for its backward
+        monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y = layer.experts_forward(x, ids, w, gu, dn, check_ids=False)
+        y.backward(g)
+        torch.cuda.synchronize()
+        x.grad = gu.grad = dn.grad = w.grad = None
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(True), peak(False)  # warm the allocator and the workspaces
+    saved = peak(False) - peak(True)
+    assert saved >= 0.8 * T * K * Hd * 2, f"peak only {saved} bytes lower"
