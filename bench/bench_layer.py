@@ -3,7 +3,8 @@ the accuracy of moe8 against a pure-PyTorch float32 reference (output and every 
 
     python bench/bench_layer.py --shapes qwen3 --tokens 16384 --json bench/results/layer.json
 
-Prints a table last: shape, baseline ms, moe8 ms, ratio, TFLOP/s, % of the bf16 ceiling, peak memory.
+Prints a table last: shape, baseline ms, moe8 ms, ratio, TFLOP/s, % of the bf16 ceiling, peak extra memory
+of forward + backward, and the memory a forward leaves held for its backward (its output included).
 Each timed step starts with the gradients of x and the block's parameters set to None, as a training step
 after optimizer.zero_grad() (until session 5 the steps accumulated into the previous step's gradients: an
 extra read-add-write of every weight gradient in both columns, 0.9 ms of 9.3 at the Qwen3 shape)."""
@@ -82,6 +83,18 @@ def timed(fn, warmup=3, iters=10):
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def held_gib(forward) -> float:
+    """GiB allocated by forward() and still held when it returns (its output and what autograd saved for the
+    backward): the activation memory a layer adds in a model of many layers."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    del out
+    return held / 2**30
+
+
 def rel(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm()).item()
@@ -154,6 +167,8 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
     moe8.ops.set_index_validation(False)
     hf_ms, hf_mem = timed(hf_step)
     m_ms, m_mem = timed(moe8_step)
+    fresh_grads()
+    hf_held, m_held = held_gib(lambda: block(x)), held_gib(layer)
     fp8_rows = {}
     for recipe in fp8:
         try:
@@ -207,6 +222,8 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
         "speedup": hf_ms / m_ms,
         "hf_peak_extra_gib": hf_mem,
         "moe8_peak_extra_gib": m_mem,
+        "hf_held_after_forward_gib": hf_held,
+        "moe8_held_after_forward_gib": m_held,
         "moe8_expert_tflops": flops / (m_ms * 1e-3) / 1e12,
         "hf_expert_tflops": flops / (hf_ms * 1e-3) / 1e12,
     }
@@ -363,13 +380,14 @@ def main():
         )
     print(
         f"{'shape':<8} {'tokens':>6} {'HF grouped_mm ms':>16} {'moe8 ms':>8} {'ratio':>6} {'TFLOP/s':>8} "
-        f"{'% ceil':>6} {'HF GiB':>7} {'moe8 GiB':>8}"
+        f"{'% ceil':>6} {'HF GiB':>7} {'moe8 GiB':>8} {'held HF':>7} {'moe8':>5}"
     )
     for r in layers:
         print(
             f"{r['shape']:<8} {r['tokens']:>6} {r['hf_grouped_mm_ms']:>16.2f} {r['moe8_ms']:>8.2f} "
             f"{r['speedup']:>5.2f}x {r['moe8_expert_tflops']:>8.0f} {r['moe8_pct_of_bf16_ceiling']:>5.0f}% "
-            f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f}"
+            f"{r['hf_peak_extra_gib']:>7.2f} {r['moe8_peak_extra_gib']:>8.2f} "
+            f"{r['hf_held_after_forward_gib']:>7.2f} {r['moe8_held_after_forward_gib']:>5.2f}"
         )
         for recipe, f in r.get("fp8", {}).items():
             if "error" in f:

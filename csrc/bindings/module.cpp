@@ -205,8 +205,8 @@ NB_MODULE(_C, m) {
       [](Array h, Array dout, Array weights, Array row_to_slot, int kind, bool interleaved, float alpha, float limit,
          Array dh, Array a_w, Array d_weights, intptr_t stream, bool check_indices) {
         moe8::api::activation_backward_routed(V(h), V(dout), V(weights), V(row_to_slot),
-                                              act_params(kind, interleaved, alpha, limit), V(dh), V(a_w),
-                                              V(d_weights), stream, check_indices);
+                                              act_params(kind, interleaved, alpha, limit), V(dh), V(a_w), V(d_weights),
+                                              stream, check_indices);
       },
       nb::arg("h"), nb::arg("dout"), nb::arg("weights"), nb::arg("row_to_slot"), nb::arg("kind"),
       nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("dh"), nb::arg("a_w"), nb::arg("d_weights"),
