@@ -55,6 +55,20 @@ __device__ __forceinline__ void act_backward(const ActParams& p, float g, float 
   }
 }
 
+// act_forward and act_backward at once (the routed backward needs both): SwiGLU's sigmoid computed once,
+// the same floats as the two calls.
+__device__ __forceinline__ float act_value_and_grad(const ActParams& p, float g, float u, float d, float& dg,
+                                                    float& du) {
+  if (p.kind == ActKind::kSwiGLU) {
+    const float s = sigmoidf(g);
+    dg = d * u * s * (1.f + g * (1.f - s));
+    du = d * g * s;
+    return g * s * u;
+  }
+  act_backward(p, g, u, d, dg, du);
+  return act_forward(p, g, u);
+}
+
 // Element offsets, within row r of h, of the gate and up packs for outputs i0 .. i0+V-1. Interleaved:
 // the 2V inputs [g, u, g, u, ...] start at 2 * i0 and are read as two packs.
 struct Layout {
@@ -163,53 +177,41 @@ __global__ void __launch_bounds__(kMaxThreads)
   store_grads<T, V>(dh + r * lay.row_elems(), lay, i0, dg, du);
 }
 
-// RowThreads threads per row (a warp, or the whole block for long rows), kMaxThreads / RowThreads rows a
-// block: the threads step through the row's packs, and the routing weight's gradient is their sum of
-// act(h) * dout, reduced in a fixed order (warp shuffles, then the warps' partial sums in order): deterministic.
-template <typename T, int V, int RowThreads>
+// One warp per row (kRoutedWarps rows a block): lanes step through the row's packs, and the routing weight's
+// gradient is the warp's sum of act(h) * dout (a fixed order: deterministic).
+constexpr int kRoutedWarps = kMaxThreads / 32;
+
+template <typename T, int V>
 __global__ void __launch_bounds__(kMaxThreads)
     activation_backward_routed_kernel(const T* h, const T* dout, const float* __restrict__ weights,
                                       const int32_t* __restrict__ row_to_slot, ActParams p, Layout lay, int64_t rows,
                                       T* dh, T* a_w, float* __restrict__ d_weights) {  // dh may be h, a_w dout
-  static_assert(RowThreads == 32 || RowThreads == kMaxThreads, "a warp or the whole block per row");
-  const int t = threadIdx.x % RowThreads;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kMaxThreads / RowThreads) + threadIdx.x / RowThreads;
-  const bool live = r < rows;  // no early return: the whole block takes part in the reduction below
-  const int32_t slot = live ? row_to_slot[r] : -1;
+  const int lane = threadIdx.x % 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRoutedWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int32_t slot = row_to_slot[r];
   const float w = slot >= 0 ? weights[slot] : 0.f;
+  const T* hr = h + r * lay.row_elems();
+  T* dhr = dh + r * lay.row_elems();
+  const T* dr = dout + r * lay.I;
+  T* ar = a_w + r * lay.I;
   float dot = 0.f;
-  if (live) {
-    const T* hr = h + r * lay.row_elems();
-    T* dhr = dh + r * lay.row_elems();
-    const T* dr = dout + r * lay.I;
-    T* ar = a_w + r * lay.I;
-    for (int64_t i0 = static_cast<int64_t>(t) * V; i0 < lay.I; i0 += RowThreads * V) {
-      float g[V], u[V], dg[V], du[V];
-      load_inputs<T, V>(hr, lay, i0, g, u);
-      const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dr + i0);
-      Pack<T, V> o;
+  for (int64_t i0 = static_cast<int64_t>(lane) * V; i0 < lay.I; i0 += 32 * V) {
+    float g[V], u[V], dg[V], du[V];
+    load_inputs<T, V>(hr, lay, i0, g, u);
+    const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dr + i0);
+    Pack<T, V> o;
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float a = act_forward(p, g[j], u[j]), dj = to_float(d.v[j]);
-        dot += a * dj;
-        o.v[j] = from_float<T>(w * a);
-        act_backward(p, g[j], u[j], w * dj, dg[j], du[j]);
-      }
-      store_grads<T, V>(dhr, lay, i0, dg, du);
-      *reinterpret_cast<Pack<T, V>*>(ar + i0) = o;
+    for (int j = 0; j < V; ++j) {
+      const float dj = to_float(d.v[j]), a = act_value_and_grad(p, g[j], u[j], w * dj, dg[j], du[j]);
+      dot += a * dj;
+      o.v[j] = from_float<T>(w * a);
     }
+    store_grads<T, V>(dhr, lay, i0, dg, du);
+    *reinterpret_cast<Pack<T, V>*>(ar + i0) = o;
   }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  if constexpr (RowThreads > 32) {
-    __shared__ float part[kMaxThreads / 32];
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = dot;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      dot = 0.f;
-      for (int k = 0; k < kMaxThreads / 32; ++k) dot += part[k];
-    }
-  }
-  if (t == 0 && slot >= 0) d_weights[slot] = dot;
+  if (lane == 0 && slot >= 0) d_weights[slot] = dot;
 }
 
 }  // namespace
@@ -260,26 +262,18 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
   if (rows == 0) return;
   cudaStream_t s = as_stream(stream);
   const Layout lay{is_gated(p.kind), p.interleaved, I};
+  const unsigned grid = static_cast<unsigned>(ceil_div(rows, kRoutedWarps));
   MOE8_DISPATCH_FLOAT(h.dtype, "activation_backward_routed: h", [&] {
     using T = scalar_t;
     constexpr int V = 16 / sizeof(T);
-    const bool packs = use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data});
-    // A block per row once a row has a block's worth of packs (H200: a warp per row moved Mixtral's
-    // [32768, 14336] rows at 2.9 TB/s, 56 steps a lane), else a warp per row.
-    const bool block_rows = (packs ? I / V : I) >= kMaxThreads;
-    const auto launch = [&](auto kernel, int rows_per_block) {
-      const auto grid = static_cast<unsigned>(ceil_div(rows, rows_per_block));
+    const auto launch = [&](auto kernel) {
       kernel<<<grid, kMaxThreads, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), weights.ptr<float>(), row_to_slot.ptr<int32_t>(),
                                           p, lay, rows, dh.ptr<T>(), a_w.ptr<T>(), d_weights.ptr<float>());
     };
-    if (packs && block_rows)
-      launch(activation_backward_routed_kernel<T, V, kMaxThreads>, 1);
-    else if (packs)
-      launch(activation_backward_routed_kernel<T, V, 32>, kMaxThreads / 32);
-    else if (block_rows)
-      launch(activation_backward_routed_kernel<T, 1, kMaxThreads>, 1);
+    if (use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data}))
+      launch(activation_backward_routed_kernel<T, V>);
     else
-      launch(activation_backward_routed_kernel<T, 1, 32>, kMaxThreads / 32);
+      launch(activation_backward_routed_kernel<T, 1>);
     check_launch("activation_backward_routed_kernel");
   });
 }

@@ -340,13 +340,25 @@ def _fp8_grouped_linear(
     recipe: int,
     fp8_dgrad: bool,
     fp8_wgrad: bool,
+    src: Optional[Tensor] = None,
+    row_to_slot: Optional[Tensor] = None,
+    k: int = 1,
 ) -> Tensor:
+    """src, row_to_slot, k: a's rows are src's gathered (a = ops.permute(src, row_to_slot, ., k)); the
+    blockwise recipe then quantises them from src in the permute's pass (quantize_rows_1x128 with
+    row_to_slot: the same bits, one [R, K] read fewer)."""
     wq = Fp8Weight(w_q, w_scale, w_row_scale)
-    return _fp8_forward(a, wq, offsets, _recipe_of(recipe, fp8_dgrad, fp8_wgrad))
+    r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
+    if src is not None and r.name == "blockwise":
+        aq, a_scale = quantize_rows_1x128(src, row_to_slot, k)
+        return grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
+    return _fp8_forward(a, wq, offsets, r)
 
 
 @_fp8_grouped_linear.register_fake
-def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_wgrad):
+def _(
+    a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, src=None, r2s=None, k=1
+):
     return a.new_empty(a.shape[0], w_q.shape[1])
 
 
@@ -369,7 +381,7 @@ def _fp8_wgrad(a: Tensor, g: Tensor, offsets: Tensor, layout: int, num_experts: 
 
 
 def _gl_setup(ctx, inputs, output):
-    a, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad = inputs
+    a, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, *_ = inputs
     ctx.layout, ctx.recipe = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
     ctx.save_for_backward(a, w, offsets)
 
@@ -402,7 +414,7 @@ def _gl_bwd(ctx, g):
         ctx.needs_input_grad[0],
         ctx.needs_input_grad[1],
     )
-    return da, dw, None, None, None, None, None, None, None, None
+    return (da, dw) + (None,) * 11
 
 
 _fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -530,15 +542,15 @@ def _adc_setup(ctx, inputs, output):
 
 def _adc_bwd(ctx, g):
     h, w, offsets, weights, row_to_slot = ctx.saved_tensors
-    lay, r = ctx.layout, ctx.recipe
+    lay, r, g = ctx.layout, ctx.recipe, g.contiguous()
     dh, dw, d_weights = ops.routed_down_backward(
         h,
-        g.contiguous(),
+        g,
         weights,
         row_to_slot,
         ctx.act,
         ctx.consume_h,
-        lambda rows: _linear_grads(None, w, offsets, rows, lay, r, True, False)[0],
+        lambda rows: _routed_dgrad(rows, g, row_to_slot, weights.shape[1], w, offsets, lay, r),
         lambda a_w, rows: _linear_grads(a_w, w, offsets, rows, lay, r, False, True)[1],
         ctx.needs_input_grad[1],
     )
@@ -546,6 +558,17 @@ def _adc_bwd(ctx, g):
 
 
 _fp8_activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
+
+
+def _routed_dgrad(rows, g, row_to_slot, k, w, offsets, layout, r: Float8Recipe) -> Tensor:
+    """d act of the unweighted rows (= g gathered by row_to_slot): in FP8 blockwise quantised straight from g
+    (quantize_rows_1x128 with row_to_slot: the same bits as quantising the rows, a [T, H] read instead of
+    [R, H]); otherwise as _linear_grads."""
+    if r.dgrad == "fp8" and r.name == "blockwise":
+        gq, gs = quantize_rows_1x128(g, row_to_slot, k)
+        wq = default_cache.get(w, 1 - layout, r)
+        return grouped_gemm_fp8(gq, gs, wq.q, wq.scale, offsets, g.dtype)
+    return _linear_grads(None, w, offsets, rows, layout, r, True, False)[0]
 
 
 def _add_bias(c: Tensor, bias: Optional[Tensor], offsets: Tensor) -> Tensor:
@@ -597,14 +620,18 @@ def grouped_linear(
     bias: Optional[Tensor] = None,
     recipe="blockwise",
     cache: Optional[Fp8WeightCache] = default_cache,
+    gathered_from: Optional[tuple[Tensor, Tensor, int]] = None,
 ) -> Tensor:
     """Drop-in for ops.grouped_gemm(a, w, offsets, layout, bias) with the forward GEMM in FP8:
     a [R, K] (rows in expert order), w [E, N, K] (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N]
     in a's dtype. Gradients flow to a, w and bias: in a's precision, a's in FP8 when recipe.dgrad is "fp8", w's
     when recipe.wgrad is "fp8" (on a GPU every offsets[e] and R must then be multiples of 16: plan with
-    pad_multiple 16, as experts_forward_fp8 does; checked when index validation is on)."""
+    pad_multiple 16, as experts_forward_fp8 does; checked when index validation is on).
+    gathered_from (src, row_to_slot, k): a is ops.permute(src, row_to_slot, ., k); the blockwise recipe then
+    quantises a's rows from src directly (the same bits, without reading a)."""
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
+    src, row_to_slot, k = gathered_from if gathered_from is not None else (None, None, 1)
     c = _fp8_grouped_linear(
         a.contiguous(),
         w,
@@ -616,6 +643,9 @@ def grouped_linear(
         r.id,
         r.dgrad == "fp8",
         r.wgrad == "fp8",
+        src,
+        row_to_slot,
+        int(k),
     )
     return _add_bias(c, bias, offsets)
 
@@ -664,7 +694,7 @@ def experts_forward_fp8(
         o = grouped_gemm_fp8(aq, a_s, w2.q, w2.scale, offsets, dtype)  # [R, H]
     else:
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
-        h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache)  # [R, 2I]
+        h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache, (x, row_to_slot, k))  # [R, 2I]
         w = weights.float().contiguous()
         if layer.ROUTED_DOWN and down_bias is None:  # ops.activation_down_combine: no activations or o kept
             wq = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)

@@ -493,6 +493,59 @@ def test_experts_fp8_consuming_gate_up_matches(device, recipe, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_experts_fp8_routed_down_matches_separate_ops(device, recipe, monkeypatch):
+    """layer.ROUTED_DOWN in the FP8 experts (the routing weights applied after the down projection's dgrad,
+    the dgrad's rows quantised straight from dy): the same forward bits as the separate ops, and every
+    gradient, the routing weights' included, within FP8 noise of theirs."""
+    from moe8 import layer
+
+    torch.manual_seed(10)
+    T, H, I, E, K = 64, 128, 128, 4, 2
+    x0 = torch.randn(T, H, device=device).to(torch.bfloat16)
+    weights = [(torch.randn(*s, device=device) * 0.1).to(torch.bfloat16) for s in ((E, 2 * I, H), (E, H, I))]
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    w0 = torch.rand(T, K, device=device)
+    r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
+
+    def run(routed):
+        monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
+        leaves = [x0.clone().requires_grad_(), *(t.clone().requires_grad_() for t in weights)]
+        w = w0.clone().requires_grad_()
+        y = fp8.experts_forward_fp8(leaves[0], ids, w, *leaves[1:], recipe=r, cache=None)
+        return y, torch.autograd.grad(y.float().square().sum(), [*leaves, w])
+
+    (y1, g1), (y2, g2) = run(True), run(False)
+    assert torch.equal(y1, y2)
+    for name, a, b in zip(("x", "gate_up", "down", "weights"), g1, g2):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 0.08, f"d {name}: relative difference {rel:.3f}"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_grouped_linear_gathered_from_is_the_same(device):
+    """grouped_linear(permute(x), ..., gathered_from=(x, row_to_slot, k)): the blockwise rows quantised from
+    x in the permute's pass give the same bits, forward and backward."""
+    torch.manual_seed(11)
+    T, H, N, E, K = 40, 256, 136, 4, 2
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
+    _, offsets, r2s, s2r = moe8.ops.plan(ids, E, 16, True)  # padding rows: gathered as zeros
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    wt = (torch.randn(E, N, H, device=device) * 0.05).to(torch.bfloat16)
+    g = torch.randn(r2s.shape[0], N, device=device).to(torch.bfloat16)
+
+    def run(gathered):
+        xl, wl = x.clone().requires_grad_(), wt.clone().requires_grad_()
+        a = moe8.ops.permute(xl, r2s, s2r, K)
+        src = (xl, r2s, K) if gathered else None
+        c = fp8.grouped_linear(a, wl, offsets, 0, None, "blockwise", None, src)
+        return [c, *torch.autograd.grad(c, [xl, wl], g)]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 def test_weight_cache_refreshes_after_an_update():
     cache = fp8.Fp8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
