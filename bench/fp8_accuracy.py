@@ -28,7 +28,7 @@ def e4m3_1x128(t):
     width = t.shape[-1]
     t = torch.nn.functional.pad(t, (0, -width % 128)).unflatten(-1, (-1, 128))
     scale = t.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
-    return ((t / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :width]
+    return ((t * (1.0 / scale)).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :width]
 
 
 def e4m3_floor(x, w) -> dict:

@@ -8,7 +8,8 @@
 //   - saturating: |x| > 464 (448 + half an ulp) and +-inf become +-448 (0x7E / 0xFE);
 //   - NaN (either sign) becomes 0x7F; the sign of zero is kept (-0.0 -> 0x80).
 // torch's x.to(torch.float8_e4m3fn) agrees everywhere except overflow: it is not saturating (|x| > 464,
-// inf -> NaN) and keeps the sign of NaN (0xFF). Quantised values never overflow (|x / scale| <= 448).
+// inf -> NaN) and keeps the sign of NaN (0xFF). Quantised values never overflow (|x * (1 / scale)| <= 448 + 1 ulp,
+// saturated to 448).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -60,6 +61,10 @@ inline float e4m3_to_float(uint8_t b) {
 
 // Scale of a block whose largest magnitude is amax (NaN-free): amax / 448, or 1 for an all-zero block.
 inline float e4m3_scale(float amax) { return amax > 0.0f ? amax / kE4M3Max : 1.0f; }
+
+// What values are multiplied by before the cast: 1 / scale, rounded once (IEEE), so q = e4m3(x * (1 / scale))
+// (one multiplication per value instead of a division: the quantisation kernels were bound by the divisions).
+inline float e4m3_inv_scale(float scale) { return 1.0f / scale; }
 
 MOE8_HD int64_t quant_blocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
 

@@ -77,7 +77,7 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward);
 
 // ---- FP8 e4m3 (stored as uint8; conversion, scale rule and NaN policy in core/fp8.h) ----------------
-// Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x / scale), so that
+// Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x * (1 / scale)), so that
 // x ~= e4m3_to_float(q) * scale. KB = ceil(K/128), NB = ceil(N/128).
 
 // 1x128 along K: x [R,K] f32|f16|bf16 -> q [R,K] u8, scale [R,KB] f32 (row-major).

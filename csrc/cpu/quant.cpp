@@ -25,7 +25,8 @@ inline float amax_of(const float* v, int64_t n) {
 }
 
 inline void quantize_span(const float* v, int64_t n, float scale, uint8_t* q) {
-  for (int64_t i = 0; i < n; ++i) q[i] = float_to_e4m3(v[i] / scale);
+  const float inv = e4m3_inv_scale(scale);
+  for (int64_t i = 0; i < n; ++i) q[i] = float_to_e4m3(v[i] * inv);
 }
 
 // One row of K values as floats (zeros where src is null), quantised in 128-column blocks.
@@ -71,8 +72,9 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
         for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(to_f(W[(e * N + n) * K + i])));
       const float s = e4m3_scale(amax);  // std::max(amax, NaN) keeps amax
       scale.ptr<float>()[t] = s;
+      const float inv = e4m3_inv_scale(s);
       for (int64_t n = n0; n < n1; ++n)
-        for (int64_t i = k0; i < k1; ++i) Q[(e * N + n) * K + i] = float_to_e4m3(to_f(W[(e * N + n) * K + i]) / s);
+        for (int64_t i = k0; i < k1; ++i) Q[(e * N + n) * K + i] = float_to_e4m3(to_f(W[(e * N + n) * K + i]) * inv);
     });
   });
 }
@@ -145,7 +147,8 @@ void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorV
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(X[i])));
     const float s = e4m3_scale(amax);
     scale.ptr<float>()[0] = s;
-    parallel_for(n, 4096, [&](int64_t i) { q.ptr<uint8_t>()[i] = float_to_e4m3(to_f(X[i]) / s); });
+    const float inv = e4m3_inv_scale(s);
+    parallel_for(n, 4096, [&](int64_t i) { q.ptr<uint8_t>()[i] = float_to_e4m3(to_f(X[i]) * inv); });
   });
 }
 

@@ -10,7 +10,8 @@
 //   rowwise / tensorwise   block per row / grid-wide amax (atomicMax on the float bits) then a cast
 //   dequantize             one thread per element
 // Bit-exactness rests on three things: amax is a max (order-free; fmaxf drops NaN like the CPU's compare),
-// the scale and x / scale are IEEE divisions (__fdiv_rn, whatever the fast-math flags), and the cast is the
+// the scale, its reciprocal and x * (1 / scale) are IEEE-rounded (__fdiv_rn, __frcp_rn, __fmul_rn, whatever the
+// fast-math flags), and the cast is the
 // hardware's round-to-nearest-even satfinite conversion that core/fp8.h reproduces.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -39,6 +40,8 @@ __device__ __forceinline__ float e4m3_value(uint8_t b) {
 }
 
 __device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? __fdiv_rn(amax, kE4M3Max) : 1.f; }
+// core/fp8.h's e4m3_inv_scale: the values are multiplied by it (one rounding each, as on the CPU).
+__device__ __forceinline__ float inv_scale(float s) { return __frcp_rn(s); }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -75,9 +78,10 @@ __device__ __forceinline__ void load_n(const T* row, int64_t k0, int64_t K, bool
 template <int V>
 __device__ __forceinline__ void store_n(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[V], float s) {
   static_assert(V == 4 || V == 8, "4 or 8 codes per store");
+  const float inv = inv_scale(s);
   uint8_t b[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) b[j] = to_e4m3(__fdiv_rn(v[j], s));
+  for (int j = 0; j < V; ++j) b[j] = to_e4m3(__fmul_rn(v[j], inv));
   if (vec && k0 + V <= K) {
     uint32_t w[V / 4];
 #pragma unroll
@@ -272,16 +276,16 @@ __global__ void __launch_bounds__(kThreads)
     const int tc = warp * kColsPerWarp + cc;
     const int64_t col = c0 + tc;
     if (col >= K) break;
-    const float s = part[0][tc];
+    const float inv = inv_scale(part[0][tc]);
     uint8_t* out = q_t + col * R + r0;
     if (vec) {
       uint32_t word = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        word |= static_cast<uint32_t>(to_e4m3(__fdiv_rn(tile[lane * 4 + j][tc], s))) << (8 * j);
+        word |= static_cast<uint32_t>(to_e4m3(__fmul_rn(tile[lane * 4 + j][tc], inv))) << (8 * j);
       reinterpret_cast<uint32_t*>(out)[lane] = word;
     } else {
-      for (int i = lane; i < n; i += 32) out[i] = to_e4m3(__fdiv_rn(tile[i][tc], s));
+      for (int i = lane; i < n; i += 32) out[i] = to_e4m3(__fmul_rn(tile[i][tc], inv));
     }
   }
 }
@@ -336,7 +340,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = threadIdx.x; i < K; i += kThreads) m = fmaxf(m, fabsf(to_float(row[i])));
   const float s = scale_of(block_max(m));
   if (threadIdx.x == 0) scale[r] = s;
-  for (int64_t i = threadIdx.x; i < K; i += kThreads) q[r * K + i] = to_e4m3(__fdiv_rn(to_float(row[i]), s));
+  const float inv = inv_scale(s);
+  for (int64_t i = threadIdx.x; i < K; i += kThreads) q[r * K + i] = to_e4m3(__fmul_rn(to_float(row[i]), inv));
 }
 
 // amax_bits must be zeroed first; non-negative floats order like their bit patterns.
@@ -353,10 +358,10 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_tensorwise_kernel(const T* __restrict__ x, int64_t n, const float* amax, uint8_t* __restrict__ q) {
-  const float s = scale_of(*amax);
+  const float inv = inv_scale(scale_of(*amax));
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
-    q[i] = to_e4m3(__fdiv_rn(to_float(x[i]), s));
+    q[i] = to_e4m3(__fmul_rn(to_float(x[i]), inv));
 }
 
 __global__ void amax_to_scale_kernel(float* scale) { scale[0] = scale_of(scale[0]); }

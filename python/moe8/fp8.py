@@ -5,7 +5,7 @@ Recipes (`Float8Recipe(name)`):
                   every 128 of K inside the GEMM (the default)
     "rowwise"     one scale per activation row and per weight output row
     "tensorwise"  one scale per tensor
-Every scale is amax / 448 (1 for an all-zero block), q = e4m3(x / scale), round-to-nearest-even,
+Every scale is amax / 448 (1 for an all-zero block), q = e4m3(x * (1 / scale)), round-to-nearest-even,
 saturating; quantised tensors are uint8 (view them as torch.float8_e4m3fn if you like: the core takes both).
 
 Raw ops (torch.library custom ops with fake implementations; CPU reference or CUDA kernels):

@@ -61,7 +61,8 @@ inline RefBlock ref_quantize(const std::vector<float>& v) {
   for (float x : v)
     if (!std::isnan(x)) amax = std::max(amax, std::fabs(x));
   RefBlock b{ref_scale(amax), {}};
-  for (float x : v) b.q.push_back(e4m3_ref_code(x / b.scale));
+  const float inv = 1.0f / b.scale;  // q = e4m3(x * (1 / scale)), each step rounded to float
+  for (float x : v) b.q.push_back(e4m3_ref_code(x * inv));
   return b;
 }
 

@@ -96,10 +96,11 @@ def test_float8_tensor_is_accepted():
 
 # ------------------------------------------------------------------------------- recipes vs PyTorch
 def ref_quant(blocks):
-    """blocks [..., n] float -> codes, scales [...] exactly as specified: amax / 448 (1 if 0), q = e4m3(x / s)."""
+    """blocks [..., n] float -> codes, scales [...] exactly as specified: amax / 448 (1 if 0),
+    q = e4m3(x * (1 / s)) (float32: the reciprocal and the product each rounded once)."""
     amax = blocks.abs().amax(-1)
     s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (blocks / s.unsqueeze(-1)).to(E4M3).view(torch.uint8), s
+    return (blocks.float() * (1.0 / s.float()).unsqueeze(-1)).to(E4M3).view(torch.uint8), s
 
 
 def spread(shape, dtype, seed):
@@ -315,7 +316,7 @@ def simulate_blockwise(x, ids, w, gate_up, down):
         b = tp.view(*lead, Mp // bm, bm, Kp // bk, bk)
         amax = b.abs().amax(dim=(-3, -1), keepdim=True)
         s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-        return ((b / s).to(E4M3).float() * s).view(*lead, Mp, Kp)[..., :M, :K]
+        return ((b * (1.0 / s)).to(E4M3).float() * s).view(*lead, Mp, Kp)[..., :M, :K]
 
     x, ids, w, gate_up, down = (t.cpu() for t in (x, ids, w, gate_up, down))
     xq, gq, dq = qdq(x, 1, 128), qdq(gate_up, 128, 128), qdq(down, 128, 128)
