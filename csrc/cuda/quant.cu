@@ -132,39 +132,24 @@ inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_
 
 // ---------------------------------------------------------------------------------------- rows 1x128
 
-// x: [rows, K] (or src [T, K] when gathering); row_to_slot null: no gather. Each half warp quantises
-// kRowItems consecutive (row, block) items, all loads issued before the first reduction: more bytes in
-// flight per thread (H200, one item per half warp: ~1.2 TB/s on DeepSeek-V3's [131072, 7168] rows).
-constexpr int kRowItems = 4;
-
+// x: [rows, K] (or src [T, K] when gathering); row_to_slot null: no gather.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_to_slot, int k, int64_t rows,
                          int64_t K, bool vec, uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int64_t KB = quant_blocks(K);
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes * kRowItems;
-  float v[kRowItems][kLaneVals];
-  bool live[kRowItems];
-  int64_t r[kRowItems], k0[kRowItems];
-#pragma unroll
-  for (int u = 0; u < kRowItems; ++u) {
-    const int64_t item = first + u;
-    live[u] = item < rows * KB;
-    r[u] = live[u] ? item / KB : 0;
-    const int64_t b = live[u] ? item % KB : 0;
-    int64_t src = r[u];
-    if (live[u] && row_to_slot) {
-      const int32_t slot = row_to_slot[r[u]];
-      src = slot < 0 ? -1 : slot / k;
-    }
-    k0[u] = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
-#pragma unroll
-    for (int j = 0; j < kLaneVals; ++j) v[u][j] = 0.f;
-    if (live[u] && src >= 0) load_n(x + src * K, k0[u], K, vec, v[u]);
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes;
+  const bool live = item < rows * KB;
+  const int64_t r = live ? item / KB : 0, b = live ? item % KB : 0;
+  int64_t src = r;
+  if (live && row_to_slot) {
+    const int32_t slot = row_to_slot[r];
+    src = slot < 0 ? -1 : slot / k;
   }
-#pragma unroll
-  for (int u = 0; u < kRowItems; ++u)
-    block_quantize(v[u], live[u], q + r[u] * K, k0[u], K, vec, scale + r[u] * KB + k0[u] / kQuantBlock);
+  const int64_t k0 = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
+  float v[kLaneVals] = {};
+  if (live && src >= 0) load_n(x + src * K, k0, K, vec, v);
+  block_quantize(v, live, q + r * K, k0, K, vec, scale + r * KB + b);
 }
 
 // ------------------------------------------------------------------------------------ weight 128x128
@@ -438,10 +423,9 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   MOE8_DISPATCH_FLOAT(x.dtype, "quantize_rows_1x128: x", [&] {
     using T = scalar_t;
     const bool vec = K % kLaneVals == 0 && aligned(x.data, sizeof(T) * kLaneVals) && aligned(q.data, kLaneVals);
-    quantize_rows_kernel<T>
-        <<<blocks_for_items(ceil_div(rows * quant_blocks(K), kRowItems)), kThreads, 0, as_stream(stream)>>>(
-            x.ptr<T>(), row_to_slot.present ? row_to_slot.ptr<int32_t>() : nullptr, k, rows, K, vec, q.ptr<uint8_t>(),
-            scale.ptr<float>());
+    quantize_rows_kernel<T><<<blocks_for_items(rows * quant_blocks(K)), kThreads, 0, as_stream(stream)>>>(
+        x.ptr<T>(), row_to_slot.present ? row_to_slot.ptr<int32_t>() : nullptr, k, rows, K, vec, q.ptr<uint8_t>(),
+        scale.ptr<float>());
     check_launch("quantize_rows_kernel");
   });
 }
