@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -100,9 +101,9 @@ CONSUME_GATE_UP = True
 # projection has no bias and no LoRA: the rows of dy are gathered unweighted, the routing weights applied in
 # the activation's backward, which also gives their gradient from d act (<act(h), dy W^T> = <o, dy>) and
 # recomputes the activations in the same pass. The expert outputs o [R, H] are no longer kept for the
-# backward, and one pass over h and the separate weights-gradient pass are saved. False: the separate
-# ops (activation_grouped_gemm, then combine), as before.
-ROUTED_DOWN = True
+# backward, and one pass over h and the separate weights-gradient pass are saved. False (or
+# MOE8_ROUTED_DOWN=0 in the environment): the separate ops (activation_grouped_gemm, then combine), as before.
+ROUTED_DOWN = os.environ.get("MOE8_ROUTED_DOWN", "1") != "0"
 
 
 def _plus_low_rank(
