@@ -30,7 +30,8 @@ struct TensorView {
   }
   int64_t size(int d) const { return shape[d < 0 ? d + ndim : d]; }
   bool is_cuda() const { return device == DeviceType::kCUDA; }
-  bool is_contiguous() const {
+  bool is_contiguous() const {  // as torch: a tensor without elements is contiguous whatever its strides
+    if (numel() == 0) return true;
     int64_t expect = 1;
     for (int i = ndim - 1; i >= 0; --i) {
       if (shape[i] != 1 && strides[i] != expect) return false;

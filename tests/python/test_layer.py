@@ -106,6 +106,22 @@ def test_expert_with_no_tokens_gets_zero_grad(device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("routed", [True, False])
+def test_no_tokens_at_all(device, routed, monkeypatch):
+    """A batch of 0 tokens: empty output, zero weight gradients, through y.sum().backward() (whose gradient is
+    an expanded [0, H] tensor, contiguous for torch and now for moe8's checks too)."""
+    monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
+    H, I, E = 8, 6, 4
+    x = make((0, H), torch.float32, device)
+    gu, dn = make((E, 2 * I, H), torch.float32, device), make((E, H, I), torch.float32, device)
+    w = torch.rand(0, 2, device=device, requires_grad=True)
+    y = moe8.experts_forward(x, torch.zeros(0, 2, dtype=torch.int32, device=device), w, gu, dn)
+    y.sum().backward()
+    assert y.shape == (0, H) and x.grad.shape == (0, H) and w.grad.shape == (0, 2)
+    assert gu.grad.abs().max() == 0 and dn.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("device", devices())
 def test_deterministic(device):
     torch.manual_seed(1)
     layer = moe8.MoELayer(32, 24, 8, 2, device=device)
