@@ -468,30 +468,41 @@ def test_activation_linear_is_activation_then_linear_keeping_less(device, recipe
     assert kept2 - kept1 == 208 * 128  # the activations [R, I]
 
 
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_experts_fp8_consuming_gate_up_matches(device, recipe, monkeypatch):
-    """layer.CONSUME_GATE_UP in the FP8 experts (d h written over the gate_up output): the same bits,
-    forward and every gradient, FP8 dgrad and wgrad included."""
+def fp8_experts_runner(device, recipe, seed, monkeypatch):
+    """A small FP8 experts problem (bf16, 64 tokens, 4 experts, top-2, FP8 dgrad and wgrad) and
+    run(**layer_flags) -> (y, gradients of x, gate_up, down and the routing weights), the moe8.layer flags
+    set for the call."""
     from moe8 import layer
 
-    torch.manual_seed(9)
+    torch.manual_seed(seed)
     T, H, I, E, K = 64, 128, 128, 4, 2
     x0 = torch.randn(T, H, device=device).to(torch.bfloat16)
     weights = [(torch.randn(*s, device=device) * 0.1).to(torch.bfloat16) for s in ((E, 2 * I, H), (E, H, I))]
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
-    w = torch.rand(T, K, device=device)
+    w0 = torch.rand(T, K, device=device)
     r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
 
-    def run(consume):
-        monkeypatch.setattr(layer, "CONSUME_GATE_UP", consume)
-        x = x0.clone().requires_grad_()
-        ws = [t.clone().requires_grad_() for t in weights]
-        y = fp8.experts_forward_fp8(x, ids, w, *ws, recipe=r, cache=None)
-        return [y, *torch.autograd.grad(y.float().square().sum(), [x, *ws])]
+    def run(**flags):
+        for name, value in flags.items():
+            monkeypatch.setattr(layer, name, value)
+        x, gu, dn, w = (t.clone().requires_grad_() for t in (x0, *weights, w0))
+        y = fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe=r, cache=None)
+        return y, torch.autograd.grad(y.float().square().sum(), [x, gu, dn, w])
 
-    for a, b in zip(run(True), run(False)):
-        assert torch.equal(a, b)
+    return run
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_experts_fp8_consuming_gate_up_matches(device, recipe, monkeypatch):
+    """layer.CONSUME_GATE_UP in the FP8 experts (d h written over the gate_up output): the same bits,
+    forward and every gradient, FP8 dgrad and wgrad included, routed down projection or not."""
+    run = fp8_experts_runner(device, recipe, 9, monkeypatch)
+    for routed in (True, False):
+        flags = dict(ROUTED_DOWN=routed)
+        (y1, g1), (y2, g2) = run(CONSUME_GATE_UP=True, **flags), run(CONSUME_GATE_UP=False, **flags)
+        for a, b in zip([y1, *g1], [y2, *g2]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -500,24 +511,8 @@ def test_experts_fp8_routed_down_matches_separate_ops(device, recipe, monkeypatc
     """layer.ROUTED_DOWN in the FP8 experts (the routing weights applied after the down projection's dgrad,
     the dgrad's rows quantised straight from dy): the same forward bits as the separate ops, and every
     gradient, the routing weights' included, within FP8 noise of theirs."""
-    from moe8 import layer
-
-    torch.manual_seed(10)
-    T, H, I, E, K = 64, 128, 128, 4, 2
-    x0 = torch.randn(T, H, device=device).to(torch.bfloat16)
-    weights = [(torch.randn(*s, device=device) * 0.1).to(torch.bfloat16) for s in ((E, 2 * I, H), (E, H, I))]
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().to(device)
-    w0 = torch.rand(T, K, device=device)
-    r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
-
-    def run(routed):
-        monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
-        leaves = [x0.clone().requires_grad_(), *(t.clone().requires_grad_() for t in weights)]
-        w = w0.clone().requires_grad_()
-        y = fp8.experts_forward_fp8(leaves[0], ids, w, *leaves[1:], recipe=r, cache=None)
-        return y, torch.autograd.grad(y.float().square().sum(), [*leaves, w])
-
-    (y1, g1), (y2, g2) = run(True), run(False)
+    run = fp8_experts_runner(device, recipe, 10, monkeypatch)
+    (y1, g1), (y2, g2) = run(ROUTED_DOWN=True), run(ROUTED_DOWN=False)
     assert torch.equal(y1, y2)
     for name, a, b in zip(("x", "gate_up", "down", "weights"), g1, g2):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
