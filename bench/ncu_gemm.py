@@ -1,11 +1,15 @@
-"""One launch of a grouped GEMM (and torch's counterpart where there is one) between cudaProfilerStart and
-cudaProfilerStop, after three warm-up calls, for Nsight Compute to profile without the rest of a benchmark:
+"""One launch of a grouped GEMM or an FP8 quantisation (and torch's counterpart where there is one) between
+cudaProfilerStart and cudaProfilerStop, after three warm-up calls, for Nsight Compute to profile without the
+rest of a benchmark:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight python bench/ncu_gemm.py fp8_mixtral
 
 Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
+  quant_deepseek  DeepSeek-V3's 1x128 row quantisations of an FP8 step (bench_layer.py: 3.4 ms of 57): the
+                tokens gathered into expert order and quantised (x [16384, 7168], top-8), d h [131072, 4096]
+                quantised, then torch's gather of the same rows (index_select) as a bandwidth yardstick
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from bench_gemm import balanced_cases  # this folder is on sys.path
 import moe8
 from moe8 import ops
 
-CASES = ("fp8_mixtral", "dgrad_qwen3")
+CASES = ("fp8_mixtral", "dgrad_qwen3", "quant_deepseek")
 
 
 def calls(case: str, device) -> list:
@@ -27,6 +31,20 @@ def calls(case: str, device) -> list:
     if case == "fp8_mixtral":  # a [32768, 4096] . w[e] [28672, 4096]^T
         mine, _, _, _ = balanced_cases(32768, 4096, 28672, 8, ["fp8_fwd"], device)["fp8_fwd"]
         return [mine]
+    if case == "quant_deepseek":
+        from moe8 import fp8
+
+        T, H, E, K = 16384, 7168, 256, 8
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        ids = torch.randn(T, E, device=device).topk(K, dim=1).indices.int()
+        _, _, row_to_slot, _ = ops.plan(ids, E, 1, False)
+        dh = torch.randn(T * K, 4096, device=device, dtype=torch.bfloat16)
+        token = (row_to_slot // K).long()
+        return [
+            lambda: fp8.quantize_rows_1x128(x, row_to_slot, K),
+            lambda: fp8.quantize_rows_1x128(dh, None, 1),
+            lambda: torch.index_select(x, 0, token),
+        ]
     # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
     mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]
     return [mine, theirs]
@@ -49,7 +67,7 @@ def main() -> int:
         f()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"ncu_gemm: {args.case}: {len(fns)} launch(es) profiled")
+    print(f"ncu_gemm: {args.case}: {len(fns)} call(s) profiled")
     return 0
 
 

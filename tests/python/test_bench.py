@@ -173,7 +173,7 @@ def test_fp8_accuracy_runs(tmp_path):
 
 def test_ncu_gemm_arguments():
     p = run("bench/ncu_gemm.py", "--help")
-    assert p.returncode == 0 and "fp8_mixtral" in p.stdout and "dgrad_qwen3" in p.stdout
+    assert p.returncode == 0 and all(c in p.stdout for c in ("fp8_mixtral", "dgrad_qwen3", "quant_deepseek"))
     bad = run("bench/ncu_gemm.py", "nope")
     assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr
 
