@@ -291,8 +291,16 @@ def _per_row(t: Tensor, offsets: Tensor, rows: int) -> Tensor:
     return padded[_row_experts(offsets, rows)]
 
 
-def _fp8_forward(a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe) -> Tensor:
-    aq, a_scale = quantize_activation(a, recipe)
+def _fp8_forward(
+    a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe, gathered_from=None
+) -> Tensor:
+    """a . wq per expert group in FP8. gathered_from (src, row_to_slot, k): a's rows are src's gathered
+    (ops.permute / gather_rows); the blockwise recipe then quantises them from src in that gather's pass
+    (quantize_rows_1x128 with row_to_slot: the same bits, one [R, K] read fewer)."""
+    if gathered_from is not None and recipe.name == "blockwise":
+        aq, a_scale = quantize_rows_1x128(*gathered_from)
+    else:
+        aq, a_scale = quantize_activation(a, recipe)
     c = grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
     if wq.row_scale is not None:
         c = (c.float() * _per_row(wq.row_scale, offsets, a.shape[0])).to(a.dtype)
@@ -344,15 +352,10 @@ def _fp8_grouped_linear(
     row_to_slot: Optional[Tensor] = None,
     k: int = 1,
 ) -> Tensor:
-    """src, row_to_slot, k: a's rows are src's gathered (a = ops.permute(src, row_to_slot, ., k)); the
-    blockwise recipe then quantises them from src in the permute's pass (quantize_rows_1x128 with
-    row_to_slot: the same bits, one [R, K] read fewer)."""
+    """src, row_to_slot, k: a's rows are src's gathered (_fp8_forward's gathered_from)."""
     wq = Fp8Weight(w_q, w_scale, w_row_scale)
-    r = _recipe_of(recipe, fp8_dgrad, fp8_wgrad)
-    if src is not None and r.name == "blockwise":
-        aq, a_scale = quantize_rows_1x128(src, row_to_slot, k)
-        return grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
-    return _fp8_forward(a, wq, offsets, r)
+    gathered = (src, row_to_slot, k) if src is not None else None
+    return _fp8_forward(a, wq, offsets, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), gathered)
 
 
 @_fp8_grouped_linear.register_fake
@@ -386,13 +389,15 @@ def _gl_setup(ctx, inputs, output):
     ctx.save_for_backward(a, w, offsets)
 
 
-def _linear_grads(a, w, offsets, g, layout: int, recipe: Float8Recipe, need_a: bool, need_w: bool):
+def _linear_grads(
+    a, w, offsets, g, layout: int, recipe: Float8Recipe, need_a: bool, need_w: bool, g_gathered_from=None
+):
     """(d a, d w) of c = a . w[e] (either None when not needed). dgrad: bf16 grouped GEMM, or FP8 (recipe.dgrad
     "fp8": g quantised like an activation, the weight in the transposed layout, cached like the forward's);
     wgrad: bf16, or FP8 (recipe.wgrad "fp8", where the kernel exists)."""
     da = dw = None
     if need_a and recipe.dgrad == "fp8":
-        da = _fp8_forward(g, default_cache.get(w, 1 - layout, recipe), offsets, recipe)
+        da = _fp8_forward(g, default_cache.get(w, 1 - layout, recipe), offsets, recipe, g_gathered_from)
     elif need_a:
         da = ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
     if need_w and recipe.wgrad == "fp8":
@@ -542,7 +547,7 @@ def _adc_setup(ctx, inputs, output):
 
 def _adc_bwd(ctx, g):
     h, w, offsets, weights, row_to_slot = ctx.saved_tensors
-    lay, r, g = ctx.layout, ctx.recipe, g.contiguous()
+    lay, r, g, k = ctx.layout, ctx.recipe, g.contiguous(), weights.shape[1]
     dh, dw, d_weights = ops.routed_down_backward(
         h,
         g,
@@ -550,7 +555,8 @@ def _adc_bwd(ctx, g):
         row_to_slot,
         ctx.act,
         ctx.consume_h,
-        lambda rows: _routed_dgrad(rows, g, row_to_slot, weights.shape[1], w, offsets, lay, r),
+        # the FP8 dgrad quantises the unweighted rows straight from g (they are g gathered by row_to_slot)
+        lambda rows: _linear_grads(None, w, offsets, rows, lay, r, True, False, (g, row_to_slot, k))[0],
         lambda a_w, rows: _linear_grads(a_w, w, offsets, rows, lay, r, False, True)[1],
         ctx.needs_input_grad[1],
     )
@@ -558,17 +564,6 @@ def _adc_bwd(ctx, g):
 
 
 _fp8_activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
-
-
-def _routed_dgrad(rows, g, row_to_slot, k, w, offsets, layout, r: Float8Recipe) -> Tensor:
-    """d act of the unweighted rows (= g gathered by row_to_slot): in FP8 blockwise quantised straight from g
-    (quantize_rows_1x128 with row_to_slot: the same bits as quantising the rows, a [T, H] read instead of
-    [R, H]); otherwise as _linear_grads."""
-    if r.dgrad == "fp8" and r.name == "blockwise":
-        gq, gs = quantize_rows_1x128(g, row_to_slot, k)
-        wq = default_cache.get(w, 1 - layout, r)
-        return grouped_gemm_fp8(gq, gs, wq.q, wq.scale, offsets, g.dtype)
-    return _linear_grads(None, w, offsets, rows, layout, r, True, False)[0]
 
 
 def _add_bias(c: Tensor, bias: Optional[Tensor], offsets: Tensor) -> Tensor:
@@ -682,6 +677,7 @@ def experts_forward_fp8(
     # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: pad the groups to 16
     pad = 16 if r.wgrad == "fp8" else 1
     x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
+    w = weights.float().contiguous()  # [T, K]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weights, gate_up, down, gate_up_bias, down_bias)
     )
@@ -695,7 +691,6 @@ def experts_forward_fp8(
     else:
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
         h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache, (x, row_to_slot, k))  # [R, 2I]
-        w = weights.float().contiguous()
         if layer.ROUTED_DOWN and down_bias is None:  # ops.activation_down_combine: no activations or o kept
             wq = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)
             flags = (r.id, r.dgrad == "fp8", r.wgrad == "fp8")
@@ -718,7 +713,7 @@ def experts_forward_fp8(
         o = activation_linear(
             h, down, offsets, lay, down_bias, r, cache, act, interleaved, alpha, limit, layer.CONSUME_GATE_UP
         )
-    return ops.combine(o, weights.float().contiguous(), slot_to_row, row_to_slot)  # [T, H]
+    return ops.combine(o, w, slot_to_row, row_to_slot)  # [T, H]
 
 
 ops._make_direct(globals())  # last: after every op's registrations (ops.set_eager_direct)
