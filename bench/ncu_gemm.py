@@ -8,8 +8,9 @@ Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
   quant_deepseek  DeepSeek-V3's 1x128 row quantisations of an FP8 step (bench_layer.py: 3.4 ms of 57): the
-                tokens gathered into expert order and quantised (x [16384, 7168], top-8), d h [131072, 4096]
-                quantised, then torch's gather of the same rows (index_select) as a bandwidth yardstick
+                tokens gathered into expert order and quantised (x [16384, 7168], top-8), the same token-major
+                (slot_to_row given: each token read and quantised once), d h [131072, 4096] quantised, then
+                torch's gather of the same rows (index_select) as a bandwidth yardstick
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def calls(case: str, device) -> list:
         T, H, E, K = 16384, 7168, 256, 8
         x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
         ids = torch.randn(T, E, device=device).topk(K, dim=1).indices.int()
-        _, _, row_to_slot, _ = ops.plan(ids, E, 1, False)
+        _, _, row_to_slot, slot_to_row = ops.plan(ids, E, 1, False)
         dh = torch.randn(T * K, 4096, device=device, dtype=torch.bfloat16)
         token = (row_to_slot // K).long()
         return [
             lambda: fp8.quantize_rows_1x128(x, row_to_slot, K),
+            lambda: fp8.quantize_rows_1x128(x, row_to_slot, K, slot_to_row),
             lambda: fp8.quantize_rows_1x128(dh, None, 1),
             lambda: torch.index_select(x, 0, token),
         ]

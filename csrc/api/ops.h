@@ -86,9 +86,12 @@ void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, con
 // (swiglu_quant: within one e4m3 step, see cuda/ops.h). -----------------------------------------------
 
 // x [R,K] -> q [R,K], scale [R, ceil(K/128)]. With row_to_slot [R'] int32 (fused permute + quantise):
-// x is src [T,K], row r of q is src[row_to_slot[r] / k] (-1: zeros, scale 1), q [R',K].
+// x is src [T,K], row r of q is src[row_to_slot[r] / k] (-1: zeros, scale 1), q [R',K]. slot_to_row [T*k]
+// (optional, with row_to_slot; the plan's inverse of it: slot s -> its row, -1 none): the same result, the
+// CUDA kernel then reads and quantises each token once and stores it to its rows (k <= 8).
 void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
-                         const TensorView& scale, intptr_t stream, bool check_indices = true);
+                         const TensorView& scale, intptr_t stream, bool check_indices = true,
+                         const TensorView& slot_to_row = TensorView{});
 
 // w [E,N,K] -> q [E,N,K], scale [E, ceil(N/128), ceil(K/128)].
 void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream);

@@ -220,11 +220,12 @@ NB_MODULE(_C, m) {
   // ---- FP8 e4m3: quantised tensors as uint8 or float8_e4m3fn, scales float32 (api/ops.h)
   m.def(
       "quantize_rows_1x128",
-      [](Array x, OptArray row_to_slot, int k, Array q, Array scale, intptr_t stream, bool check_indices) {
-        moe8::api::quantize_rows_1x128(V(x), V(row_to_slot), k, V(q), V(scale), stream, check_indices);
+      [](Array x, OptArray row_to_slot, int k, Array q, Array scale, intptr_t stream, bool check_indices,
+         OptArray slot_to_row) {
+        moe8::api::quantize_rows_1x128(V(x), V(row_to_slot), k, V(q), V(scale), stream, check_indices, V(slot_to_row));
       },
       nb::arg("x"), nb::arg("row_to_slot").none(), nb::arg("k"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0,
-      nb::arg("check_indices") = true);
+      nb::arg("check_indices") = true, nb::arg("slot_to_row").none() = nb::none());
   m.def(
       "quantize_weight_128x128",
       [](Array w, Array q, Array scale, intptr_t stream) {

@@ -88,8 +88,9 @@ void check_launch(const char* what);
 // ---- FP8 e4m3 (uint8 storage); semantics as in cpu/ops.h, bit-exact with the CPU reference except where
 // noted (quant.cu, grouped_gemm_fp8.cu) ----------------------------------------------------------------
 
-void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
-                         const TensorView& scale, void* stream);
+// slot_to_row (row_to_slot's inverse, optional): reads each token once (k <= 8) instead of once per row.
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
+                         const TensorView& q, const TensorView& scale, void* stream);
 void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, void* stream);
 void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,
                          void* stream);

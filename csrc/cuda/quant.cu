@@ -1,7 +1,8 @@
 // quant.cu — FP8 e4m3 quantisation kernels of the training recipes (semantics: cpu/ops.h; conversion and
 // NaN policy: core/fp8.h), bit-exact with the CPU reference:
-//   rows 1x128 (+ gather)  16 lanes per (row, 128-column block): 8 values per lane (one 16-byte load),
-//                          half-warp max, scale, one 8-byte store; two blocks per warp
+//   rows 1x128 (+ gather)  a warp per row, 16 lanes per 128-column block (its half warps alternate blocks):
+//                          8 values per lane (one 16-byte load), half-warp max, scale, one 8-byte store
+//   rows, token-major      with slot_to_row: a warp per token, quantised once, its codes stored to k rows
 //   weight 128x128         one 256-thread block per tile, 64 values per thread in registers
 //   cols 1x128 (wgrad)     one block per (128-row block of a group, 64 columns), staged in shared memory
 //                          and written transposed
@@ -75,18 +76,26 @@ __device__ __forceinline__ void load_n(const T* row, int64_t k0, int64_t K, bool
   }
 }
 
+// The e4m3 codes of V values times inv, packed 4 to a word (value j in byte j % 4 of word j / 4), two
+// values per conversion instruction.
 template <int V>
-__device__ __forceinline__ void store_n(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[V], float s) {
+__device__ __forceinline__ void encode_n(const float (&v)[V], float inv, uint32_t (&w)[V / 4]) {
+  static_assert(V % 4 == 0, "whole words");
+#pragma unroll
+  for (int i = 0; i < V / 4; ++i) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * i], inv), __fmul_rn(v[4 * i + 1], inv)),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * i + 2], inv), __fmul_rn(v[4 * i + 3], inv)), __NV_SATFINITE, __NV_E4M3);
+    w[i] = lo | (hi << 16);
+  }
+}
+
+// Writes V codes at row[k0 ..] (those before K): one 4- or 8-byte store when vec and all V are in range.
+template <int V>
+__device__ __forceinline__ void store_codes(uint8_t* row, int64_t k0, int64_t K, bool vec, const uint32_t (&w)[V / 4]) {
   static_assert(V == 4 || V == 8, "4 or 8 codes per store");
-  const float inv = inv_scale(s);
-  uint8_t b[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) b[j] = to_e4m3(__fmul_rn(v[j], inv));
   if (vec && k0 + V <= K) {
-    uint32_t w[V / 4];
-#pragma unroll
-    for (int i = 0; i < V / 4; ++i)
-      w[i] = b[4 * i] | (b[4 * i + 1] << 8) | (b[4 * i + 2] << 16) | (static_cast<uint32_t>(b[4 * i + 3]) << 24);
     if constexpr (V == 4)
       *reinterpret_cast<uint32_t*>(row + k0) = w[0];
     else
@@ -94,13 +103,21 @@ __device__ __forceinline__ void store_n(uint8_t* row, int64_t k0, int64_t K, boo
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j)
-      if (k0 + j < K) row[k0 + j] = b[j];
+      if (k0 + j < K) row[k0 + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
   }
 }
 
-// The 1x128 row kernels: 16 lanes per (row, 128-column block), 8 values each, two blocks per warp. A
-// half warp is enough lanes for one 16-byte load per lane; the warp's two blocks double the bytes each
-// warp has in flight over one block per warp, which is what these memory-bound kernels are limited by.
+template <int V>
+__device__ __forceinline__ void store_n(uint8_t* row, int64_t k0, int64_t K, bool vec, const float (&v)[V], float s) {
+  uint32_t w[V / 4];
+  encode_n(v, inv_scale(s), w);
+  store_codes<V>(row, k0, K, vec, w);
+}
+
+// The 1x128 row kernels: a warp per row, its two half warps taking the row's 128-column blocks in turn
+// (half h: blocks h, h + 2, ...), 16 lanes per block with 8 values each (one 16-byte load). The row's
+// source is resolved once and no lane divides an index per block: ncu showed the earlier form (a half warp
+// per (row, block) item, found by 64-bit division) issue-bound at 84% of the issue slots, not memory-bound.
 constexpr int kLaneVals = 8;
 constexpr int kBlockLanes = kQuantBlock / kLaneVals;  // 16
 
@@ -110,22 +127,24 @@ __device__ __forceinline__ float half_warp_max(float v) {
   return v;
 }
 
-// Quantises the 128 values 16 lanes hold (8 each) and writes their scale (live: this half warp has a
-// block; all 32 lanes must call).
-__device__ __forceinline__ void block_quantize(const float (&v)[kLaneVals], bool live, uint8_t* qrow, int64_t k0,
-                                               int64_t K, bool vec, float* scale_out) {
+// The scale of the 128 values 16 lanes hold (8 each; all 32 lanes must call).
+__device__ __forceinline__ float block_scale(const float (&v)[kLaneVals]) {
   float m = 0.f;
 #pragma unroll
   for (int j = 0; j < kLaneVals; ++j) m = fmaxf(m, fabsf(v[j]));
-  const float s = scale_of(half_warp_max(m));
-  if (!live) return;
-  if (threadIdx.x % kBlockLanes == 0) *scale_out = s;
-  store_n(qrow, k0, K, vec, v, s);
+  return scale_of(half_warp_max(m));
 }
 
-// Grid of the 1x128 row kernels for `items` (row, block) pairs.
-inline unsigned blocks_for_items(int64_t items) {
-  return static_cast<unsigned>(ceil_div(items, kThreads / kBlockLanes));
+// The lane's place in its row: block b0 + half() of each step of two, columns k0 .. k0 + 7 of it.
+__device__ __forceinline__ int half() { return (threadIdx.x / kBlockLanes) % 2; }
+__device__ __forceinline__ int64_t lane_col(int64_t b) {
+  return b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
+}
+
+// Grid of the row kernels: a warp per row.
+inline unsigned blocks_for_rows(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kWarpsPerBlock)); }
+__device__ __forceinline__ int64_t warp_row() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
 }
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -137,19 +156,73 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_to_slot, int k, int64_t rows,
                          int64_t K, bool vec, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t r = warp_row();
+  if (r >= rows) return;
   const int64_t KB = quant_blocks(K);
-  const int64_t item = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes;
-  const bool live = item < rows * KB;
-  const int64_t r = live ? item / KB : 0, b = live ? item % KB : 0;
   int64_t src = r;
-  if (live && row_to_slot) {
+  if (row_to_slot) {
     const int32_t slot = row_to_slot[r];
     src = slot < 0 ? -1 : slot / k;
   }
-  const int64_t k0 = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
-  float v[kLaneVals] = {};
-  if (live && src >= 0) load_n(x + src * K, k0, K, vec, v);
-  block_quantize(v, live, q + r * K, k0, K, vec, scale + r * KB + b);
+  const T* xr = src >= 0 ? x + src * K : nullptr;
+#pragma unroll 2
+  for (int64_t b0 = 0; b0 < KB; b0 += 2) {  // the same steps for both halves: the shuffles see the whole warp
+    const int64_t b = b0 + half(), k0 = lane_col(b);
+    const bool live = b < KB;
+    float v[kLaneVals] = {};
+    if (live && xr) load_n(xr, k0, K, vec, v);
+    const float s = block_scale(v);
+    if (!live) continue;
+    if (threadIdx.x % kBlockLanes == 0) scale[r * KB + b] = s;
+    store_n(q + r * K, k0, K, vec, v, s);
+  }
+}
+
+// The same rows token-major (x [T, K], each token's k rows slot_to_row[t k .. t k + k - 1], -1: none): a warp
+// per token reads and quantises its blocks once and writes the codes to each of its rows, so the tokens
+// are read once rather than k times (with L2 misses at large T K) and the quantisation runs once per token
+// rather than per row. Rows no slot names are left to zero_unmapped_rows_kernel. k <= kScatterMaxK.
+constexpr int kScatterMaxK = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_scatter_kernel(const T* __restrict__ x, const int32_t* __restrict__ slot_to_row, int k, int64_t tokens,
+                            int64_t K, bool vec, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t t = warp_row();
+  if (t >= tokens) return;
+  const int64_t KB = quant_blocks(K);
+  int64_t dst[kScatterMaxK];
+#pragma unroll
+  for (int j = 0; j < kScatterMaxK; ++j) dst[j] = j < k ? slot_to_row[t * k + j] : -1;
+  const T* xr = x + t * K;
+  for (int64_t b0 = 0; b0 < KB; b0 += 2) {
+    const int64_t b = b0 + half(), k0 = lane_col(b);
+    const bool live = b < KB;
+    float v[kLaneVals] = {};
+    if (live) load_n(xr, k0, K, vec, v);
+    const float s = block_scale(v);
+    if (!live) continue;
+    uint32_t w[kLaneVals / 4];
+    encode_n(v, inv_scale(s), w);
+#pragma unroll
+    for (int j = 0; j < kScatterMaxK; ++j) {
+      if (dst[j] < 0) continue;
+      if (threadIdx.x % kBlockLanes == 0) scale[dst[j] * KB + b] = s;
+      store_codes<kLaneVals>(q + dst[j] * K, k0, K, vec, w);
+    }
+  }
+}
+
+// Rows r with row_to_slot[r] < 0 (padding): zero codes, scale 1 (what quantize_rows_kernel writes there).
+__global__ void __launch_bounds__(kThreads)
+    zero_unmapped_rows_kernel(const int32_t* __restrict__ row_to_slot, int64_t rows, int64_t K, uint8_t* __restrict__ q,
+                              float* __restrict__ scale) {
+  const int64_t r = warp_row();
+  if (r >= rows || row_to_slot[r] >= 0) return;
+  const int lane = threadIdx.x % 32;
+  for (int64_t i = lane; i < K; i += 32) q[r * K + i] = 0;
+  const int64_t KB = quant_blocks(K);
+  for (int64_t b = lane; b < KB; b += 32) scale[r * KB + b] = 1.f;
 }
 
 // ------------------------------------------------------------------------------------ weight 128x128
@@ -298,35 +371,40 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     swiglu_quant_kernel(const T* __restrict__ h, ActParams p, bool gated, int64_t rows, int64_t I, bool vec,
                         uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t r = warp_row();
+  if (r >= rows) return;
   const int64_t IB = quant_blocks(I);
-  const int64_t item = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kBlockLanes;
-  const bool live = item < rows * IB;
-  const int64_t r = live ? item / IB : 0, b = live ? item % IB : 0;
-  const int64_t i0 = b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
   const T* row = h + r * (gated ? 2 * I : I);
-  float g[kLaneVals] = {}, u[kLaneVals] = {};
-  if (live) {
-    if (!gated) {
-      load_n(row, i0, I, vec, g);
-    } else if (!p.interleaved) {
-      load_n(row, i0, I, vec, g);
-      load_n(row + I, i0, I, vec, u);
-    } else {  // pairs (g, u) at 2i, 2i + 1: the lane's 16 values, in two loads
-      float gu[2][kLaneVals];
-      load_n(row, 2 * i0, 2 * I, vec, gu[0]);
-      load_n(row, 2 * i0 + kLaneVals, 2 * I, vec, gu[1]);
+  for (int64_t b0 = 0; b0 < IB; b0 += 2) {
+    const int64_t b = b0 + half(), i0 = lane_col(b);
+    const bool live = b < IB;
+    float g[kLaneVals] = {}, u[kLaneVals] = {};
+    if (live) {
+      if (!gated) {
+        load_n(row, i0, I, vec, g);
+      } else if (!p.interleaved) {
+        load_n(row, i0, I, vec, g);
+        load_n(row + I, i0, I, vec, u);
+      } else {  // pairs (g, u) at 2i, 2i + 1: the lane's 16 values, in two loads
+        float gu[2][kLaneVals];
+        load_n(row, 2 * i0, 2 * I, vec, gu[0]);
+        load_n(row, 2 * i0 + kLaneVals, 2 * I, vec, gu[1]);
 #pragma unroll
-      for (int j = 0; j < kLaneVals; ++j) {
-        g[j] = gu[j / 4][2 * (j % 4)];
-        u[j] = gu[j / 4][2 * (j % 4) + 1];
+        for (int j = 0; j < kLaneVals; ++j) {
+          g[j] = gu[j / 4][2 * (j % 4)];
+          u[j] = gu[j / 4][2 * (j % 4) + 1];
+        }
       }
     }
-  }
-  float v[kLaneVals];
+    float v[kLaneVals];
 #pragma unroll
-  for (int j = 0; j < kLaneVals; ++j)  // rounded to T, as activation_forward stores it; 0 past I
-    v[j] = live && i0 + j < I ? to_float(from_float<T>(act_forward(p, g[j], u[j]))) : 0.f;
-  block_quantize(v, live, q + r * I, i0, I, vec, scale + r * IB + b);
+    for (int j = 0; j < kLaneVals; ++j)  // rounded to T, as activation_forward stores it; 0 past I
+      v[j] = live && i0 + j < I ? to_float(from_float<T>(act_forward(p, g[j], u[j]))) : 0.f;
+    const float s = block_scale(v);
+    if (!live) continue;
+    if (threadIdx.x % kBlockLanes == 0) scale[r * IB + b] = s;
+    store_n(q + r * I, i0, I, vec, v, s);
+  }
 }
 
 // ------------------------------------------------------------------------------ rowwise / tensorwise
@@ -416,14 +494,26 @@ unsigned grid_stride_blocks(int64_t n) {
 
 // ---------------------------------------------------------------------------------------------- launchers
 
-void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
-                         const TensorView& scale, void* stream) {
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
+                         const TensorView& q, const TensorView& scale, void* stream) {
   const int64_t rows = q.shape[0], K = q.shape[1];
   if (rows == 0 || K == 0) return;
+  cudaStream_t s = as_stream(stream);
   MOE8_DISPATCH_FLOAT(x.dtype, "quantize_rows_1x128: x", [&] {
     using T = scalar_t;
     const bool vec = K % kLaneVals == 0 && aligned(x.data, sizeof(T) * kLaneVals) && aligned(q.data, kLaneVals);
-    quantize_rows_kernel<T><<<blocks_for_items(rows * quant_blocks(K)), kThreads, 0, as_stream(stream)>>>(
+    if (row_to_slot.present && slot_to_row.present && k <= kScatterMaxK) {
+      const int64_t tokens = x.shape[0];
+      zero_unmapped_rows_kernel<<<blocks_for_rows(rows), kThreads, 0, s>>>(row_to_slot.ptr<int32_t>(), rows, K,
+                                                                           q.ptr<uint8_t>(), scale.ptr<float>());
+      check_launch("zero_unmapped_rows_kernel");
+      if (tokens == 0) return;
+      quantize_scatter_kernel<T><<<blocks_for_rows(tokens), kThreads, 0, s>>>(
+          x.ptr<T>(), slot_to_row.ptr<int32_t>(), k, tokens, K, vec, q.ptr<uint8_t>(), scale.ptr<float>());
+      check_launch("quantize_scatter_kernel");
+      return;
+    }
+    quantize_rows_kernel<T><<<blocks_for_rows(rows), kThreads, 0, s>>>(
         x.ptr<T>(), row_to_slot.present ? row_to_slot.ptr<int32_t>() : nullptr, k, rows, K, vec, q.ptr<uint8_t>(),
         scale.ptr<float>());
     check_launch("quantize_rows_kernel");
@@ -463,7 +553,7 @@ void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, 
   MOE8_DISPATCH_FLOAT(h.dtype, "swiglu_quant: h", [&] {
     using T = scalar_t;
     const bool vec = I % kLaneVals == 0 && aligned(h.data, sizeof(T) * kLaneVals) && aligned(q.data, kLaneVals);
-    swiglu_quant_kernel<T><<<blocks_for_items(rows * quant_blocks(I)), kThreads, 0, as_stream(stream)>>>(
+    swiglu_quant_kernel<T><<<blocks_for_rows(rows), kThreads, 0, as_stream(stream)>>>(
         h.ptr<T>(), p, is_gated(p.kind), rows, I, vec, q.ptr<uint8_t>(), scale.ptr<float>());
     check_launch("swiglu_quant_kernel");
   });

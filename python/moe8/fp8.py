@@ -85,17 +85,21 @@ def _f32(shape, like: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------- quantisation ops
 @torch.library.custom_op("moe8::quantize_rows_1x128", mutates_args=())
-def quantize_rows_1x128(x: Tensor, row_to_slot: Optional[Tensor], k: int) -> tuple[Tensor, Tensor]:
+def quantize_rows_1x128(
+    x: Tensor, row_to_slot: Optional[Tensor], k: int, slot_to_row: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     """x [R, K] -> q [R, K] uint8, scale [R, ceil(K/128)] f32. With row_to_slot [R'] (permute + quantise in
-    one pass): x is the token matrix [T, K] and row r is x[row_to_slot[r] // k] (-1: zeros, scale 1)."""
+    one pass): x is the token matrix [T, K] and row r is x[row_to_slot[r] // k] (-1: zeros, scale 1).
+    slot_to_row [T*k] (the plan's inverse of row_to_slot, optional): the same bits; on a GPU each token is
+    then read and quantised once and its codes stored to its k rows (k <= 8) instead of once per row."""
     rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
     q, scale = _u8((rows, x.shape[1]), x), _f32((rows, _blocks(x.shape[1])), x)
-    _C.quantize_rows_1x128(x, row_to_slot, k, q, scale, _stream(x), False)
+    _C.quantize_rows_1x128(x, row_to_slot, k, q, scale, _stream(x), False, slot_to_row)
     return q, scale
 
 
 @quantize_rows_1x128.register_fake
-def _(x, row_to_slot, k):
+def _(x, row_to_slot, k, slot_to_row=None):
     rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
     return x.new_empty(rows, x.shape[1], dtype=torch.uint8), x.new_empty(
         rows, _blocks(x.shape[1]), dtype=torch.float32
@@ -294,9 +298,10 @@ def _per_row(t: Tensor, offsets: Tensor, rows: int) -> Tensor:
 def _fp8_forward(
     a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe, gathered_from=None
 ) -> Tensor:
-    """a . wq per expert group in FP8. gathered_from (src, row_to_slot, k): a's rows are src's gathered
-    (ops.permute / gather_rows); the blockwise recipe then quantises them from src in that gather's pass
-    (quantize_rows_1x128 with row_to_slot: the same bits, one [R, K] read fewer)."""
+    """a . wq per expert group in FP8. gathered_from (src, row_to_slot, k, slot_to_row): a's rows are src's
+    gathered (ops.permute / gather_rows); the blockwise recipe then quantises them from src in that gather's
+    pass (quantize_rows_1x128 with row_to_slot: the same bits, one [R, K] read fewer; slot_to_row: each token
+    read and quantised once)."""
     if gathered_from is not None and recipe.name == "blockwise":
         aq, a_scale = quantize_rows_1x128(*gathered_from)
     else:
@@ -351,17 +356,16 @@ def _fp8_grouped_linear(
     src: Optional[Tensor] = None,
     row_to_slot: Optional[Tensor] = None,
     k: int = 1,
+    slot_to_row: Optional[Tensor] = None,
 ) -> Tensor:
-    """src, row_to_slot, k: a's rows are src's gathered (_fp8_forward's gathered_from)."""
+    """src, row_to_slot, k, slot_to_row: a's rows are src's gathered (_fp8_forward's gathered_from)."""
     wq = Fp8Weight(w_q, w_scale, w_row_scale)
-    gathered = (src, row_to_slot, k) if src is not None else None
+    gathered = (src, row_to_slot, k, slot_to_row) if src is not None else None
     return _fp8_forward(a, wq, offsets, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), gathered)
 
 
 @_fp8_grouped_linear.register_fake
-def _(
-    a, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, src=None, r2s=None, k=1
-):
+def _(a, w, w_q, *rest):
     return a.new_empty(a.shape[0], w_q.shape[1])
 
 
@@ -419,7 +423,7 @@ def _gl_bwd(ctx, g):
         ctx.needs_input_grad[0],
         ctx.needs_input_grad[1],
     )
-    return (da, dw) + (None,) * 11
+    return (da, dw) + (None,) * 12
 
 
 _fp8_grouped_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -537,17 +541,16 @@ def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, recipe, fp8_dgrad, fp8_w
 
 
 def _adc_setup(ctx, inputs, output):
-    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, weights, _, row_to_slot, *act, consume = (
-        inputs
-    )
+    h, w, _, _, _, offsets, layout, recipe, fp8_dgrad, fp8_wgrad, weights, s2r, r2s, *act, consume = inputs
     ctx.layout, ctx.recipe, ctx.act = layout, _recipe_of(recipe, fp8_dgrad, fp8_wgrad), act
     ctx.consume_h = consume
-    ctx.save_for_backward(h, w, offsets, weights, row_to_slot)
+    ctx.save_for_backward(h, w, offsets, weights, r2s, s2r)
 
 
 def _adc_bwd(ctx, g):
-    h, w, offsets, weights, row_to_slot = ctx.saved_tensors
+    h, w, offsets, weights, row_to_slot, slot_to_row = ctx.saved_tensors
     lay, r, g, k = ctx.layout, ctx.recipe, g.contiguous(), weights.shape[1]
+    g_rows = (g, row_to_slot, k, slot_to_row)  # the rows the down projection's dgrad reads: g gathered
     dh, dw, d_weights = ops.routed_down_backward(
         h,
         g,
@@ -556,7 +559,7 @@ def _adc_bwd(ctx, g):
         ctx.act,
         ctx.consume_h,
         # the FP8 dgrad quantises the unweighted rows straight from g (they are g gathered by row_to_slot)
-        lambda rows: _linear_grads(None, w, offsets, rows, lay, r, True, False, (g, row_to_slot, k))[0],
+        lambda rows: _linear_grads(None, w, offsets, rows, lay, r, True, False, g_rows)[0],
         lambda a_w, rows: _linear_grads(a_w, w, offsets, rows, lay, r, False, True)[1],
         ctx.needs_input_grad[1],
     )
@@ -615,18 +618,21 @@ def grouped_linear(
     bias: Optional[Tensor] = None,
     recipe="blockwise",
     cache: Optional[Fp8WeightCache] = default_cache,
-    gathered_from: Optional[tuple[Tensor, Tensor, int]] = None,
+    gathered_from: Optional[tuple] = None,
 ) -> Tensor:
     """Drop-in for ops.grouped_gemm(a, w, offsets, layout, bias) with the forward GEMM in FP8:
     a [R, K] (rows in expert order), w [E, N, K] (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N]
     in a's dtype. Gradients flow to a, w and bias: in a's precision, a's in FP8 when recipe.dgrad is "fp8", w's
     when recipe.wgrad is "fp8" (on a GPU every offsets[e] and R must then be multiples of 16: plan with
     pad_multiple 16, as experts_forward_fp8 does; checked when index validation is on).
-    gathered_from (src, row_to_slot, k): a is ops.permute(src, row_to_slot, ., k); the blockwise recipe then
-    quantises a's rows from src directly (the same bits, without reading a)."""
+    gathered_from (src, row_to_slot, k[, slot_to_row]): a is ops.permute(src, row_to_slot, slot_to_row, k); the
+    blockwise recipe then quantises a's rows from src directly (the same bits, without reading a; with
+    slot_to_row each token once)."""
     r = _recipe(recipe)
     wq = cache.get(w, layout, r) if cache is not None else quantize_weight(w, layout, r)
-    src, row_to_slot, k = gathered_from if gathered_from is not None else (None, None, 1)
+    src, row_to_slot, k, slot_to_row = None, None, 1, None
+    if gathered_from is not None:  # slot_to_row optional
+        src, row_to_slot, k, slot_to_row = (*gathered_from, None)[:4]
     c = _fp8_grouped_linear(
         a.contiguous(),
         w,
@@ -641,6 +647,7 @@ def grouped_linear(
         src,
         row_to_slot,
         int(k),
+        slot_to_row,
     )
     return _add_bias(c, bias, offsets)
 
@@ -684,13 +691,14 @@ def experts_forward_fp8(
     if not needs_grad and r.name == "blockwise" and gate_up_bias is None and down_bias is None:
         w1 = cache.get(gate_up, lay, r) if cache is not None else quantize_weight(gate_up, lay, r)
         w2 = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)
-        xq, xs = quantize_rows_1x128(x, row_to_slot, k)  # permute + quantise: [R, H]
+        xq, xs = quantize_rows_1x128(x, row_to_slot, k, slot_to_row)  # permute + quantise: [R, H]
         h = grouped_gemm_fp8(xq, xs, w1.q, w1.scale, offsets, dtype)  # [R, 2I]
         aq, a_s = swiglu_quant(h, act, bool(interleaved), float(alpha), float(limit))  # [R, I]
         o = grouped_gemm_fp8(aq, a_s, w2.q, w2.scale, offsets, dtype)  # [R, H]
     else:
         xp = ops.permute(x, row_to_slot, slot_to_row, k)  # [R, H]
-        h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache, (x, row_to_slot, k))  # [R, 2I]
+        x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (quantised from x directly)
+        h = grouped_linear(xp, gate_up, offsets, lay, gate_up_bias, r, cache, x_rows)  # [R, 2I]
         if layer.ROUTED_DOWN and down_bias is None:  # ops.activation_down_combine: no activations or o kept
             wq = cache.get(down, lay, r) if cache is not None else quantize_weight(down, lay, r)
             flags = (r.id, r.dgrad == "fp8", r.wgrad == "fp8")

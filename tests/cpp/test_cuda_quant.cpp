@@ -78,30 +78,44 @@ TEST_F(CudaTest, QuantRowsMatchCpuBitExact) {
     }
 }
 
+// Rows gathered from src (row_to_slot), and token-major with slot_to_row given (the scatter kernel for
+// k <= 8, the gather kernel past it): the CPU's gathered rows bit for bit, padding rows zero with scale 1,
+// slots that no row takes (slot_to_row -1) left out.
 TEST_F(CudaTest, PermuteQuantMatchesCpuBitExact) {
   Rng rng(101);
   for (DType dt : kFloatTypes)
-    for (int64_t H : {200, 2048}) {
-      const int T = 300, k = 4;
-      HostTensor src = spread(dt, {T, H}, rng);
-      std::vector<int> r2s;
-      for (int s = 0; s < T * k; ++s) {
-        r2s.push_back((s * 7919) % (T * k));  // a permutation of the slots
-        if (s % 37 == 0) r2s.push_back(-1);   // padding rows
+    for (int64_t H : {200, 2048, 7168})
+      for (int k : {1, 4, 8, 9}) {
+        SCOPED_TRACE(std::string(name_of(dt)) + " H " + std::to_string(H) + " k " + std::to_string(k));
+        const int T = 300;
+        HostTensor src = spread(dt, {T, H}, rng);
+        std::vector<int> r2s;
+        for (int s = 0; s < T * k; ++s) {
+          const int slot = (s * 7919) % (T * k);    // a permutation of the slots
+          if (slot % 53 != 5) r2s.push_back(slot);  // some slots dropped
+          if (s % 37 == 0) r2s.push_back(-1);       // padding rows
+        }
+        std::vector<int> s2r(T * k, -1);
+        for (size_t r = 0; r < r2s.size(); ++r)
+          if (r2s[r] >= 0) s2r[r2s[r]] = static_cast<int>(r);
+        HostTensor idx = ints({static_cast<int64_t>(r2s.size())}, r2s), inv = ints({T * k}, s2r);
+        const int64_t R = idx.numel();
+        auto run = [&](bool gpu, bool token_major, HostTensor& q, HostTensor& sc) {
+          Runner r(gpu);
+          api::quantize_rows_1x128(r.in(src), r.in(idx), k, r.out(q), r.out(sc), 0, true,
+                                   token_major ? r.in(inv) : absent());
+          r.finish();
+        };
+        HostTensor qc = u8({R, H}), sc = f32({R, kb(H)});
+        run(false, false, qc, sc);
+        for (bool token_major : {false, true}) {
+          HostTensor qg = u8({R, H}), sg = f32({R, kb(H)});
+          run(true, token_major, qg, sg);
+          const std::string how = token_major ? "token-major" : "gathered";
+          EXPECT_TRUE(same(qg, qc, how + " q"));
+          EXPECT_TRUE(same(sg, sc, how + " scale"));
+        }
       }
-      HostTensor idx = ints({static_cast<int64_t>(r2s.size())}, r2s);
-      const int64_t R = idx.numel();
-      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
-        Runner r(gpu);
-        api::quantize_rows_1x128(r.in(src), r.in(idx), k, r.out(q), r.out(sc), 0);
-        r.finish();
-      };
-      HostTensor qg = u8({R, H}), sg = f32({R, kb(H)}), qc = qg, sc = sg;
-      run(true, qg, sg);
-      run(false, qc, sc);
-      EXPECT_TRUE(same(qg, qc, std::string("gathered q ") + name_of(dt)));
-      EXPECT_TRUE(same(sg, sc, std::string("gathered scale ") + name_of(dt)));
-    }
 }
 
 TEST_F(CudaTest, QuantWeightMatchesCpuBitExact) {
@@ -666,7 +680,7 @@ TEST_F(Sm90Fp8Test, Speed) {
     // Quantisation of the bf16 activation [R, K] (reads 2 bytes, writes 1 + 4/128 per element).
     const TensorView qv = make_view(d.a.get(), DType::kU8, {p.R, p.K}, DeviceType::kCUDA);
     const TensorView sv = make_view(d.sa.get(), DType::kF32, {p.R, kb(p.K)}, DeviceType::kCUDA);
-    const double qms = median_ms([&] { cuda::quantize_rows_1x128(av, absent(), 1, qv, sv, nullptr); });
+    const double qms = median_ms([&] { cuda::quantize_rows_1x128(av, absent(), absent(), 1, qv, sv, nullptr); });
     const double gbs = p.R * p.K * (3.0 + 4.0 / 128) / (qms * 1e-3) / 1e9;
     cuda_ok(cudaDeviceSynchronize(), "speed");
     std::printf("%-28s %9.1f %9.1f %7.2f %12.0f\n", sh.name, bf16, fp8, fp8 / bf16, gbs);

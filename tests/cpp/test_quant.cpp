@@ -492,6 +492,16 @@ TEST(Validation, Quant) {
   HostTensor r2s = ints({4}, {0, 1, 2, 8});
   EXPECT_MOE8_ERROR("row_to_slot", api::quantize_rows_1x128(x.view(), r2s.view(), 2, q.view(), sc.view(), 0));
   EXPECT_MOE8_ERROR("k", api::quantize_rows_1x128(x.view(), r2s.view(), 0, q.view(), sc.view(), 0));
+  // slot_to_row: only with row_to_slot, T*k slots, rows in [-1, R)
+  HostTensor r2s_ok = ints({4}, {0, 1, 2, 7}), s2r = ints({8}, {0, 1, 2, -1, -1, -1, -1, 3});
+  EXPECT_NO_THROW(api::quantize_rows_1x128(x.view(), r2s_ok.view(), 2, q.view(), sc.view(), 0, true, s2r.view()));
+  EXPECT_MOE8_ERROR("slot_to_row",
+                    api::quantize_rows_1x128(x.view(), absent(), 1, q.view(), sc.view(), 0, true, s2r.view()));
+  EXPECT_MOE8_ERROR("slot_to_row",
+                    api::quantize_rows_1x128(x.view(), r2s_ok.view(), 1, q.view(), sc.view(), 0, true, s2r.view()));
+  HostTensor s2r_bad = ints({8}, {0, 1, 2, -1, -1, -1, -1, 4});
+  EXPECT_MOE8_ERROR("slot_to_row",
+                    api::quantize_rows_1x128(x.view(), r2s_ok.view(), 2, q.view(), sc.view(), 0, true, s2r_bad.view()));
 
   HostTensor w(DType::kF32, {2, 3, 4}), wq = u8({2, 3, 4}), ws = f32({2, 1, 1}), ws_bad = f32({2, 3, 1});
   EXPECT_MOE8_ERROR("scale", api::quantize_weight_128x128(w.view(), wq.view(), ws_bad.view(), 0));

@@ -230,16 +230,20 @@ def test_grouped_gemm_fp8_wgrad(device, counts):
 
 # ---------------------------------------------------------------------------------- fused definitions
 @pytest.mark.parametrize("device", devices())
-def test_permute_quantize_is_gather_then_quantize(device):
-    T, k, E, H = 40, 2, 5, 300
+@pytest.mark.parametrize("k", [2, 8, 10])
+def test_permute_quantize_is_gather_then_quantize(device, k):
+    """Rows gathered by row_to_slot, and token-major with slot_to_row (the GPU's scatter kernel for k <= 8)."""
+    T, E, H = 40, 12, 300
     g = torch.Generator().manual_seed(7)
     x = spread((T, H), torch.bfloat16, 7).to(device)
-    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(device)
     _, _, row_to_slot, slot_to_row = moe8.ops.plan(ids, E, 16)  # padded groups: -1 rows
-    q, s = fp8.quantize_rows_1x128(x, row_to_slot, k)
     q2, s2 = fp8.quantize_rows_1x128(moe8.ops.gather_rows(x, row_to_slot, k, None), None, 1)
-    assert torch.equal(q.cpu(), q2.cpu()) and torch.equal(s.cpu(), s2.cpu())
-    assert (s.cpu()[row_to_slot.cpu() < 0] == 1).all()
+    for inverse in (None, slot_to_row):
+        q, s = fp8.quantize_rows_1x128(x, row_to_slot, k, inverse)
+        assert torch.equal(q.cpu(), q2.cpu()) and torch.equal(s.cpu(), s2.cpu())
+        assert (s.cpu()[row_to_slot.cpu() < 0] == 1).all()
+        assert (q.cpu()[row_to_slot.cpu() < 0] == 0).all()
 
 
 @pytest.mark.parametrize("device", devices())
@@ -534,12 +538,14 @@ def test_grouped_linear_gathered_from_is_the_same(device):
     def run(gathered):
         xl, wl = x.clone().requires_grad_(), wt.clone().requires_grad_()
         a = moe8.ops.permute(xl, r2s, s2r, K)
-        src = (xl, r2s, K) if gathered else None
+        src = {None: None, 3: (xl, r2s, K), 4: (xl, r2s, K, s2r)}[gathered]
         c = fp8.grouped_linear(a, wl, offsets, 0, None, "blockwise", None, src)
         return [c, *torch.autograd.grad(c, [xl, wl], g)]
 
-    for a, b in zip(run(True), run(False)):
-        assert torch.equal(a, b)
+    want = run(None)
+    for gathered in (3, 4):  # without / with slot_to_row (token-major on a GPU)
+        for a, b in zip(run(gathered), want):
+            assert torch.equal(a, b)
 
 
 def test_weight_cache_refreshes_after_an_update():
