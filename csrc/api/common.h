@@ -40,6 +40,20 @@ inline void check_range(const char* name, const TensorView& t, int64_t lo, int64
   MOE8_CHECK(bad == 0, name, ": expected values in [", lo, ", ", hi, "), found ", bad, " out of range");
 }
 
+// An optional slot_to_row given beside row_to_slot (its inverse: slot -> row, -1 none; lets the CUDA kernels
+// read each token once): int32 [T*k] on ref's device, values in [-1, R) (checked when check_indices).
+inline void check_slot_to_row(const TensorView& slot_to_row, const TensorView& row_to_slot, const char* ref_name,
+                              const TensorView& ref, int64_t T, int k, int64_t R, intptr_t stream, bool check_indices) {
+  if (!slot_to_row.present) return;
+  MOE8_CHECK(row_to_slot.present, "slot_to_row: given without row_to_slot (it is row_to_slot's inverse)");
+  check_tensor("slot_to_row", slot_to_row, ref_name, ref);
+  check_dtype("slot_to_row", slot_to_row, {DType::kI32});
+  check_ndim("slot_to_row", slot_to_row, 1);
+  MOE8_CHECK(slot_to_row.size(0) == T * k, "slot_to_row: expected ", T * k, " slots (", ref_name, "'s ", T,
+             " rows x k ", k, "), got ", slot_to_row.size(0));
+  if (check_indices) check_range("slot_to_row", slot_to_row, -1, R, stream);
+}
+
 // The int32 offsets on the host (a synchronising copy when they live on a GPU).
 inline std::vector<int32_t> host_offsets(const TensorView& offsets, intptr_t stream) {
   (void)stream;

@@ -180,7 +180,7 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
 }
 
 void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
-                 const TensorView& dst, intptr_t stream, bool check_indices) {
+                 const TensorView& dst, intptr_t stream, bool check_indices, const TensorView& slot_to_row) {
   check_float_matrix("src", src);
   const int64_t T = src.size(0), H = src.size(1);
   MOE8_CHECK(k >= 1, "k: expected >= 1, got ", k);
@@ -197,9 +197,10 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
   check_same_dtype("dst", dst, "src", src);
   check_shape("dst", dst, {R, H});
   if (check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
+  check_slot_to_row(slot_to_row, row_to_slot, "src", src, T, k, R, stream, check_indices);
   if (on_cuda(src, "gather_rows")) {
 #ifdef MOE8_WITH_CUDA
-    cuda::gather_rows(src, row_to_slot, k, scale, dst, as_ptr(stream));
+    cuda::gather_rows(src, row_to_slot, slot_to_row, k, scale, dst, as_ptr(stream));
 #endif
   } else {
     cpu::gather_rows(src, row_to_slot, k, scale, dst);

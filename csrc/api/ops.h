@@ -31,8 +31,11 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
                          const TensorView& offsets, const TensorView& row_to_slot, const TensorView& slot_to_row,
                          const TensorView& workspace, intptr_t stream, bool check_indices = true);
 
+// slot_to_row [T*k] (optional: row_to_slot's inverse, slot -> row, -1 none): the same result; the CUDA kernel
+// then reads each token once and stores it to its rows (k <= 8).
 void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
-                 const TensorView& dst, intptr_t stream, bool check_indices = true);
+                 const TensorView& dst, intptr_t stream, bool check_indices = true,
+                 const TensorView& slot_to_row = TensorView{});
 
 void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
                   const TensorView& out, intptr_t stream, bool check_indices = true);

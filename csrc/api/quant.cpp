@@ -53,18 +53,10 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
     check_ndim("row_to_slot", row_to_slot, 1);
     R = row_to_slot.size(0);
   }
-  if (slot_to_row.present) {
-    MOE8_CHECK(row_to_slot.present, "slot_to_row: given without row_to_slot (it is row_to_slot's inverse)");
-    check_tensor("slot_to_row", slot_to_row, "x", x);
-    check_dtype("slot_to_row", slot_to_row, {DType::kI32});
-    check_ndim("slot_to_row", slot_to_row, 1);
-    MOE8_CHECK(slot_to_row.size(0) == T * k, "slot_to_row: expected ", T * k, " slots (x's ", T, " rows x k ", k,
-               "), got ", slot_to_row.size(0));
-  }
   check_q("q", q, "x", x, {R, K});
   check_scale("scale", scale, "x", x, {R, quant_blocks(K)});
   if (row_to_slot.present && check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
-  if (slot_to_row.present && check_indices) check_range("slot_to_row", slot_to_row, -1, R, stream);
+  check_slot_to_row(slot_to_row, row_to_slot, "x", x, T, k, R, stream, check_indices);
   if (on_cuda(x, "quantize_rows_1x128")) {
 #ifdef MOE8_WITH_CUDA
     cuda::quantize_rows_1x128(x, row_to_slot, slot_to_row, k, q, scale, as_ptr(stream));

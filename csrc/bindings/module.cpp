@@ -140,11 +140,12 @@ NB_MODULE(_C, m) {
       nb::arg("check_indices") = true);
   m.def(
       "gather_rows",
-      [](Array src, Array row_to_slot, int k, OptArray scale, Array dst, intptr_t stream, bool check_indices) {
-        moe8::api::gather_rows(V(src), V(row_to_slot), k, V(scale), V(dst), stream, check_indices);
+      [](Array src, Array row_to_slot, int k, OptArray scale, Array dst, intptr_t stream, bool check_indices,
+         OptArray slot_to_row) {
+        moe8::api::gather_rows(V(src), V(row_to_slot), k, V(scale), V(dst), stream, check_indices, V(slot_to_row));
       },
       nb::arg("src"), nb::arg("row_to_slot"), nb::arg("k"), nb::arg("scale").none(), nb::arg("dst"),
-      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("slot_to_row").none() = nb::none());
   m.def(
       "combine_rows",
       [](Array rows, Array slot_to_row, OptArray weights, Array out, intptr_t stream, bool check_indices) {

@@ -33,8 +33,9 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
 
 // dst[r] = scale[slot] * src[slot / K] where slot = row_to_slot[r], or 0 where slot == -1 (padding).
 // src [T,H], scale [T*K] f32 (optional), dst [R,H].
-void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
-                 const TensorView& dst, void* stream);
+// slot_to_row (row_to_slot's inverse, optional): each token read once and stored to its rows (k <= 8).
+void gather_rows(const TensorView& src, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
+                 const TensorView& scale, const TensorView& dst, void* stream);
 
 // out[t] = sum_k weights[t,k] * rows[slot_to_row[t,k]] (weights optional: 1), fp32 accumulation;
 // slot_to_row == -1 marks a dropped slot, which adds nothing (and gets d_weights 0).

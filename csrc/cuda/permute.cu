@@ -1,5 +1,6 @@
 // permute.cu — moving token rows into and out of expert order:
-//   gather_rows:          dst[r] = scale[slot] * src[slot / k], slot = row_to_slot[r] (zeros where slot < 0)
+//   gather_rows:          dst[r] = scale[slot] * src[slot / k], slot = row_to_slot[r] (zeros where slot < 0);
+//                         with slot_to_row token-major: each token read once, stored to its k rows
 //   combine_rows:         out[t] = sum_k w[t,k] * rows[slot_to_row[t,k]], fp32, one write per token
 //   combine_weights_grad: d_w[t,k] = <dy[t], rows[slot_to_row[t,k]]>, fp32
 //
@@ -10,6 +11,7 @@
 // fixed per-lane order and then a fixed butterfly: same inputs, same bits.
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
@@ -62,6 +64,55 @@ __global__ void __launch_bounds__(kThreads)
       out[p] = a;
     }
   }
+}
+
+// gather_rows token-major (slot_to_row given, k <= kScatterMaxK): a warp per token reads its row once and
+// stores it (times each slot's scale, when given) to its k rows, instead of every row reading its token
+// (k reads of each token, mostly L2 misses once T H is past the L2). Rows no slot names: zero_unmapped_kernel.
+constexpr int kScatterMaxK = 8;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    scatter_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ slot_to_row, int k,
+                        const float* __restrict__ scale, T* __restrict__ dst, int64_t num_tokens, int64_t H) {
+  using P = Pack<T, V>;
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= num_tokens) return;
+  int64_t r[kScatterMaxK];
+  float w[kScatterMaxK];
+#pragma unroll
+  for (int j = 0; j < kScatterMaxK; ++j) {
+    r[j] = j < k ? slot_to_row[t * k + j] : -1;
+    w[j] = j < k && scale != nullptr ? scale[t * k + j] : 1.f;
+  }
+  const int64_t np = H / V;
+  const P* in = reinterpret_cast<const P*>(src + t * H);
+  for (int64_t p = lane; p < np; p += 32) {
+    const P a = in[p];
+#pragma unroll
+    for (int j = 0; j < kScatterMaxK; ++j) {
+      if (r[j] < 0) continue;
+      P o = a;
+      if (scale != nullptr) {  // as gather_rows_kernel: bit-exact
+#pragma unroll
+        for (int i = 0; i < V; ++i) o.v[i] = from_float<T>(w[j] * to_float(a.v[i]));
+      }
+      reinterpret_cast<P*>(dst + r[j] * H)[p] = o;
+    }
+  }
+}
+
+// Rows r with row_to_slot[r] < 0 (padding): zeros, as gather_rows_kernel writes them.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    zero_unmapped_kernel(const int32_t* __restrict__ row_to_slot, T* __restrict__ dst, int64_t num_rows, int64_t H) {
+  using P = Pack<T, V>;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= num_rows || row_to_slot[r] >= 0) return;
+  const P z = zero_pack<T, V>();
+  P* out = reinterpret_cast<P*>(dst + r * H);
+  for (int64_t p = threadIdx.x & 31; p < H / V; p += 32) out[p] = z;
 }
 
 template <typename T, int V>
@@ -141,21 +192,35 @@ unsigned warps_grid(int64_t n) { return static_cast<unsigned>(ceil_div(n, kWarps
 
 }  // namespace
 
-void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
-                 const TensorView& dst, void* stream) {
-  const int64_t num_rows = dst.shape[0], H = dst.shape[1];
+void gather_rows(const TensorView& src, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
+                 const TensorView& scale, const TensorView& dst, void* stream) {
+  const int64_t num_rows = dst.shape[0], H = dst.shape[1], num_tokens = src.shape[0];
   if (num_rows == 0 || H == 0) return;
   cudaStream_t s = as_stream(stream);
   const float* sc = scale.present ? scale.ptr<float>() : nullptr;
+  const bool token_major = slot_to_row.present && k <= kScatterMaxK;
   MOE8_DISPATCH_FLOAT(src.dtype, "gather_rows: src", [&] {
     using T = scalar_t;
+    const auto launch = [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      if (!token_major) {
+        gather_rows_kernel<T, V><<<warps_grid(num_rows), kThreads, 0, s>>>(src.ptr<T>(), row_to_slot.ptr<int32_t>(), k,
+                                                                           sc, dst.ptr<T>(), num_rows, H);
+        check_launch("gather_rows_kernel");
+        return;
+      }
+      zero_unmapped_kernel<T, V>
+          <<<warps_grid(num_rows), kThreads, 0, s>>>(row_to_slot.ptr<int32_t>(), dst.ptr<T>(), num_rows, H);
+      check_launch("zero_unmapped_kernel");
+      if (num_tokens == 0) return;
+      scatter_rows_kernel<T, V><<<warps_grid(num_tokens), kThreads, 0, s>>>(src.ptr<T>(), slot_to_row.ptr<int32_t>(), k,
+                                                                            sc, dst.ptr<T>(), num_tokens, H);
+      check_launch("scatter_rows_kernel");
+    };
     if (use_packs<T>(H, {src.data, dst.data}))
-      gather_rows_kernel<T, 16 / sizeof(T)><<<warps_grid(num_rows), kThreads, 0, s>>>(
-          src.ptr<T>(), row_to_slot.ptr<int32_t>(), k, sc, dst.ptr<T>(), num_rows, H);
+      launch(std::integral_constant<int, 16 / sizeof(T)>{});
     else
-      gather_rows_kernel<T, 1><<<warps_grid(num_rows), kThreads, 0, s>>>(src.ptr<T>(), row_to_slot.ptr<int32_t>(), k,
-                                                                         sc, dst.ptr<T>(), num_rows, H);
-    check_launch("gather_rows_kernel");
+      launch(std::integral_constant<int, 1>{});
   });
 }
 

@@ -556,6 +556,7 @@ def _adc_bwd(ctx, g):
         g,
         weights,
         row_to_slot,
+        slot_to_row,
         ctx.act,
         ctx.consume_h,
         # the FP8 dgrad quantises the unweighted rows straight from g (they are g gathered by row_to_slot)

@@ -167,6 +167,7 @@ def routed_down_backward(
     g: Tensor,
     weights: Tensor,
     row_to_slot: Tensor,
+    slot_to_row: Tensor,
     act,
     consume_h: bool,
     dgrad,
@@ -178,7 +179,7 @@ def routed_down_backward(
     of the unweighted outputs, and one pass (activation_backward_routed) recomputes act(h) and writes d h,
     w * act(h) over d act, and the weights' gradient <act(h), d act> (= <o, dy>: o is not kept from the forward).
     wgrad(a_w, rows) is then W's gradient. Returns (d h, d W or None, d weights [T, K] f32)."""
-    rows = gather_rows(g, row_to_slot, weights.shape[1], None)  # [R, H] unweighted
+    rows = gather_rows(g, row_to_slot, weights.shape[1], None, slot_to_row.view(-1))  # [R, H] unweighted
     d_act = dgrad(rows)  # [R, I]
     if consume_h:
         d_weights = activation_backward_routed_(h, d_act, weights, row_to_slot, *act)
@@ -223,17 +224,18 @@ def _(h, b, offsets, layout, weights, slot_to_row, row_to_slot, kind, interleave
 def _adc_setup(ctx, inputs, output):
     h, b, offsets, layout, weights, slot_to_row, row_to_slot, *act, consume_h = inputs
     ctx.layout, ctx.act, ctx.consume_h = layout, act, consume_h
-    ctx.save_for_backward(h, b, offsets, weights, row_to_slot)
+    ctx.save_for_backward(h, b, offsets, weights, row_to_slot, slot_to_row)
 
 
 def _adc_bwd(ctx, g):
-    h, b, offsets, weights, row_to_slot = ctx.saved_tensors
+    h, b, offsets, weights, row_to_slot, slot_to_row = ctx.saved_tensors
     lay = ctx.layout
     dh, db, d_weights = routed_down_backward(
         h,
         g.contiguous(),
         weights,
         row_to_slot,
+        slot_to_row,
         ctx.act,
         ctx.consume_h,
         lambda rows: _input_grad(rows, b, offsets, lay),

@@ -358,15 +358,19 @@ def _(ids, num_experts, pad_multiple, check_ids=True):
 
 # ------------------------------------------------------------------------------------- row movement
 @torch.library.custom_op("moe8::gather_rows", mutates_args=())
-def gather_rows(src: Tensor, row_to_slot: Tensor, k: int, scale: Optional[Tensor]) -> Tensor:
-    """dst[r] = scale[slot] * src[slot // k] (0 where slot < 0); src [T, H] -> dst [R, H]."""
+def gather_rows(
+    src: Tensor, row_to_slot: Tensor, k: int, scale: Optional[Tensor], slot_to_row: Optional[Tensor] = None
+) -> Tensor:
+    """dst[r] = scale[slot] * src[slot // k] (0 where slot < 0); src [T, H] -> dst [R, H]. slot_to_row [T*k]
+    (the plan's inverse of row_to_slot, optional): the same result; on a GPU each token is then read once and
+    stored to its k rows (k <= 8) instead of read once per row."""
     dst = src.new_empty(row_to_slot.shape[0], src.shape[1])
-    _C.gather_rows(src, row_to_slot, k, scale, dst, _stream(src), False)
+    _C.gather_rows(src, row_to_slot, k, scale, dst, _stream(src), False, slot_to_row)
     return dst
 
 
 @gather_rows.register_fake
-def _(src, row_to_slot, k, scale):
+def _(src, row_to_slot, k, scale, slot_to_row=None):
     return src.new_empty(row_to_slot.shape[0], src.shape[1])
 
 
@@ -398,7 +402,7 @@ def _(dy, rows, slot_to_row):
 @torch.library.custom_op("moe8::permute", mutates_args=())
 def permute(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, k: int) -> Tensor:
     """Tokens into expert order: x [T, H] -> rows [R, H]. Backward is a gather-sum (no atomics)."""
-    return gather_rows(x, row_to_slot, k, None)
+    return gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
 
 
 @permute.register_fake
@@ -439,7 +443,11 @@ def _combine_bwd(ctx, g):
     rows, weights, slot_to_row, row_to_slot = ctx.saved_tensors
     g = g.contiguous()
     k = weights.shape[1]
-    d_rows = gather_rows(g, row_to_slot, k, weights.reshape(-1)) if ctx.needs_input_grad[0] else None
+    d_rows = (
+        gather_rows(g, row_to_slot, k, weights.reshape(-1), slot_to_row.view(-1))
+        if ctx.needs_input_grad[0]
+        else None
+    )
     d_weights = (
         combine_weights_grad(g, rows, slot_to_row.view(weights.shape)) if ctx.needs_input_grad[1] else None
     )

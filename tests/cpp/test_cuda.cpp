@@ -197,6 +197,7 @@ std::vector<PermCase> cuda_perm_cases() {
       {"odd_h", 77, 3, 12, 131, 4, 0.9},
       {"T4096_k8_E128_H1024", 4096, 8, 128, 1024, 128, 0.3},
       {"T2048_k4_E32_H2880", 2048, 4, 32, 2880, 16, 0.0},  // GPT-OSS hidden size
+      {"k10", 50, 10, 16, 64, 1, 0.0},                     // past the token-major gather's k
   };
 }
 
@@ -226,13 +227,16 @@ TEST_F(CudaTest, GatherCombineMatchCpu) {
       HostTensor x = random_tensor(dt, {c.T, c.H}, rng, -3, 3), r2s = ints({pm.R}, pm.plan.row_to_slot),
                  s2r = ints({c.T, c.K}, pm.plan.slot_to_row), scale = random_tensor(DType::kF32, {slots}, rng),
                  w = random_tensor(DType::kF32, {c.T, c.K}, rng, 0, 1),
-                 rows = random_tensor(dt, {pm.R, c.H}, rng, -3, 3), dy = random_tensor(dt, {c.T, c.H}, rng);
+                 rows = random_tensor(dt, {pm.R, c.H}, rng, -3, 3), dy = random_tensor(dt, {c.T, c.H}, rng),
+                 s2r_flat = ints({slots}, pm.plan.slot_to_row);
       for (int with_opt = 0; with_opt < 2; ++with_opt) {  // with / without scale and weights
         const HostTensor *sp = with_opt ? &scale : nullptr, *wp = with_opt ? &w : nullptr;
-        auto gather = [&](bool gpu) {
+        // token_major: slot_to_row given (the scatter kernel for k <= 8): the same bits
+        auto gather = [&](bool gpu, bool token_major = false) {
           Runner run(gpu);
           HostTensor dst(dt, {pm.R, c.H});
-          api::gather_rows(run.in(x), run.in(r2s), c.K, run.opt(sp), run.out(dst), 0);
+          api::gather_rows(run.in(x), run.in(r2s), c.K, run.opt(sp), run.out(dst), 0, true,
+                           token_major ? run.in(s2r_flat) : absent());
           run.finish();
           return dst;
         };
@@ -247,6 +251,7 @@ TEST_F(CudaTest, GatherCombineMatchCpu) {
         EXPECT_TRUE(close_pair(g, gather(false), gather_ref(x, pm.plan.row_to_slot, c.K, sp), "gather dst"));
         EXPECT_TRUE(close_pair(o, combine(false), combine_ref(rows, pm.plan.slot_to_row, c.K, wp), "combine out"));
         EXPECT_TRUE(g.bitwise_equal(gather(true))) << "two GPU gathers differ";
+        EXPECT_TRUE(g.bitwise_equal(gather(true, true))) << "token-major gather differs";
         EXPECT_TRUE(o.bitwise_equal(combine(true))) << "two GPU combines differ";
       }
       auto dweights = [&](bool gpu) {

@@ -469,7 +469,9 @@ struct PermArgs {
     for (int r = 0; r < R; ++r) r2s.i32()[r] = r < T * K ? (r * 7) % (T * K) : -1;
     for (int s = 0; s < T * K; ++s) s2r.i32()[s] = (s * 3) % R;
   }
-  void gather() const { api::gather_rows(v_src, v_r2s, k, v_scale, v_dst, 0); }
+  void gather(const TensorView& s2r_flat = {}) const {
+    api::gather_rows(v_src, v_r2s, k, v_scale, v_dst, 0, true, s2r_flat);
+  }
   void combine() const { api::combine_rows(v_rows, v_s2r, v_w, v_out, 0); }
   void wgrad() const { api::combine_weights_grad(v_dy, v_rows, v_s2r, v_dw, 0); }
 };
@@ -477,6 +479,15 @@ struct PermArgs {
 TEST(Validation, GatherRows) {
   using A = PermArgs;
   EXPECT_NO_THROW(A().gather());
+  {  // slot_to_row (optional): i32 [T*k], values in [-1, R)
+    A a;
+    HostTensor flat = ints({A::T * A::K}, std::vector<int>(a.s2r.i32(), a.s2r.i32() + A::T * A::K));
+    EXPECT_NO_THROW(a.gather(flat.view()));
+    EXPECT_MOE8_ERROR("slot_to_row", a.gather(a.v_s2r));  // [T, K]: not 1-D
+    EXPECT_MOE8_ERROR("slot_to_row", a.gather(reshaped(flat.view(), {A::T * A::K - 1})));
+    flat.i32()[3] = A::R;
+    EXPECT_MOE8_ERROR("slot_to_row", a.gather(flat.view()));
+  }
   {
     A a;
     a.v_scale = absent();

@@ -122,6 +122,24 @@ def test_no_tokens_at_all(device, routed, monkeypatch):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("k,pad", [(1, 1), (8, 16), (10, 1)])
+def test_gather_rows_token_major_is_the_same(device, k, pad):
+    """gather_rows with slot_to_row (on a GPU each token read once and stored to its rows, k <= 8): the same
+    bits as the row-by-row gather, scaled or not, padding rows zero."""
+    T, H, E = 33, 72, 12
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(device)
+    scale = torch.rand(T * k, generator=g).to(device)
+    _, _, r2s, s2r = moe8.ops.plan(ids, E, pad)
+    for sc in (None, scale):
+        want = moe8.ops.gather_rows(x, r2s, k, sc)
+        got = moe8.ops.gather_rows(x, r2s, k, sc, s2r)
+        assert torch.equal(got, want)
+        assert (got[r2s < 0] == 0).all()
+
+
+@pytest.mark.parametrize("device", devices())
 def test_deterministic(device):
     torch.manual_seed(1)
     layer = moe8.MoELayer(32, 24, 8, 2, device=device)
