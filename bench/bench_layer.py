@@ -73,6 +73,21 @@ def median_ms(fn, device, warmup=3, iters=10) -> float:
     return statistics.median(one_ms(fn, device) for _ in range(iters))
 
 
+def back_to_back_ms(fn, n: int) -> float:
+    """Milliseconds per fn() over n calls queued back to back, one synchronisation at the end: the host runs
+    ahead of the GPU as in a model of many layers, so the launch gaps that timing each call alone exposes
+    (the GPU idle while the host issues the first kernels of the step) are hidden wherever the host keeps up."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def timed(fn, warmup=3, iters=10):
     """Median ms of fn() over iters (CUDA events) and the peak extra memory (GiB) of one call."""
     ms = median_ms(fn, torch.device("cuda"), warmup, iters)
@@ -129,7 +144,7 @@ def recipe_of(name: str):
     return Float8Recipe(base, dgrad=fp8("dgrad"), wgrad=fp8("wgrad"))
 
 
-def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, trace_dir=None):
+def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, trace_dir=None, back_to_back=0):
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
     block = hf_block(H, I, E, K, "cuda", dtype)
@@ -184,6 +199,14 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
         except Exception as e:  # report and go on: one recipe failing must not lose the others
             fp8_rows[recipe] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"  fp8 {recipe}: {fp8_rows[recipe]}", flush=True)
+    queued = {}
+    if back_to_back:  # ms per step with the steps queued back to back (back_to_back_ms)
+        queued = {"steps": back_to_back, "hf_ms": back_to_back_ms(hf_step, back_to_back)}
+        queued["moe8_ms"] = back_to_back_ms(moe8_step, back_to_back)
+        for recipe in fp8:
+            if "error" not in fp8_rows[recipe]:
+                queued[f"moe8_{recipe}_ms"] = back_to_back_ms(lambda r=recipe: moe8_step(r), back_to_back)
+        print(f"  back to back: {queued}", flush=True)
     profiles = {}
     if profile_top:  # one more call of each under torch.profiler: its top kernels
         from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
@@ -230,6 +253,8 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
     row["moe8_pct_of_bf16_ceiling"] = 100 * row["moe8_expert_tflops"] * 1e12 / BF16_CEILING
     if profiles:
         row["profile"] = profiles
+    if queued:
+        row["back_to_back"] = queued
     if fp8_rows:
         row["fp8"] = fp8_rows  # expert GEMM forwards in FP8, backward in bf16 (moe8.fp8)
     if check:
@@ -329,6 +354,14 @@ def main():
         metavar="DIR",
         help="save a Chrome trace of one more HF and moe8 step per shape in DIR and print where the GPU idles",
     )
+    ap.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N steps queued back to back (one synchronisation at the end) for HF, moe8 and each FP8 "
+        "recipe: ms per step with the host running ahead, as in a model of many layers",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     moe8.layer.CONSUME_GATE_UP = args.consume_gate_up
@@ -365,6 +398,7 @@ def main():
                 fp8=fp8,
                 profile_top=args.profile,
                 trace_dir=args.trace,
+                back_to_back=args.back_to_back,
             )
         )
         print(json.dumps(layers[-1]), flush=True)
@@ -398,6 +432,14 @@ def main():
                     f"{f['peak_extra_gib']:.2f} GiB, vs bf16: output {f['output_rel_error_vs_bf16']:.2e}, "
                     f"grad x {f['grad_x_rel_error_vs_bf16']:.2e}"
                 )
+        if "back_to_back" in r:
+            q = r["back_to_back"]
+            steps = ", ".join(
+                f"{k[:-3]} {v:.2f} ms ({q['hf_ms'] / v:.2f}x)"
+                for k, v in q.items()
+                if k.endswith("_ms") and k != "hf_ms"
+            )
+            print(f"  back to back ({q['steps']} steps): HF {q['hf_ms']:.2f} ms; {steps}")
         if "accuracy_vs_fp32_reference" in r:
             print("  accuracy vs fp32 reference (relative error):", r["accuracy_vs_fp32_reference"])
 
