@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kThreads)
 // gather_rows token-major (slot_to_row given, k <= kScatterMaxK): a warp per token reads its row once and
 // stores it (times each slot's scale, when given) to its k rows, instead of every row reading its token
 // (k reads of each token, mostly L2 misses once T H is past the L2). Rows no slot names: zero_unmapped_kernel.
-constexpr int kScatterMaxK = 8;
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
@@ -80,12 +79,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
   int64_t r[kScatterMaxK];
+  token_rows(slot_to_row, t, k, r);
   float w[kScatterMaxK];
 #pragma unroll
-  for (int j = 0; j < kScatterMaxK; ++j) {
-    r[j] = j < k ? slot_to_row[t * k + j] : -1;
-    w[j] = j < k && scale != nullptr ? scale[t * k + j] : 1.f;
-  }
+  for (int j = 0; j < kScatterMaxK; ++j) w[j] = j < k && scale != nullptr ? scale[t * k + j] : 1.f;
   const int64_t np = H / V;
   const P* in = reinterpret_cast<const P*>(src + t * H);
   for (int64_t p = lane; p < np; p += 32) {

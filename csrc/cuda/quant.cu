@@ -141,6 +141,16 @@ __device__ __forceinline__ int64_t lane_col(int64_t b) {
   return b * kQuantBlock + (threadIdx.x % kBlockLanes) * kLaneVals;
 }
 
+// Quantises block b of row r of q [., K] from the lane's 8 values (columns lane_col(b) ..): its scale and
+// codes. All 32 lanes call it (the block's max is a half-warp shuffle); only live ones write.
+__device__ __forceinline__ void quantize_block(const float (&v)[kLaneVals], bool live, int64_t r, int64_t b, int64_t K,
+                                               bool vec, uint8_t* q, float* scale) {
+  const float s = block_scale(v);
+  if (!live) return;
+  if (threadIdx.x % kBlockLanes == 0) scale[r * quant_blocks(K) + b] = s;
+  store_n(q + r * K, lane_col(b), K, vec, v, s);
+}
+
 // Grid of the row kernels: a warp per row.
 inline unsigned blocks_for_rows(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kWarpsPerBlock)); }
 __device__ __forceinline__ int64_t warp_row() {
@@ -171,10 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     const bool live = b < KB;
     float v[kLaneVals] = {};
     if (live && xr) load_n(xr, k0, K, vec, v);
-    const float s = block_scale(v);
-    if (!live) continue;
-    if (threadIdx.x % kBlockLanes == 0) scale[r * KB + b] = s;
-    store_n(q + r * K, k0, K, vec, v, s);
+    quantize_block(v, live, r, b, K, vec, q, scale);
   }
 }
 
@@ -182,7 +189,6 @@ __global__ void __launch_bounds__(kThreads)
 // per token reads and quantises its blocks once and writes the codes to each of its rows, so the tokens
 // are read once rather than k times (with L2 misses at large T K) and the quantisation runs once per token
 // rather than per row. Rows no slot names are left to zero_unmapped_rows_kernel. k <= kScatterMaxK.
-constexpr int kScatterMaxK = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -192,8 +198,7 @@ __global__ void __launch_bounds__(kThreads)
   if (t >= tokens) return;
   const int64_t KB = quant_blocks(K);
   int64_t dst[kScatterMaxK];
-#pragma unroll
-  for (int j = 0; j < kScatterMaxK; ++j) dst[j] = j < k ? slot_to_row[t * k + j] : -1;
+  token_rows(slot_to_row, t, k, dst);
   const T* xr = x + t * K;
   for (int64_t b0 = 0; b0 < KB; b0 += 2) {
     const int64_t b = b0 + half(), k0 = lane_col(b);
@@ -400,10 +405,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kLaneVals; ++j)  // rounded to T, as activation_forward stores it; 0 past I
       v[j] = live && i0 + j < I ? to_float(from_float<T>(act_forward(p, g[j], u[j]))) : 0.f;
-    const float s = block_scale(v);
-    if (!live) continue;
-    if (threadIdx.x % kBlockLanes == 0) scale[r * IB + b] = s;
-    store_n(q + r * I, i0, I, vec, v, s);
+    quantize_block(v, live, r, b, I, vec, q, scale);
   }
 }
 

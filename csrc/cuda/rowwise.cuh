@@ -1,6 +1,7 @@
 // rowwise.cuh — what the row-wise kernels share (activation, permute, rope, lowrank_add, the FP8 GEMM):
 // 16-byte packs of a row and when they can be used, the launch shape (a block is blockDim.y rows by
-// blockDim.x packs of V consecutive columns), and the expert group of a row.
+// blockDim.x packs of V consecutive columns), the expert group of a row, and a token's rows for the
+// token-major kernels.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -52,6 +53,17 @@ __device__ __forceinline__ int group_of_row(const int32_t* __restrict__ offsets,
       hi = mid;
   }
   return lo;
+}
+
+// The token-major kernels (permute.cu's scatter_rows, quant.cu's quantize_scatter) take a token's rows from
+// the plan's slot_to_row and keep them in registers: k <= kScatterMaxK (their launchers fall back to the
+// row-by-row kernels past it). r[j] = slot_to_row[t k + j] for j < k, -1 after.
+constexpr int kScatterMaxK = 8;
+
+__device__ __forceinline__ void token_rows(const int32_t* __restrict__ slot_to_row, int64_t t, int k,
+                                           int64_t (&r)[kScatterMaxK]) {
+#pragma unroll
+  for (int j = 0; j < kScatterMaxK; ++j) r[j] = j < k ? slot_to_row[t * k + j] : -1;
 }
 
 }  // namespace moe8::cuda
