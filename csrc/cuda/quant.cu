@@ -189,7 +189,6 @@ __global__ void __launch_bounds__(kThreads)
 // per token reads and quantises its blocks once and writes the codes to each of its rows, so the tokens
 // are read once rather than k times (with L2 misses at large T K) and the quantisation runs once per token
 // rather than per row. Rows no slot names are left to zero_unmapped_rows_kernel. k <= kScatterMaxK.
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_scatter_kernel(const T* __restrict__ x, const int32_t* __restrict__ slot_to_row, int k, int64_t tokens,
