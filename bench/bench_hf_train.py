@@ -1,9 +1,11 @@
 """Training-step speed of Hugging Face MoE models: transformers' `grouped_mm` experts vs moe8 (`moe8.accelerate`),
-same model, same weights, same batch: forward + backward + fused AdamW, bf16, random init.
+same model, same weights, same batch: forward + backward + fused AdamW, bf16, random init. With --fp8 RECIPE
+also moe8 with the expert GEMMs in FP8 (column moe8_fp8; the losses show how far FP8 training moves them).
 
     python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train.json
 
-Prints a table last: model, layers, batch, HF tokens/s, moe8 tokens/s, ratio, peak memory of each."""
+Prints a table last: model, layers, batch, HF tokens/s, moe8 tokens/s, ratio, peak memory of each (and the
+FP8 column's tokens/s, ratio and peak)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import statistics
 import time
 
 import torch
+from bench_layer import recipe_of  # this folder is on sys.path
 
 import moe8
 
@@ -100,8 +103,16 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--fp8",
+        default="",
+        metavar="RECIPE",
+        help="also run moe8 with this FP8 recipe for the expert GEMMs: blockwise, rowwise or tensorwise, with "
+        "+dgrad / +wgrad for those backward GEMMs (as bench_layer.py --fp8), e.g. blockwise+dgrad",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    recipe = recipe_of(args.fp8) if args.fp8 else None  # an unknown name fails before any model is built
     if not moe8.cuda_available():
         raise SystemExit("bench_hf_train: needs a CUDA GPU and moe8 built with CUDA")
     import transformers
@@ -111,11 +122,11 @@ def main():
         if name not in MODELS:
             raise SystemExit(f"--models: unknown {name!r}, expected from {sorted(MODELS)}")
         row = {"model": name, "batch": args.batch, "seq": args.seq}
-        for impl in ("grouped_mm", "moe8"):
+        for impl in ("grouped_mm", "moe8") + (("moe8_fp8",) if recipe else ()):
             model = build(name, args.layers)
             row["layers"] = model.config.num_hidden_layers
-            if impl == "moe8":
-                moe8.accelerate(model)
+            if impl != "grouped_mm":
+                moe8.accelerate(model, fp8=recipe if impl == "moe8_fp8" else "none")
             tps, mem, losses = measure(model, args.batch, args.seq, args.steps, args.warmup)
             row[f"{impl}_tokens_per_s"], row[f"{impl}_peak_gib"], row[f"{impl}_losses"] = tps, mem, losses
             print(
@@ -124,6 +135,9 @@ def main():
             del model
             torch.cuda.empty_cache()
         row["speedup"] = row["moe8_tokens_per_s"] / row["grouped_mm_tokens_per_s"]
+        if recipe:
+            row["fp8_recipe"] = args.fp8
+            row["fp8_speedup"] = row["moe8_fp8_tokens_per_s"] / row["grouped_mm_tokens_per_s"]
         rows.append(row)
     meta = {
         "gpu": torch.cuda.get_device_name(0),
@@ -147,6 +161,11 @@ def main():
             f"{r['moe8_tokens_per_s']:>10,.0f} {r['speedup']:>5.2f}x {r['grouped_mm_peak_gib']:>7.1f} "
             f"{r['moe8_peak_gib']:>8.1f}"
         )
+        if "fp8_recipe" in r:
+            print(
+                f"  fp8 {r['fp8_recipe']}: {r['moe8_fp8_tokens_per_s']:,.0f} tokens/s, {r['fp8_speedup']:.2f}x, "
+                f"{r['moe8_fp8_peak_gib']:.1f} GiB"
+            )
 
 
 if __name__ == "__main__":

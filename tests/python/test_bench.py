@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
 finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
-scripts/carry_prebuilt.sh)."""
+bench_hf_train.py, scripts/carry_prebuilt.sh)."""
 
 import json
 import os
@@ -176,6 +176,13 @@ def test_ncu_gemm_arguments():
     assert p.returncode == 0 and all(c in p.stdout for c in ("fp8_mixtral", "dgrad_qwen3", "quant_deepseek"))
     bad = run("bench/ncu_gemm.py", "nope")
     assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_bench_hf_train_arguments():
+    p = run("bench/bench_hf_train.py", "--help")
+    assert p.returncode == 0 and "--fp8 RECIPE" in p.stdout
+    bad = run("bench/bench_hf_train.py", "--fp8", "blockwise+fast")
+    assert bad.returncode != 0 and "--fp8: unknown suffix ['fast']" in bad.stderr
 
 
 def test_bench_clocks_arguments():
