@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import ops
 from .ops import _C, _stream
@@ -312,23 +313,41 @@ def _fp8_forward(
     return c
 
 
+# Optimizer steps taken in this process (torch.optim's global step hook). A fused optimizer (AdamW(fused=True),
+# what HF's Trainer picks on a GPU) updates the weights in place without moving their version counters, so
+# the FP8 weight copies are also dropped after every step of any torch.optim optimizer.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class Fp8WeightCache:
     """Quantised copies of weights, keyed by the weight, its layout and the recipe; a copy is recomputed
-    when the weight's version counter moves (an in-place optimizer step), so FP8 weights are refreshed
-    once per step, not once per micro-batch. Eager only (reading the version counter breaks a graph)."""
+    when the weight's version counter moves (an in-place update) or a torch.optim optimizer has stepped
+    since it was made (fused optimizers do not move version counters), so FP8 weights are refreshed once per
+    step, not once per micro-batch. Weights changed in place some other way without moving their version
+    counter (through .data, or by code outside torch.optim) need clear(). Eager only (reading the version
+    counter breaks a graph)."""
 
     def __init__(self):
         self._entries: dict = {}
 
     def get(self, w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
         key = (id(w), layout, recipe.name)
+        stamp = (w._version, w.data_ptr(), _optimizer_steps)
         hit = self._entries.get(key)
         if hit is not None:
-            ref, version, ptr, value = hit
-            if ref() is w and version == w._version and ptr == w.data_ptr():
+            ref, made, value = hit
+            if ref() is w and made == stamp:
                 return value
         value = quantize_weight(w, layout, recipe)
-        self._entries[key] = (weakref.ref(w), w._version, w.data_ptr(), value)
+        self._entries[key] = (weakref.ref(w), stamp, value)
         if len(self._entries) > 4096:  # drop entries of weights that are gone
             self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
         return value
