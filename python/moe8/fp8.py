@@ -331,23 +331,33 @@ class Fp8WeightCache:
     """Quantised copies of weights, keyed by the weight, its layout and the recipe; a copy is recomputed
     when the weight's version counter moves (an in-place update) or a torch.optim optimizer has stepped
     since it was made (fused optimizers do not move version counters), so FP8 weights are refreshed once per
-    step, not once per micro-batch. Weights changed in place some other way without moving their version
+    step, not once per micro-batch. A blockwise copy in one layout is the other layout's copy transposed
+    (one byte per weight moved, instead of a bf16 transpose and a second quantisation). Weights changed in place some other way without moving their version
     counter (through .data, or by code outside torch.optim) need clear(). Eager only (reading the version
     counter breaks a graph)."""
 
     def __init__(self):
         self._entries: dict = {}
 
+    def _current(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp) -> Optional[Fp8Weight]:
+        hit = self._entries.get((id(w), layout, recipe.name))
+        if hit is not None and hit[0]() is w and hit[1] == stamp:
+            return hit[2]
+        return None
+
     def get(self, w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
-        key = (id(w), layout, recipe.name)
         stamp = (w._version, w.data_ptr(), _optimizer_steps)
-        hit = self._entries.get(key)
-        if hit is not None:
-            ref, made, value = hit
-            if ref() is w and made == stamp:
-                return value
-        value = quantize_weight(w, layout, recipe)
-        self._entries[key] = (weakref.ref(w), stamp, value)
+        value = self._current(w, layout, recipe, stamp)
+        if value is not None:
+            return value
+        other = self._current(w, 1 - layout, recipe, stamp) if recipe.name == "blockwise" else None
+        if other is not None:  # the same 128x128 blocks transposed: the same scales and codes, transposed
+            value = Fp8Weight(
+                other.q.transpose(1, 2).contiguous(), other.scale.transpose(1, 2).contiguous(), None
+            )
+        else:
+            value = quantize_weight(w, layout, recipe)
+        self._entries[(id(w), layout, recipe.name)] = (weakref.ref(w), stamp, value)
         if len(self._entries) > 4096:  # drop entries of weights that are gone
             self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
         return value

@@ -562,6 +562,19 @@ def test_weight_cache_refreshes_after_an_update():
 
 
 @pytest.mark.parametrize("device", devices())
+def test_weight_cache_transposes_the_other_layout(device):
+    """The blockwise copy of the dgrad's layout, made from the forward's copy (codes and scales transposed),
+    is bitwise the one quantised from the weight, partial blocks included; and the other way round."""
+    w = spread((3, 200, 136), torch.bfloat16, 21).to(device)
+    r = fp8.Float8Recipe()
+    for first in (0, 1):
+        cache = fp8.Fp8WeightCache()
+        cache.get(w, first, r)
+        got, want = cache.get(w, 1 - first, r), fp8.quantize_weight(w, 1 - first, r)
+        assert torch.equal(got.q.cpu(), want.q.cpu()) and torch.equal(got.scale.cpu(), want.scale.cpu())
+
+
+@pytest.mark.parametrize("device", devices())
 def test_weight_cache_refreshes_after_a_fused_optimizer_step(device):
     """AdamW(fused=True) updates weights in place without moving their version counters: the cached FP8
     copy must still be dropped after the step (torch.optim's step hook), not used stale."""
