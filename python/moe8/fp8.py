@@ -331,10 +331,11 @@ class Fp8WeightCache:
     """Quantised copies of weights, keyed by the weight, its layout and the recipe; a copy is recomputed
     when the weight's version counter moves (an in-place update) or a torch.optim optimizer has stepped
     since it was made (fused optimizers do not move version counters), so FP8 weights are refreshed once per
-    step, not once per micro-batch. A blockwise copy in one layout is the other layout's copy transposed
-    (one byte per weight moved, instead of a bf16 transpose and a second quantisation). Weights changed in place some other way without moving their version
-    counter (through .data, or by code outside torch.optim) need clear(). Eager only (reading the version
-    counter breaks a graph)."""
+    step, not once per micro-batch, and dropped when their weight is freed. A blockwise copy in one layout is
+    the other layout's copy transposed (one byte per weight moved, instead of a bf16 transpose and a second
+    quantisation). Weights changed in place some other way without moving their version counter (through
+    .data, or by code outside torch.optim) need clear(). Eager only (reading the version counter breaks a
+    graph)."""
 
     def __init__(self):
         self._entries: dict = {}
@@ -357,10 +358,19 @@ class Fp8WeightCache:
             )
         else:
             value = quantize_weight(w, layout, recipe)
-        self._entries[(id(w), layout, recipe.name)] = (weakref.ref(w), stamp, value)
-        if len(self._entries) > 4096:  # drop entries of weights that are gone
-            self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
+        key = (id(w), layout, recipe.name)
+        self._entries[key] = (weakref.ref(w, self._dropper(key)), stamp, value)
         return value
+
+    def _dropper(self, key):
+        """A weakref callback: the copy goes when its weight does (not only when the cache is next cleared)."""
+
+        def drop(ref):
+            hit = self._entries.get(key)
+            if hit is not None and hit[0] is ref:
+                del self._entries[key]
+
+        return drop
 
     def clear(self) -> None:
         self._entries.clear()

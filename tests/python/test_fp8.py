@@ -561,6 +561,23 @@ def test_weight_cache_refreshes_after_an_update():
     assert torch.equal(second.scale, first.scale * 2)
 
 
+def test_weight_cache_lets_go_of_freed_weights():
+    """A freed weight's FP8 copies are dropped with it (they used to stay until 4096 entries piled up: a
+    second model built in the same process found the first one's copies still allocated)."""
+    import gc
+
+    cache = fp8.Fp8WeightCache()
+    w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
+    keep = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
+    for layout in (0, 1):
+        cache.get(w, layout, fp8.Float8Recipe())
+        cache.get(keep, layout, fp8.Float8Recipe())
+    assert len(cache._entries) == 4
+    del w
+    gc.collect()
+    assert len(cache._entries) == 2 and all(ref() is keep for ref, _, _ in cache._entries.values())
+
+
 @pytest.mark.parametrize("device", devices())
 def test_weight_cache_transposes_the_other_layout(device):
     """The blockwise copy of the dgrad's layout, made from the forward's copy (codes and scales transposed),
