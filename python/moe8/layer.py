@@ -173,7 +173,7 @@ def experts_forward(
     layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
     lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
     fp8: None (bf16) or an FP8 recipe ("blockwise", "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe)
-    for the forward expert GEMMs; see moe8.fp8.experts_forward_fp8.
+    for the forward expert GEMMs; see moe8.fp8_layer.experts_forward_fp8.
     check_ids: range-check ids on the device (a host sync on CUDA, which also keeps the call out of CUDA
     graphs); pass False for ids from a top-k over the experts' scores, as the HF integration does.
     """
@@ -181,9 +181,9 @@ def experts_forward(
     if fp8 is not None:
         if lora is not None:
             raise ValueError("fp8: FP8 experts with LoRA are not supported yet; pass fp8=None with lora")
-        from . import fp8 as _fp8
+        from .fp8_layer import experts_forward_fp8
 
-        return _fp8.experts_forward_fp8(
+        return experts_forward_fp8(
             x,
             ids,
             weights,
