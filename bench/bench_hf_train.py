@@ -67,7 +67,9 @@ def build(name, layers, dtype=torch.bfloat16):
     return model
 
 
-def measure(model, batch, seq, steps, warmup):
+def measure(model, batch, seq, steps, warmup, accum=1):
+    """tokens/s (median over steps), peak GiB and the loss of every step; each optimizer step takes accum
+    micro-batches of batch x seq (the same tokens each time), their losses averaged."""
     ids = torch.randint(
         0,
         model.config.vocab_size,
@@ -81,8 +83,11 @@ def measure(model, batch, seq, steps, warmup):
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss = 0.0
+        for _ in range(accum):
+            micro = model(input_ids=ids, labels=ids).loss / accum
+            micro.backward()
+            loss = loss + micro.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -90,7 +95,7 @@ def measure(model, batch, seq, steps, warmup):
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
     del opt
-    return batch * seq / statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, losses
+    return batch * seq * accum / statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, losses
 
 
 def main():
@@ -104,6 +109,13 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation; FP8 weight copies are refreshed once per "
+        "step, so this is what amortises them)",
+    )
+    ap.add_argument(
         "--fp8",
         default="",
         metavar="RECIPE",
@@ -113,6 +125,8 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     recipe = recipe_of(args.fp8) if args.fp8 else None  # an unknown name fails before any model is built
+    if args.accum < 1:
+        raise SystemExit(f"--accum: expected >= 1, got {args.accum}")
     if not moe8.cuda_available():
         raise SystemExit("bench_hf_train: needs a CUDA GPU and moe8 built with CUDA")
     import transformers
@@ -121,13 +135,13 @@ def main():
     for name in args.models.split(","):
         if name not in MODELS:
             raise SystemExit(f"--models: unknown {name!r}, expected from {sorted(MODELS)}")
-        row = {"model": name, "batch": args.batch, "seq": args.seq}
+        row = {"model": name, "batch": args.batch, "seq": args.seq, "accum": args.accum}
         for impl in ("grouped_mm", "moe8") + (("moe8_fp8",) if recipe else ()):
             model = build(name, args.layers)
             row["layers"] = model.config.num_hidden_layers
             if impl != "grouped_mm":
                 moe8.accelerate(model, fp8=recipe if impl == "moe8_fp8" else "none")
-            tps, mem, losses = measure(model, args.batch, args.seq, args.steps, args.warmup)
+            tps, mem, losses = measure(model, args.batch, args.seq, args.steps, args.warmup, args.accum)
             row[f"{impl}_tokens_per_s"], row[f"{impl}_peak_gib"], row[f"{impl}_losses"] = tps, mem, losses
             print(
                 f"[bench] {name} {impl}: {tps:,.0f} tokens/s, peak {mem:.1f} GiB, losses {losses}", flush=True

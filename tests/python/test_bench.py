@@ -183,6 +183,8 @@ def test_bench_hf_train_arguments():
     assert p.returncode == 0 and "--fp8 RECIPE" in p.stdout
     bad = run("bench/bench_hf_train.py", "--fp8", "blockwise+fast")
     assert bad.returncode != 0 and "--fp8: unknown suffix ['fast']" in bad.stderr
+    bad = run("bench/bench_hf_train.py", "--accum", "0")
+    assert bad.returncode != 0 and "--accum: expected >= 1, got 0" in bad.stderr
 
 
 def test_bench_clocks_arguments():
