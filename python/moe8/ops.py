@@ -7,7 +7,8 @@ Raw ops (allocate their outputs, call moe8._C):
     rope, rope_backward
 Differentiable ops (autograd registered): route, permute, combine, grouped_gemm, activation, rope; the fused
 activation_grouped_gemm and activation_down_combine (with activation_backward_routed) are defined in
-moe8.fused and importable from here too.
+moe8.fused, rope and apply_rotary_pos_emb in moe8.rotary, route and route_backward in moe8.routing, all
+importable from here too.
 """
 
 from __future__ import annotations
@@ -177,135 +178,6 @@ def sm90_workspace_bytes(a: Tensor, num_experts: int, query: str = "grouped_gemm
 
 def _gated(kind: int) -> bool:
     return kind in (0, 1)
-
-
-# ---------------------------------------------------------------------------------------------- route
-@torch.library.custom_op("moe8::route", mutates_args=())
-def route(
-    logits: Tensor,
-    bias: Optional[Tensor],
-    scheme: int,
-    k: int,
-    renormalize: bool,
-    n_group: int,
-    topk_group: int,
-    scaling: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """logits [T, E] -> ids [T, k] int32, weights [T, k] f32, prob_mean [E], token_frac [E], lse [T]."""
-    T, E = logits.shape if logits.dim() == 2 else (0, 0)
-    dev = logits.device
-    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
-    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
-    prob_mean = torch.empty(E, dtype=torch.float32, device=dev)
-    token_frac = torch.empty(E, dtype=torch.float32, device=dev)
-    lse = torch.empty(T, dtype=torch.float32, device=dev)
-    _C.route_forward(
-        logits,
-        bias,
-        scheme,
-        k,
-        renormalize,
-        n_group,
-        topk_group,
-        scaling,
-        ids,
-        weights,
-        prob_mean,
-        token_frac,
-        lse,
-        _stream(logits),
-    )
-    return ids, weights, prob_mean, token_frac, lse
-
-
-@route.register_fake
-def _(logits, bias, scheme, k, renormalize, n_group, topk_group, scaling):
-    T, E = logits.shape
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    return (
-        logits.new_empty(T, k, dtype=torch.int32),
-        logits.new_empty(T, k, **f32),
-        logits.new_empty(E, **f32),
-        logits.new_empty(E, **f32),
-        logits.new_empty(T, **f32),
-    )
-
-
-@torch.library.custom_op("moe8::route_backward", mutates_args=())
-def route_backward(
-    logits: Tensor,
-    bias: Optional[Tensor],
-    ids: Tensor,
-    grad_weights: Tensor,
-    grad_prob_mean: Optional[Tensor],
-    grad_lse: Optional[Tensor],
-    scheme: int,
-    k: int,
-    renormalize: bool,
-    n_group: int,
-    topk_group: int,
-    scaling: float,
-) -> Tensor:
-    grad_logits = torch.empty_like(logits)
-    _C.route_backward(
-        logits,
-        bias,
-        scheme,
-        k,
-        renormalize,
-        n_group,
-        topk_group,
-        scaling,
-        ids,
-        grad_weights,
-        grad_prob_mean,
-        grad_lse,
-        grad_logits,
-        _stream(logits),
-        False,
-    )
-    return grad_logits
-
-
-@route_backward.register_fake
-def _(
-    logits,
-    bias,
-    ids,
-    grad_weights,
-    grad_prob_mean,
-    grad_lse,
-    scheme,
-    k,
-    renormalize,
-    n_group,
-    topk_group,
-    scaling,
-):
-    return torch.empty_like(logits)
-
-
-def _route_setup(ctx, inputs, output):
-    logits, bias, *params = inputs
-    ctx.params = params
-    ctx.save_for_backward(logits, bias, output[0])
-
-
-def _route_bwd(ctx, g_ids, g_weights, g_prob_mean, g_token_frac, g_lse):
-    logits, bias, ids = ctx.saved_tensors
-    if g_weights is None:
-        g_weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-
-    def as_f32(g):
-        return None if g is None else g.float().contiguous()
-
-    grad = route_backward(
-        logits, bias, ids, g_weights.float().contiguous(), as_f32(g_prob_mean), as_f32(g_lse), *ctx.params
-    )
-    return grad, None, None, None, None, None, None, None
-
-
-route.register_autograd(_route_bwd, setup_context=_route_setup)
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -651,93 +523,10 @@ def _act_consuming_bwd(ctx, g):
 activation_consuming.register_autograd(_act_consuming_bwd, setup_context=_act_setup)
 
 
-# ---------------------------------------------------------------------------------------------- rope
-def _rope_out(x: Tensor) -> Tensor:
-    # empty_like keeps x's strides when x is dense (transformers' [B, S, H, D] buffer seen as [B, H, S, D]);
-    # the kernel needs a contiguous last dim, so anything else gets a contiguous output.
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def _rope_call(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
-    if x.dim() == 4 and x.stride(-1) != 1:  # e.g. an expanded gradient
-        x = x.contiguous()
-    out = _rope_out(x)
-    _C.rope(x, cos.contiguous(), sin.contiguous(), out, backward, _stream(x))
-    return out
-
-
-@torch.library.custom_op("moe8::rope", mutates_args=())
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding, rotate_half form: x * cos + rotate_half(x) * sin with
-    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). x [B, H, S, D] (any strides, typically
-    proj(h).view(B, S, H, D).transpose(1, 2)), cos and sin [B, S, D] or [1, S, D] of x's dtype.
-    fp32 math, one rounding. Differentiable in x only (cos and sin get no gradient)."""
-    return _rope_call(x, cos, sin, False)
-
-
-@rope.register_fake
-def _rope_fake(x, cos, sin):
-    return _rope_out(x if x.stride(-1) == 1 else x.contiguous())
-
-
-@torch.library.custom_op("moe8::rope_backward", mutates_args=())
-def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(u) = cat(u[..., D/2:], -u[..., :D/2])."""
-    return _rope_call(dy, cos, sin, True)
-
-
-rope_backward.register_fake(_rope_fake)
-
-
-def _rope_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
-
-
-def _rope_bwd(ctx, g):
-    cos, sin = ctx.saved_tensors
-    return rope_backward(g, cos, sin), None, None
-
-
-rope.register_autograd(_rope_bwd, setup_context=_rope_setup)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_fits(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    if x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
-        return False
-    B, _, S, D = x.shape
-    return (
-        D % 2 == 0
-        and D >= 2
-        and cos.shape[0] in (1, B)
-        and tuple(cos.shape[1:]) == (S, D)
-        and x.stride(-1) == 1
-        and x.dtype == cos.dtype == sin.dtype
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and x.device == cos.device == sin.device
-        and not (cos.requires_grad or sin.requires_grad)  # rope gives cos and sin no gradient
-    )
-
-
-def apply_rotary_pos_emb(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
-) -> tuple[Tensor, Tensor]:
-    """Drop-in for transformers' apply_rotary_pos_emb (Llama, Qwen): q [B, Hq, S, D], k [B, Hk, S, D],
-    cos and sin [B|1, S, D]. Runs `rope` where the inputs fit it; otherwise transformers' formula."""
-    if unsqueeze_dim == 1 and _rope_fits(q, cos, sin) and _rope_fits(k, cos, sin):
-        return rope(q, cos, sin), rope(k, cos, sin)
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 _make_direct(globals())  # last: after every op's registrations
 
-# The fused experts ops live in moe8.fused (built on the ops above) and are part of this namespace too.
+# The fused experts ops live in moe8.fused, RoPE in moe8.rotary and the router's top-k in moe8.routing (built
+# on the ops above); all are part of this namespace too.
 from .fused import (  # noqa: E402, F401
     _grouped_gemm_recompute,
     activation_backward_routed,
@@ -746,3 +535,5 @@ from .fused import (  # noqa: E402, F401
     activation_grouped_gemm,
     routed_down_backward,
 )
+from .rotary import apply_rotary_pos_emb, rope, rope_backward  # noqa: E402, F401
+from .routing import route, route_backward  # noqa: E402, F401

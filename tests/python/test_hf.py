@@ -319,8 +319,8 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     ids = tokens()
     out_r, grads_r = run(ref, ids)  # before the switch: the switch is process-wide
     calls = []
-    rope = moe8.ops.rope
-    monkeypatch.setattr(moe8.ops, "rope", lambda *a: calls.append(1) or rope(*a))
+    rope = moe8.rotary.rope
+    monkeypatch.setattr(moe8.rotary, "rope", lambda *a: calls.append(1) or rope(*a))
     acc = hf.accelerate(twin(ref, accelerate=False), fuse_rope=True)
     assert mod.apply_rotary_pos_emb is moe8.ops.apply_rotary_pos_emb
     acc.train()

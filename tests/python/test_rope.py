@@ -216,9 +216,11 @@ def test_opcheck():
 def test_apply_rotary_pos_emb_matches_transformers(device, monkeypatch):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as hf_apply
 
+    from moe8 import rotary
+
     calls = []
-    rope = ops.rope
-    monkeypatch.setattr(ops, "rope", lambda *a: calls.append(a) or rope(*a))
+    rope = rotary.rope
+    monkeypatch.setattr(rotary, "rope", lambda *a: calls.append(a) or rope(*a))  # what it calls
     gen = torch.Generator().manual_seed(4)
     B, S, D = 2, 9, 128
     q = make_q(B, S, 4, D, torch.float32, device, gen)  # GQA: 4 query heads, 2 key heads
