@@ -79,13 +79,7 @@ def back_to_back_ms(fn, n: int) -> float:
     (the GPU idle while the host issues the first kernels of the step) are hidden wherever the host keeps up."""
     fn()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
+    return one_ms(lambda: [fn() for _ in range(n)], torch.device("cuda")) / n
 
 
 def timed(fn, warmup=3, iters=10):

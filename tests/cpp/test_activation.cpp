@@ -40,6 +40,19 @@ const Dims kDims[] = {{13, 7}, {1, 1}, {1, 20}, {0, 5}, {33, 131}, {4, 128}};
 
 Shape h_shape(const ActParams& p, Dims d) { return {d.R, is_gated(p.kind) ? 2 * d.I : d.I}; }
 
+// body(case, dtype, dims, rng) for every activation, dtype and shape, each with its own seed and trace.
+template <typename Body>
+void each_case(uint64_t seed, Body body) {
+  for (const ActCase& c : act_cases())
+    for (DType dt : kFloatTypes)
+      for (Dims d : kDims) {
+        SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
+                     " I=" + std::to_string(d.I));
+        Rng rng(++seed);
+        body(c, dt, d, rng);
+      }
+}
+
 HostTensor run_fwd(const HostTensor& h, const ActParams& p, int64_t I) {
   HostTensor out(h.dtype(), {h.shape()[0], I});
   out.poison();
@@ -55,71 +68,53 @@ HostTensor run_bwd(const HostTensor& h, const HostTensor& dout, const ActParams&
 }
 
 TEST(Activation, ForwardMatchesReference) {
-  uint64_t seed = 20;
-  for (const ActCase& c : act_cases())
-    for (DType dt : kFloatTypes)
-      for (Dims d : kDims) {
-        SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
-                     " I=" + std::to_string(d.I));
-        Rng rng(++seed);
-        HostTensor h = act_input(dt, h_shape(c.p, d), c.p, rng);
-        HostTensor out = run_fwd(h, c.p, d.I);
-        EXPECT_TRUE(close_to(out, act_ref(h, c.p), "out"));
-        EXPECT_TRUE(out.bitwise_equal(run_fwd(h, c.p, d.I))) << "two calls differ";
-      }
+  each_case(20, [](const ActCase& c, DType dt, Dims d, Rng& rng) {
+    HostTensor h = act_input(dt, h_shape(c.p, d), c.p, rng);
+    HostTensor out = run_fwd(h, c.p, d.I);
+    EXPECT_TRUE(close_to(out, act_ref(h, c.p), "out"));
+    EXPECT_TRUE(out.bitwise_equal(run_fwd(h, c.p, d.I))) << "two calls differ";
+  });
 }
 
 TEST(Activation, BackwardMatchesReference) {
-  uint64_t seed = 400;
-  for (const ActCase& c : act_cases())
-    for (DType dt : kFloatTypes)
-      for (Dims d : kDims) {
-        SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
-                     " I=" + std::to_string(d.I));
-        Rng rng(++seed);
-        HostTensor h = act_input(dt, h_shape(c.p, d), c.p, rng);
-        HostTensor dout = random_tensor(dt, {d.R, d.I}, rng, -2, 2);
-        HostTensor dh = run_bwd(h, dout, c.p);
-        EXPECT_TRUE(close_to(dh, act_grad_ref(h, dout, c.p), "dh"));
-        EXPECT_TRUE(dh.bitwise_equal(run_bwd(h, dout, c.p))) << "two calls differ";
-      }
+  each_case(400, [](const ActCase& c, DType dt, Dims d, Rng& rng) {
+    HostTensor h = act_input(dt, h_shape(c.p, d), c.p, rng);
+    HostTensor dout = random_tensor(dt, {d.R, d.I}, rng, -2, 2);
+    HostTensor dh = run_bwd(h, dout, c.p);
+    EXPECT_TRUE(close_to(dh, act_grad_ref(h, dout, c.p), "dh"));
+    EXPECT_TRUE(dh.bitwise_equal(run_bwd(h, dout, c.p))) << "two calls differ";
+  });
 }
 
 // The routed backward (routing weights applied in the pass, a_w and the weights' gradient written too)
 // against float64, including padding rows (row_to_slot -1) and a slot no row maps to; written over h and
 // dout, the same bits.
 TEST(Activation, BackwardRoutedMatchesReference) {
-  uint64_t seed = 900;
-  for (const ActCase& c : act_cases())
-    for (DType dt : kFloatTypes)
-      for (Dims d : kDims) {
-        SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + " R=" + std::to_string(d.R) +
-                     " I=" + std::to_string(d.I));
-        Rng rng(++seed);
-        const int64_t slots = std::max<int64_t>(d.R - 2, 0) + 1;  // two padding rows, the last slot unmapped
-        RoutedInputs in = routed_inputs(dt, c.p, d.R, d.I, slots - 1, rng);
-        in.weights = random_tensor(DType::kF32, {slots}, rng, 0.05, 1.0);
-        HostTensor dh(dt, in.h.shape()), a_w(dt, in.dout.shape()), dw(DType::kF32, {slots});
-        dh.poison();
-        a_w.poison();
-        for (int64_t s = 0; s < slots; ++s) dw.set(s, 7.0);
-        api::activation_backward_routed(in.h.view(), in.dout.view(), in.weights.view(), in.row_to_slot.view(), c.p,
-                                        dh.view(), a_w.view(), dw.view(), 0);
-        RoutedExpect e = routed_ref(in, c.p);
-        EXPECT_TRUE(close_to(dh, e.dh, "dh"));
-        EXPECT_TRUE(close_to(a_w, e.a_w, "a_w"));
-        HostTensor mapped(DType::kF32, {slots - 1});
-        for (int64_t s = 0; s + 1 < slots; ++s) mapped.set(s, dw.get(s));
-        e.d_weights.want.pop_back();
-        e.d_weights.mag.pop_back();
-        EXPECT_TRUE(close_to(mapped, e.d_weights, "d_weights"));
-        EXPECT_EQ(dw.get(slots - 1), 7.0) << "a slot no row maps to was written";
-        HostTensor h2 = in.h, d2 = in.dout, dw2(DType::kF32, {slots});  // in place: dh over h, a_w over dout
-        api::activation_backward_routed(h2.view(), d2.view(), in.weights.view(), in.row_to_slot.view(), c.p, h2.view(),
-                                        d2.view(), dw2.view(), 0);
-        EXPECT_TRUE(h2.bitwise_equal(dh)) << "dh written over h differs";
-        EXPECT_TRUE(d2.bitwise_equal(a_w)) << "a_w written over dout differs";
-      }
+  each_case(900, [](const ActCase& c, DType dt, Dims d, Rng& rng) {
+    const int64_t slots = std::max<int64_t>(d.R - 2, 0) + 1;  // two padding rows, the last slot unmapped
+    RoutedInputs in = routed_inputs(dt, c.p, d.R, d.I, slots - 1, rng);
+    in.weights = random_tensor(DType::kF32, {slots}, rng, 0.05, 1.0);
+    HostTensor dh(dt, in.h.shape()), a_w(dt, in.dout.shape()), dw(DType::kF32, {slots});
+    dh.poison();
+    a_w.poison();
+    for (int64_t s = 0; s < slots; ++s) dw.set(s, 7.0);
+    api::activation_backward_routed(in.h.view(), in.dout.view(), in.weights.view(), in.row_to_slot.view(), c.p,
+                                    dh.view(), a_w.view(), dw.view(), 0);
+    RoutedExpect e = routed_ref(in, c.p);
+    EXPECT_TRUE(close_to(dh, e.dh, "dh"));
+    EXPECT_TRUE(close_to(a_w, e.a_w, "a_w"));
+    HostTensor mapped(DType::kF32, {slots - 1});
+    for (int64_t s = 0; s + 1 < slots; ++s) mapped.set(s, dw.get(s));
+    e.d_weights.want.pop_back();
+    e.d_weights.mag.pop_back();
+    EXPECT_TRUE(close_to(mapped, e.d_weights, "d_weights"));
+    EXPECT_EQ(dw.get(slots - 1), 7.0) << "a slot no row maps to was written";
+    HostTensor h2 = in.h, d2 = in.dout, dw2(DType::kF32, {slots});  // in place: dh over h, a_w over dout
+    api::activation_backward_routed(h2.view(), d2.view(), in.weights.view(), in.row_to_slot.view(), c.p, h2.view(),
+                                    d2.view(), dw2.view(), 0);
+    EXPECT_TRUE(h2.bitwise_equal(dh)) << "dh written over h differs";
+    EXPECT_TRUE(d2.bitwise_equal(a_w)) << "a_w written over dout differs";
+  });
 }
 
 // The backward is the derivative of the forward: central differences of the CPU forward in f32 on
