@@ -67,9 +67,10 @@ def build(name, layers, dtype=torch.bfloat16):
     return model
 
 
-def measure(model, batch, seq, steps, warmup, accum=1):
+def measure(model, batch, seq, steps, warmup, accum=1, profile_top=0):
     """tokens/s (median over steps), peak GiB and the loss of every step; each optimizer step takes accum
-    micro-batches of batch x seq (the same tokens each time), their losses averaged."""
+    micro-batches of batch x seq (the same tokens each time), their losses averaged. profile_top: one more
+    optimizer step under torch.profiler, its kernels with the most GPU time printed (and returned)."""
     ids = torch.randint(
         0,
         model.config.vocab_size,
@@ -79,10 +80,8 @@ def measure(model, batch, seq, steps, warmup, accum=1):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+
+    def step():
         loss = 0.0
         for _ in range(accum):
             micro = model(input_ids=ids, labels=ids).loss / accum
@@ -90,12 +89,24 @@ def measure(model, batch, seq, steps, warmup, accum=1):
             loss = loss + micro.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = step()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
-    del opt
-    return batch * seq * accum / statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, losses
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    profile = None
+    if profile_top:
+        from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
+
+        profile = profile_step(step, profile_top)
+    return batch * seq * accum / statistics.median(times), peak, losses, profile
 
 
 def main():
@@ -122,11 +133,21 @@ def main():
         help="also run moe8 with this FP8 recipe for the expert GEMMs: blockwise, rowwise or tensorwise, with "
         "+dgrad / +wgrad for those backward GEMMs (as bench_layer.py --fp8), e.g. blockwise+dgrad",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, one more step of each column under torch.profiler: its N kernels with the "
+        "most GPU time",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     recipe = recipe_of(args.fp8) if args.fp8 else None  # an unknown name fails before any model is built
     if args.accum < 1:
         raise SystemExit(f"--accum: expected >= 1, got {args.accum}")
+    if args.profile < 0:
+        raise SystemExit(f"--profile: expected >= 0, got {args.profile}")
     if not moe8.cuda_available():
         raise SystemExit("bench_hf_train: needs a CUDA GPU and moe8 built with CUDA")
     import transformers
@@ -141,8 +162,13 @@ def main():
             row["layers"] = model.config.num_hidden_layers
             if impl != "grouped_mm":
                 moe8.accelerate(model, fp8=recipe if impl == "moe8_fp8" else "none")
-            tps, mem, losses = measure(model, args.batch, args.seq, args.steps, args.warmup, args.accum)
+            print(f"[bench] {name} {impl}: {args.warmup + args.steps} steps", flush=True)
+            tps, mem, losses, profile = measure(
+                model, args.batch, args.seq, args.steps, args.warmup, args.accum, args.profile
+            )
             row[f"{impl}_tokens_per_s"], row[f"{impl}_peak_gib"], row[f"{impl}_losses"] = tps, mem, losses
+            if profile is not None:
+                row[f"{impl}_profile"] = profile
             print(
                 f"[bench] {name} {impl}: {tps:,.0f} tokens/s, peak {mem:.1f} GiB, losses {losses}", flush=True
             )

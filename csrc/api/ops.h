@@ -96,8 +96,10 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
                          const TensorView& scale, intptr_t stream, bool check_indices = true,
                          const TensorView& slot_to_row = TensorView{});
 
-// w [E,N,K] -> q [E,N,K], scale [E, ceil(N/128), ceil(K/128)].
-void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream);
+// w [E,N,K] -> q [E,N,K], scale [E, ceil(N/128), ceil(K/128)]. With q_t [E,K,N] and scale_t [E, ceil(K/128),
+// ceil(N/128)] (optional, together): also the other layout's copy, q and scale transposed, in the same pass.
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream,
+                             const TensorView& q_t = TensorView{}, const TensorView& scale_t = TensorView{});
 
 // Rows of the scale tensor quantize_cols_1x128 writes: ceil(rows/128) + num_experts.
 int64_t col_scale_blocks(int64_t rows, int num_experts);

@@ -66,19 +66,26 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   }
 }
 
-void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream) {
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream,
+                             const TensorView& q_t, const TensorView& scale_t) {
   check_input("w", w, 3);
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   check_q("q", q, "w", w, {E, N, K});
   check_scale("scale", scale, "w", w, {E, quant_blocks(N), quant_blocks(K)});
+  MOE8_CHECK(q_t.present == scale_t.present, "q_t and scale_t: expected both or neither, got ",
+             q_t.present ? "q_t only" : "scale_t only");
+  if (q_t.present) {
+    check_q("q_t", q_t, "w", w, {E, K, N});
+    check_scale("scale_t", scale_t, "w", w, {E, quant_blocks(K), quant_blocks(N)});
+  }
   if (on_cuda(w, "quantize_weight_128x128")) {
 #ifdef MOE8_WITH_CUDA
-    cuda::quantize_weight_128x128(w, q, scale, as_ptr(stream));
+    cuda::quantize_weight_128x128(w, q, scale, q_t, scale_t, as_ptr(stream));
 #else
     (void)stream;
 #endif
   } else {
-    cpu::quantize_weight_128x128(w, q, scale);
+    cpu::quantize_weight_128x128(w, q, scale, q_t, scale_t);
   }
 }
 

@@ -87,7 +87,9 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
                          const TensorView& scale);
 
 // 128x128 blocks of each expert's weight: w [E,N,K] -> q [E,N,K] u8, scale [E,NB,KB] f32.
-void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale);
+// q_t / scale_t (optional, together): also the other layout, q_t [E,K,N] = q transposed, scale_t [E,KB,NB].
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, const TensorView& q_t,
+                             const TensorView& scale_t);
 
 // Transposed 1x128 quantisation for the weight gradient (the GEMM reduces over rows, so the blocks run
 // along rows): x [R,K] -> q_t [K,R] u8 (q_t[c, r] quantises x[r, c]) and scale [col_scale_blocks(R,E), K]

@@ -57,7 +57,8 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   });
 }
 
-void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale) {
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, const TensorView& q_t,
+                             const TensorView& scale_t) {
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   const int64_t NB = quant_blocks(N), KB = quant_blocks(K);
   MOE8_CPU_DISPATCH_FLOAT(w.dtype, "quantize_weight_128x128", [&] {
@@ -75,6 +76,10 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
       const float inv = e4m3_inv_scale(s);
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t i = k0; i < k1; ++i) Q[(e * N + n) * K + i] = float_to_e4m3(to_f(W[(e * N + n) * K + i]) * inv);
+      if (!q_t.present) return;
+      scale_t.ptr<float>()[(e * KB + kb) * NB + nb] = s;
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t i = k0; i < k1; ++i) q_t.ptr<uint8_t>()[(e * K + i) * N + n] = Q[(e * N + n) * K + i];
     });
   });
 }

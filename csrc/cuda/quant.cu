@@ -232,11 +232,17 @@ __global__ void __launch_bounds__(kThreads)
 // ------------------------------------------------------------------------------------ weight 128x128
 
 // One block per (e, nb, kb) tile. Thread t owns columns 4 (t % 32) .. +3 of rows t / 32 + 8 i, i < 16.
+// With q_t (the other layout, [E, K, N], and scale_t [E, KB, NB]) the tile's codes are also staged in shared
+// memory and written transposed: the same codes and scale, so the dgrad's copy costs one more byte per weight
+// written, instead of a second pass. vec_t: N % 4 == 0 and q_t aligned (4-byte stores of 4 columns n).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K, bool vec, uint8_t* __restrict__ q,
-                           float* __restrict__ scale) {
-  constexpr int kRowsPerThread = kQuantBlock / kWarpsPerBlock;  // 16
+                           float* __restrict__ scale, uint8_t* __restrict__ q_t, float* __restrict__ scale_t,
+                           bool vec_t) {
+  constexpr int kRowsPerThread = kQuantBlock / kWarpsPerBlock;     // 16
+  constexpr int kStride = kQuantBlock + 4;                         // bytes per staged row (k), 4-aligned
+  __shared__ __align__(16) uint8_t staged[kQuantBlock * kStride];  // [k][n] codes (with q_t)
   const int64_t NB = quant_blocks(N), KB = quant_blocks(K);
   const int64_t tile = blockIdx.x, e = tile / (NB * KB), nb = (tile / KB) % NB, kb = tile % KB;
   const int64_t k0 = kb * kQuantBlock + (threadIdx.x % 32) * 4;
@@ -253,11 +259,34 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float s = scale_of(block_max(m));
   if (threadIdx.x == 0) scale[tile] = s;
+  const float inv = inv_scale(s);
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
-    if (n < N) store_n(q + (e * N + n) * K, k0, K, vec, v[i], s);
+    uint32_t code[1];
+    encode_n(v[i], inv, code);
+    if (n < N) store_codes<4>(q + (e * N + n) * K, k0, K, vec, code);
+    if (q_t != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        staged[((threadIdx.x % 32) * 4 + j) * kStride + threadIdx.x / 32 + kWarpsPerBlock * i] =
+            static_cast<uint8_t>(code[0] >> (8 * j));
+    }
   }
+  if (q_t == nullptr) return;
+  if (threadIdx.x == 0) scale_t[(e * KB + kb) * NB + nb] = s;
+  __syncthreads();
+  // Row k of the tile (a warp per row, rows warp + 8 i): lane l writes columns n0 + 4 l .. + 3.
+  const int64_t n0 = nb * kQuantBlock + (threadIdx.x % 32) * 4;
+#pragma unroll 4
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int kr = threadIdx.x / 32 + kWarpsPerBlock * i;
+    const int64_t k = kb * kQuantBlock + kr;
+    if (k >= K) break;
+    const uint32_t word[1] = {*reinterpret_cast<const uint32_t*>(&staged[kr * kStride + (threadIdx.x % 32) * 4])};
+    store_codes<4>(q_t + (e * K + k) * N, n0, N, vec_t, word);
+  }
+}
 }
 
 // -------------------------------------------------------------------------------- cols 1x128 (wgrad)
@@ -521,15 +550,18 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, con
   });
 }
 
-void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, void* stream) {
+void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, const TensorView& q_t,
+                             const TensorView& scale_t, void* stream) {
   const int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
   const int64_t tiles = E * quant_blocks(N) * quant_blocks(K);
   if (tiles == 0) return;
   MOE8_DISPATCH_FLOAT(w.dtype, "quantize_weight_128x128: w", [&] {
     using T = scalar_t;
     const bool vec = K % 4 == 0 && aligned(w.data, 4 * sizeof(T)) && aligned(q.data, 4);
+    const bool vec_t = q_t.present && N % 4 == 0 && aligned(q_t.data, 4);
     quantize_weight_kernel<T><<<static_cast<unsigned>(tiles), kThreads, 0, as_stream(stream)>>>(
-        w.ptr<T>(), N, K, vec, q.ptr<uint8_t>(), scale.ptr<float>());
+        w.ptr<T>(), N, K, vec, q.ptr<uint8_t>(), scale.ptr<float>(), q_t.present ? q_t.ptr<uint8_t>() : nullptr,
+        scale_t.present ? scale_t.ptr<float>() : nullptr, vec_t);
     check_launch("quantize_weight_kernel");
   });
 }

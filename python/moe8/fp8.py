@@ -123,6 +123,29 @@ def _(w):
     )
 
 
+@torch.library.custom_op("moe8::quantize_weight_128x128_pair", mutates_args=())
+def quantize_weight_128x128_pair(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """w [E, N, K] -> quantize_weight_128x128's q, scale and, from the same pass, the other layout's copy:
+    q_t [E, K, N] and scale_t [E, ceil(K/128), ceil(N/128)], q and scale transposed (the same square blocks)."""
+    E, N, K = w.shape
+    q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
+    q_t, scale_t = _u8((E, K, N), w), _f32((E, _blocks(K), _blocks(N)), w)
+    _C.quantize_weight_128x128(w, q, scale, _stream(w), q_t, scale_t)
+    return q, scale, q_t, scale_t
+
+
+@quantize_weight_128x128_pair.register_fake
+def _(w):
+    E, N, K = w.shape
+    u8, f32 = torch.uint8, torch.float32
+    return (
+        w.new_empty(E, N, K, dtype=u8),
+        w.new_empty(E, _blocks(N), _blocks(K), dtype=f32),
+        w.new_empty(E, K, N, dtype=u8),
+        w.new_empty(E, _blocks(K), _blocks(N), dtype=f32),
+    )
+
+
 def col_scale_blocks(rows: int, num_experts: int) -> int:
     """Rows of the scale tensor quantize_cols_1x128 writes: ceil(rows/128) + num_experts."""
     return _blocks(rows) + num_experts
@@ -321,16 +344,26 @@ class Fp8WeightCache:
         value = self._current(w, layout, recipe, stamp)
         if value is not None:
             return value
-        other = self._current(w, 1 - layout, recipe, stamp) if recipe.name == "blockwise" else None
+        blockwise = recipe.name == "blockwise"
+        other = self._current(w, 1 - layout, recipe, stamp) if blockwise else None
         if other is not None:  # the same 128x128 blocks transposed: the same scales and codes, transposed
             value = Fp8Weight(
                 other.q.transpose(1, 2).contiguous(), other.scale.transpose(1, 2).contiguous(), None
             )
+        elif blockwise and recipe.dgrad == "fp8" and w.requires_grad and torch.is_grad_enabled():
+            # the backward's FP8 dgrad will ask for the other layout: both copies from one pass over w
+            nk = (w if layout == 0 else w.transpose(1, 2)).detach().contiguous()
+            q, scale, q_t, scale_t = quantize_weight_128x128_pair(nk)
+            value = Fp8Weight(q, scale, None)
+            self._put(w, 1 - layout, recipe, stamp, Fp8Weight(q_t, scale_t, None))
         else:
             value = quantize_weight(w, layout, recipe)
+        self._put(w, layout, recipe, stamp, value)
+        return value
+
+    def _put(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp, value: Fp8Weight) -> None:
         key = (id(w), layout, recipe.name)
         self._entries[key] = (weakref.ref(w, self._dropper(key)), stamp, value)
-        return value
 
     def _dropper(self, key):
         """A weakref callback: the copy goes when its weight does (not only when the cache is next cleared)."""

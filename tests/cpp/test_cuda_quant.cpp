@@ -125,16 +125,27 @@ TEST_F(CudaTest, QuantWeightMatchesCpuBitExact) {
     for (const Shape& s : shapes) {
       SCOPED_TRACE(std::string(name_of(dt)) + " " + shape_str(s));
       HostTensor w = spread(dt, s, rng);
-      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc, HostTensor* qt, HostTensor* sct) {
         Runner r(gpu);
-        api::quantize_weight_128x128(r.in(w), r.out(q), r.out(sc), 0);
+        if (qt)
+          api::quantize_weight_128x128(r.in(w), r.out(q), r.out(sc), 0, r.out(*qt), r.out(*sct));
+        else
+          api::quantize_weight_128x128(r.in(w), r.out(q), r.out(sc), 0);
         r.finish();
       };
       HostTensor qg = u8(s), sg = f32({s[0], kb(s[1]), kb(s[2])}), qc = qg, sc = sg;
-      run(true, qg, sg);
-      run(false, qc, sc);
+      run(true, qg, sg, nullptr, nullptr);
+      run(false, qc, sc, nullptr, nullptr);
       EXPECT_TRUE(same(qg, qc, "q"));
       EXPECT_TRUE(same(sg, sc, "scale"));
+      // With the other layout from the same pass (staged in shared memory, written transposed).
+      HostTensor qtg = u8({s[0], s[2], s[1]}), stg = f32({s[0], kb(s[2]), kb(s[1])}), qtc = qtg, stc = stg;
+      HostTensor qg2 = qg, sg2 = sg, qc2 = qc, sc2 = sc;
+      run(true, qg2, sg2, &qtg, &stg);
+      run(false, qc2, sc2, &qtc, &stc);
+      EXPECT_TRUE(same(qg2, qc, "q (pair)"));
+      EXPECT_TRUE(same(qtg, qtc, "q_t"));
+      EXPECT_TRUE(same(stg, stc, "scale_t"));
     }
 }
 

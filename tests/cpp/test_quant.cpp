@@ -233,6 +233,24 @@ TEST(Quant, Weight128x128MatchReference) {
       const std::string what = std::string(name_of(dt)) + " " + shape_str(s);
       EXPECT_TRUE(same_bytes(bytes(q), want.q, "q " + what));
       EXPECT_TRUE(same_floats(floats(sc), want.scale, "scale " + what));
+      // With the other layout in the same pass: the same q and scale, and q_t / scale_t their transposes.
+      HostTensor q2 = u8(s), sc2 = f32({s[0], kb(s[1]), kb(s[2])});
+      HostTensor qt = u8({s[0], s[2], s[1]}), sct = f32({s[0], kb(s[2]), kb(s[1])});
+      qt.poison();
+      sct.poison();
+      api::quantize_weight_128x128(w.view(), q2.view(), sc2.view(), 0, qt.view(), sct.view());
+      EXPECT_TRUE(same_bytes(bytes(q2), want.q, "q (pair) " + what));
+      std::vector<uint8_t> want_t(want.q.size());
+      std::vector<float> want_st(want.scale.size());
+      for (int64_t e = 0; e < s[0]; ++e) {
+        for (int64_t n = 0; n < s[1]; ++n)
+          for (int64_t k = 0; k < s[2]; ++k) want_t[(e * s[2] + k) * s[1] + n] = want.q[(e * s[1] + n) * s[2] + k];
+        for (int64_t nb = 0; nb < kb(s[1]); ++nb)
+          for (int64_t b = 0; b < kb(s[2]); ++b)
+            want_st[(e * kb(s[2]) + b) * kb(s[1]) + nb] = want.scale[(e * kb(s[1]) + nb) * kb(s[2]) + b];
+      }
+      EXPECT_TRUE(same_bytes(bytes(qt), want_t, "q_t " + what));
+      EXPECT_TRUE(same_floats(floats(sct), want_st, "scale_t " + what));
     }
 }
 
@@ -507,6 +525,9 @@ TEST(Validation, Quant) {
   HostTensor w(DType::kF32, {2, 3, 4}), wq = u8({2, 3, 4}), ws = f32({2, 1, 1}), ws_bad = f32({2, 3, 1});
   EXPECT_MOE8_ERROR("scale", api::quantize_weight_128x128(w.view(), wq.view(), ws_bad.view(), 0));
   EXPECT_MOE8_ERROR("w", api::quantize_weight_128x128(x.view(), wq.view(), ws.view(), 0));
+  HostTensor wqt = u8({2, 4, 3}), wst = f32({2, 1, 1});
+  EXPECT_MOE8_ERROR("q_t and scale_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wqt.view()));
+  EXPECT_MOE8_ERROR("q_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wq.view(), wst.view()));
 
   HostTensor offs = ints({3}, {0, 3, 2}), offs_ok = ints({3}, {0, 2, 4});
   HostTensor qt = u8({130, 4}), cs = f32({api::col_scale_blocks(4, 2), 130}), cs_bad = f32({1, 130});

@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
-finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
+bench_fp8_refresh.py --tiny, finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
 bench_hf_train.py, scripts/carry_prebuilt.sh)."""
 
 import json
@@ -61,6 +61,18 @@ def test_bench_gemm_tiny(tmp_path):
     assert "fp8_wgrad schedules, total time / default's (2 GEMMs): n8" in p.stdout
     bad = run("bench/bench_gemm.py", "--tiny", "--schedules", "n3")
     assert bad.returncode != 0 and "--schedules: unknown ['n3']" in bad.stderr
+
+
+def test_bench_fp8_refresh_tiny(tmp_path):
+    out = tmp_path / "refresh.json"
+    p = run("bench/bench_fp8_refresh.py", "--tiny", "--iters", "1", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    forms = ("forward_only", "two_passes", "one_pass", "cache")
+    assert row["weights"] == 3 * row["E"] * row["H"] * row["I"]
+    assert all(row[f"{f}_ms"] > 0 for f in forms), row
+    bad = run("bench/bench_fp8_refresh.py", "--shapes", "qwen3,nope")
+    assert bad.returncode != 0 and "--shapes: unknown 'nope'" in bad.stderr
 
 
 def test_bench_lowrank_tiny(tmp_path):
@@ -185,6 +197,8 @@ def test_bench_hf_train_arguments():
     assert bad.returncode != 0 and "--fp8: unknown suffix ['fast']" in bad.stderr
     bad = run("bench/bench_hf_train.py", "--accum", "0")
     assert bad.returncode != 0 and "--accum: expected >= 1, got 0" in bad.stderr
+    bad = run("bench/bench_hf_train.py", "--profile", "-1")
+    assert bad.returncode != 0 and "--profile: expected >= 0, got -1" in bad.stderr
 
 
 def test_bench_clocks_arguments():

@@ -592,6 +592,52 @@ def test_weight_cache_transposes_the_other_layout(device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", [(3, 200, 136), (2, 128, 256), (1, 5, 3)])
+def test_weight_pair_is_both_layouts(device, shape):
+    """quantize_weight_128x128_pair: the forward's copy and, from the same pass, the other layout's, bitwise
+    the copies quantised one layout at a time (partial blocks, N not a multiple of 4 included)."""
+    w = spread(shape, torch.bfloat16, 22).to(device)
+    q, s, q_t, s_t = fp8.quantize_weight_128x128_pair(w)
+    want, want_t = fp8.quantize_weight_128x128(w), fp8.quantize_weight_128x128(w.transpose(1, 2).contiguous())
+    for got, ref in zip((q, s, q_t, s_t), want + want_t):
+        assert got.dtype == ref.dtype and torch.equal(got.cpu(), ref.cpu())
+
+
+@pytest.mark.parametrize("device", devices())
+def test_weight_cache_makes_both_layouts_for_an_fp8_dgrad(device, monkeypatch):
+    """A weight that will get an FP8 dgrad (recipe dgrad "fp8", grad on): the first get makes both layouts'
+    copies in one pass and the backward's get finds the other one cached, bitwise the one quantised from the
+    weight; without grad, or with a bf16 dgrad, only the copy asked for is made."""
+    w = torch.nn.Parameter(spread((2, 136, 256), torch.bfloat16, 23).to(device))
+    r = fp8.Float8Recipe(dgrad="fp8")
+    for layout in (0, 1):
+        cache = fp8.Fp8WeightCache()
+        cache.get(w, layout, r)
+        assert len(cache._entries) == 2
+        monkeypatch.setattr(fp8, "quantize_weight", lambda *a: pytest.fail("quantised again"))
+        got = cache.get(w, 1 - layout, r)
+        monkeypatch.undo()
+        want = fp8.quantize_weight(w, 1 - layout, r)
+        assert torch.equal(got.q.cpu(), want.q.cpu()) and torch.equal(got.scale.cpu(), want.scale.cpu())
+    for recipe, grad in ((r, False), (fp8.Float8Recipe(), True)):
+        cache = fp8.Fp8WeightCache()
+        with torch.set_grad_enabled(grad):
+            cache.get(w, 0, recipe)
+        assert len(cache._entries) == 1
+
+
+def test_weight_pair_checks_its_arguments():
+    w = torch.randn(2, 128, 64).to(torch.bfloat16)
+    q, s = torch.empty(2, 128, 64, dtype=torch.uint8), torch.empty(2, 1, 1)
+    with pytest.raises(Exception, match="q_t and scale_t"):
+        _C.quantize_weight_128x128(w, q, s, 0, torch.empty(2, 64, 128, dtype=torch.uint8), None)
+    with pytest.raises(Exception, match="q_t"):
+        _C.quantize_weight_128x128(
+            w, q, s, 0, torch.empty(2, 128, 64, dtype=torch.uint8), torch.empty(2, 1, 1)
+        )
+
+
+@pytest.mark.parametrize("device", devices())
 def test_weight_cache_refreshes_after_a_fused_optimizer_step(device):
     """AdamW(fused=True) updates weights in place without moving their version counters: the cached FP8
     copy must still be dropped after the step (torch.optim's step hook), not used stale."""
@@ -680,6 +726,7 @@ def test_fake_implementations():
     offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
     torch.library.opcheck(fp8.quantize_rows_1x128, (x, None, 1))
     torch.library.opcheck(fp8.quantize_weight_128x128, (w,))
+    torch.library.opcheck(fp8.quantize_weight_128x128_pair, (w,))
     torch.library.opcheck(fp8.quantize_cols_1x128, (x, offsets))
     torch.library.opcheck(fp8.quantize_rowwise, (x,))
     torch.library.opcheck(fp8.quantize_tensorwise, (x,))
