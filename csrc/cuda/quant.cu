@@ -287,7 +287,6 @@ __global__ void __launch_bounds__(kThreads)
     store_codes<4>(q_t + (e * K + k) * N, n0, N, vec_t, word);
   }
 }
-}
 
 // -------------------------------------------------------------------------------- cols 1x128 (wgrad)
 
