@@ -77,15 +77,18 @@ def main() -> int:
     for name in names:
         H, I, E, _ = shapes[name]
         g = torch.Generator(device).manual_seed(0)
-        gate_up = torch.nn.Parameter(torch.randn(E, 2 * I, H, device=device, generator=g).to(torch.bfloat16))
-        down = torch.nn.Parameter(torch.randn(E, H, I, device=device, generator=g).to(torch.bfloat16))
+        bf16 = dict(device=device, generator=g, dtype=torch.bfloat16)  # no float32 copy: DeepSeek-V3's are 22 GB
+        gate_up = torch.nn.Parameter(torch.randn(E, 2 * I, H, **bf16))
+        down = torch.nn.Parameter(torch.randn(E, H, I, **bf16))
         row = {"shape": name, "E": E, "H": H, "I": I, "weights": gate_up.numel() + down.numel()}
         for form, (fn, nbytes) in forms(gate_up, down).items():
             ms = median_ms(fn, device, warmup=2, iters=args.iters)
             row[f"{form}_ms"], row[f"{form}_gbps"] = ms, nbytes / ms / 1e6
             print(f"[bench] {name} {form}: {ms:.3f} ms, {nbytes / ms / 1e6:,.0f} GB/s", flush=True)
         rows.append(row)
-        del gate_up, down
+        del gate_up, down, fn
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     meta = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

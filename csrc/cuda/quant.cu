@@ -50,15 +50,16 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Max over the block (all threads must call); the result is returned to every thread.
+// Max over the block of Warps warps (all threads must call); the result is returned to every thread.
+template <int Warps = kWarpsPerBlock>
 __device__ __forceinline__ float block_max(float v) {
-  __shared__ float part[kWarpsPerBlock];
+  __shared__ float part[Warps];
   v = warp_max(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();  // `part` may still be read from a previous call
   if (lane == 0) part[warp] = v;
   __syncthreads();
-  float m = lane < kWarpsPerBlock ? part[lane] : 0.f;
+  float m = lane < Warps ? part[lane] : 0.f;
   return warp_max(m);
 }
 
@@ -231,60 +232,78 @@ __global__ void __launch_bounds__(kThreads)
 
 // ------------------------------------------------------------------------------------ weight 128x128
 
-// One block per (e, nb, kb) tile. Thread t owns columns 4 (t % 32) .. +3 of rows t / 32 + 8 i, i < 16.
+// One 512-thread block per (e, nb, kb) tile. Thread t owns columns 4 (t % 32) .. +3 of rows t / 32 + 16 i,
+// i < 8, held as loaded (8 packs of 4) so that 2 blocks (32 warps) fit on an SM: the kernel is latency-bound
+// (load, block max, store), and as 256 threads holding 64 floats each (93 registers) 2 blocks of 8 warps fit,
+// for ~1.2 TB/s on the H200.
 // With q_t (the other layout, [E, K, N], and scale_t [E, KB, NB]) the tile's codes are also staged in shared
 // memory and written transposed: the same codes and scale, so the dgrad's copy costs one more byte per weight
 // written, instead of a second pass. vec_t: N % 4 == 0 and q_t aligned (4-byte stores of 4 columns n).
+constexpr int kWeightThreads = 512, kWeightWarps = kWeightThreads / 32;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kWeightThreads, 2)
     quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K, bool vec, uint8_t* __restrict__ q,
                            float* __restrict__ scale, uint8_t* __restrict__ q_t, float* __restrict__ scale_t,
                            bool vec_t) {
-  constexpr int kRowsPerThread = kQuantBlock / kWarpsPerBlock;     // 16
+  constexpr int kRowsPerThread = kQuantBlock / kWeightWarps;       // 8
   constexpr int kStride = kQuantBlock + 4;                         // bytes per staged row (k), 4-aligned
   __shared__ __align__(16) uint8_t staged[kQuantBlock * kStride];  // [k][n] codes (with q_t)
   const int64_t NB = quant_blocks(N), KB = quant_blocks(K);
   const int64_t tile = blockIdx.x, e = tile / (NB * KB), nb = (tile / KB) % NB, kb = tile % KB;
-  const int64_t k0 = kb * kQuantBlock + (threadIdx.x % 32) * 4;
-  float v[kRowsPerThread][4];
+  // Within the tile: this thread's first row r0 and columns c .. c + 3; rows / cols of the tile in range.
+  const int r0 = threadIdx.x / 32, c = (threadIdx.x % 32) * 4;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kQuantBlock), N - nb * kQuantBlock));
+  const int cols = static_cast<int>(min(static_cast<int64_t>(kQuantBlock), K - kb * kQuantBlock));
+  const bool packed = vec && c + 4 <= cols;
+  const int64_t first = (e * N + nb * kQuantBlock + r0) * K + kb * kQuantBlock + c, step = kWeightWarps * K;
+  Pack<T, 4> raw[kRowsPerThread];
+  const T* src = w + first;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i, src += step) {
+    const bool live = r0 + kWeightWarps * i < rows;
+    if (live && packed) {
+      raw[i] = *reinterpret_cast<const Pack<T, 4>*>(src);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) raw[i].v[j] = live && c + j < cols ? src[j] : from_float<T>(0.f);
+    }
+  }
   float m = 0.f;
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
+  for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[i][j] = 0.f;
-    if (n < N) load_n(w + (e * N + n) * K, k0, K, vec, v[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[i][j]));
-  }
-  const float s = scale_of(block_max(m));
+    for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(to_float(raw[i].v[j])));
+  const float s = scale_of(block_max<kWeightWarps>(m));
   if (threadIdx.x == 0) scale[tile] = s;
   const float inv = inv_scale(s);
+  uint8_t* dst = q + first;
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t n = nb * kQuantBlock + threadIdx.x / 32 + kWarpsPerBlock * i;
+  for (int i = 0; i < kRowsPerThread; ++i, dst += step) {
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = to_float(raw[i].v[j]);
     uint32_t code[1];
-    encode_n(v[i], inv, code);
-    if (n < N) store_codes<4>(q + (e * N + n) * K, k0, K, vec, code);
+    encode_n(v, inv, code);
+    if (r0 + kWeightWarps * i < rows) store_codes<4>(dst, 0, cols - c, packed, code);
     if (q_t != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        staged[((threadIdx.x % 32) * 4 + j) * kStride + threadIdx.x / 32 + kWarpsPerBlock * i] =
-            static_cast<uint8_t>(code[0] >> (8 * j));
+        staged[(c + j) * kStride + r0 + kWeightWarps * i] = static_cast<uint8_t>(code[0] >> (8 * j));
     }
   }
   if (q_t == nullptr) return;
   if (threadIdx.x == 0) scale_t[(e * KB + kb) * NB + nb] = s;
   __syncthreads();
-  // Row k of the tile (a warp per row, rows warp + 8 i): lane l writes columns n0 + 4 l .. + 3.
-  const int64_t n0 = nb * kQuantBlock + (threadIdx.x % 32) * 4;
+  // Row k of the tile (a warp per row, rows r0 + 8 i): lane l writes columns n0 + c .. + 3.
+  uint8_t* dst_t = q_t + (e * K + kb * kQuantBlock + r0) * N + nb * kQuantBlock + c;
+  const bool packed_t = vec_t && c + 4 <= rows;
 #pragma unroll 4
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int kr = threadIdx.x / 32 + kWarpsPerBlock * i;
-    const int64_t k = kb * kQuantBlock + kr;
-    if (k >= K) break;
-    const uint32_t word[1] = {*reinterpret_cast<const uint32_t*>(&staged[kr * kStride + (threadIdx.x % 32) * 4])};
-    store_codes<4>(q_t + (e * K + k) * N, n0, N, vec_t, word);
+  for (int i = 0; i < kRowsPerThread; ++i, dst_t += kWeightWarps * N) {
+    const int kr = r0 + kWeightWarps * i;
+    if (kr >= cols) break;
+    const uint32_t word[1] = {*reinterpret_cast<const uint32_t*>(&staged[kr * kStride + c])};
+    store_codes<4>(dst_t, 0, rows - c, packed_t, word);
   }
 }
 
@@ -558,7 +577,7 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
     using T = scalar_t;
     const bool vec = K % 4 == 0 && aligned(w.data, 4 * sizeof(T)) && aligned(q.data, 4);
     const bool vec_t = q_t.present && N % 4 == 0 && aligned(q_t.data, 4);
-    quantize_weight_kernel<T><<<static_cast<unsigned>(tiles), kThreads, 0, as_stream(stream)>>>(
+    quantize_weight_kernel<T><<<static_cast<unsigned>(tiles), kWeightThreads, 0, as_stream(stream)>>>(
         w.ptr<T>(), N, K, vec, q.ptr<uint8_t>(), scale.ptr<float>(), q_t.present ? q_t.ptr<uint8_t>() : nullptr,
         scale_t.present ? scale_t.ptr<float>() : nullptr, vec_t);
     check_launch("quantize_weight_kernel");
