@@ -2,7 +2,7 @@
 forward's copy and the FP8 dgrad's transposed one), for the expert weights of one MoE layer:
 
   forward only  quantize_weight_128x128 of gate_up and down (what a bf16-dgrad recipe pays)
-  two passes    that, then the copies' codes and scales transposed by torch (moe8 until this script)
+  two passes    that, then the codes and scales transposed by torch (the cache's way before the pair kernel)
   one pass      quantize_weight_128x128_pair: both layouts written by one kernel
   cache         Fp8WeightCache.get of both layouts, as a training step asks for them (one pass, plus Python)
 
@@ -77,7 +77,9 @@ def main() -> int:
     for name in names:
         H, I, E, _ = shapes[name]
         g = torch.Generator(device).manual_seed(0)
-        bf16 = dict(device=device, generator=g, dtype=torch.bfloat16)  # no float32 copy: DeepSeek-V3's are 22 GB
+        bf16 = dict(
+            device=device, generator=g, dtype=torch.bfloat16
+        )  # no float32 copy: DeepSeek-V3's are 22 GB
         gate_up = torch.nn.Parameter(torch.randn(E, 2 * I, H, **bf16))
         down = torch.nn.Parameter(torch.randn(E, H, I, **bf16))
         row = {"shape": name, "E": E, "H": H, "I": I, "weights": gate_up.numel() + down.numel()}

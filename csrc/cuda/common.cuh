@@ -5,7 +5,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <mutex>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -45,6 +47,36 @@ inline void cuda_check(cudaError_t e, const char* what) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int kMaxDevices = 64;
+
+// What kernels size their grids by, queried once per device (zeros if the query fails).
+struct DeviceFacts {
+  int sms = 0, major = 0, minor = 0;
+};
+
+inline DeviceFacts device_facts(int device) {
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<DeviceFacts, kMaxDevices> facts;
+  if (device < 0 || device >= kMaxDevices) return {};
+  std::call_once(once[device], [device] {
+    DeviceFacts f;
+    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      f = DeviceFacts{};
+    }
+    facts[device] = f;
+  });
+  return facts[device];
+}
+
+inline int current_device(const char* what) {
+  int d = 0;
+  cuda_check(cudaGetDevice(&d), what);
+  return d;
+}
 
 }  // namespace moe8::cuda
 

@@ -28,37 +28,13 @@
 
 namespace moe8::cuda::sm90_util {
 
-constexpr int kMaxDevices = 64;
+using ::moe8::cuda::current_device;  // these live in common.cuh (the quantisation kernels size grids by them too)
+using ::moe8::cuda::device_facts;
+using ::moe8::cuda::DeviceFacts;
+
 constexpr size_t kAlignWs = 256;  // every per-group array and CUTLASS's workspace start on this boundary
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-struct DeviceFacts {
-  int sms = 0, major = 0, minor = 0;
-};
-
-inline DeviceFacts device_facts(int device) {
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<DeviceFacts, kMaxDevices> facts;
-  if (device < 0 || device >= kMaxDevices) return {};
-  std::call_once(once[device], [device] {
-    DeviceFacts f;
-    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      f = DeviceFacts{};
-    }
-    facts[device] = f;
-  });
-  return facts[device];
-}
-
-inline int current_device(const char* what) {
-  int d = 0;
-  cuda_check(cudaGetDevice(&d), what);
-  return d;
-}
 
 // Raises the kernel's dynamic shared-memory limit (needed before any launch or occupancy query) and
 // returns how many clusters of it fit on `device` at once (0 if the query fails: CUTLASS then sizes the

@@ -366,12 +366,16 @@ class Fp8WeightCache:
         self._entries[key] = (weakref.ref(w, self._dropper(key)), stamp, value)
 
     def _dropper(self, key):
-        """A weakref callback: the copy goes when its weight does (not only when the cache is next cleared)."""
+        """A weakref callback: the copy goes when its weight does (not only when the cache is next cleared).
+        It holds the cache weakly too: a strong reference would make a cycle (cache -> entry -> weakref ->
+        callback -> cache), so a dropped cache's copies would stay allocated until the garbage collector ran."""
+        cache = weakref.ref(self)
 
         def drop(ref):
-            hit = self._entries.get(key)
+            entries = getattr(cache(), "_entries", {})
+            hit = entries.get(key)
             if hit is not None and hit[0] is ref:
-                del self._entries[key]
+                del entries[key]
 
         return drop
 

@@ -578,6 +578,26 @@ def test_weight_cache_lets_go_of_freed_weights():
     assert len(cache._entries) == 2 and all(ref() is keep for ref, _, _ in cache._entries.values())
 
 
+def test_weight_cache_is_freed_without_the_garbage_collector():
+    """A cache dropped while its weights live frees its copies at once (no cycle through the weakref callbacks;
+    a cache of DeepSeek-V3-sized copies waiting for gc.collect() ran bench_fp8_refresh.py out of GPU memory)."""
+    import gc
+    import weakref
+
+    w = torch.nn.Parameter(torch.randn(2, 128, 128).to(torch.bfloat16))
+    cache = fp8.Fp8WeightCache()
+    copy = weakref.ref(cache.get(w, 0, fp8.Float8Recipe()).q)
+    gone = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert gone() is None and copy() is None
+    finally:
+        gc.enable()
+    del w  # the weight's callback outlives its cache harmlessly
+    gc.collect()
+
+
 @pytest.mark.parametrize("device", devices())
 def test_weight_cache_transposes_the_other_layout(device):
     """The blockwise copy of the dgrad's layout, made from the forward's copy (codes and scales transposed),
