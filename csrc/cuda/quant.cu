@@ -3,7 +3,8 @@
 //   rows 1x128 (+ gather)  a warp per row, 16 lanes per 128-column block (its half warps alternate blocks):
 //                          8 values per lane (one 16-byte load), half-warp max, scale, one 8-byte store
 //   rows, token-major      with slot_to_row: a warp per token, quantised once, its codes stored to k rows
-//   weight 128x128         one 256-thread block per tile, 64 values per thread in registers
+//   weight 128x128         512-thread blocks walking the tiles (the next tile's loads in flight), 32 values
+//                          per thread held as loaded; optionally the transposed layout too, via shared memory
 //   cols 1x128 (wgrad)     one block per (128-row block of a group, 64 columns), staged in shared memory
 //                          and written transposed
 //   swiglu_quant           rows 1x128 with the activation computed on the way (activation.cuh), 16-byte
