@@ -236,9 +236,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // 512-thread blocks, two per SM (one for float), each walking tiles (e, nb, kb) t = blockIdx.x, + gridDim.x, ...:
 // thread t owns columns 4 (t % 32) .. +3 of rows t / 32 + 16 i, i < 8, held as loaded (8 packs of 4), and issues the
-// loads of its next tile before it reduces and stores the current one. The kernel is latency-bound (load,
-// block max, store): as one 256-thread block per tile holding 64 floats per thread (93 registers, 16 warps per
-// SM) it moved ~1.2 TB/s on the H200, as 512-thread blocks per tile ~2.0 TB/s (bench_fp8_refresh.py).
+// loads of its next tile before it reduces and stores the current one (load, block max and store in turn
+// leave a block latency-bound: as one 256-thread block per tile, 93 registers and 16 warps per SM, this moved
+// ~1.2 TB/s on the H200, as one 512-thread block per tile ~2.0, walking tiles like this 3.1-3.7 TB/s;
+// bench_fp8_refresh.py).
 // With q_t (the other layout, [E, K, N], and scale_t [E, KB, NB]) the tile's codes are also staged in shared
 // memory and written transposed: the same codes and scale, so the dgrad's copy costs one more byte per weight
 // written, instead of a second pass. vec_t: N % 4 == 0 and q_t aligned (4-byte stores of 4 columns n).

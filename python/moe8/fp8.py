@@ -10,8 +10,8 @@ Every scale is amax / 448 (1 for an all-zero block), q = e4m3(x * (1 / scale)), 
 saturating; quantised tensors are uint8 (view them as torch.float8_e4m3fn if you like: the core takes both).
 
 Raw ops (torch.library custom ops with fake implementations; CPU reference or CUDA kernels):
-    quantize_rows_1x128 (optionally fused with the permutation into expert order), quantize_weight_128x128,
-    quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
+    quantize_rows_1x128 (optionally fused with the permutation into expert order), quantize_weight_128x128
+    (and _pair: both layouts in one pass), quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
     quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad
 Weights: quantize_weight, and Fp8WeightCache / default_cache (refreshed when a weight changes or an optimizer
 steps, not per micro-batch).
@@ -325,8 +325,8 @@ class Fp8WeightCache:
     when the weight's version counter moves (an in-place update) or a torch.optim optimizer has stepped
     since it was made (fused optimizers do not move version counters), so FP8 weights are refreshed once per
     step, not once per micro-batch, and dropped when their weight is freed. A blockwise copy in one layout is
-    the other layout's copy transposed (one byte per weight moved, instead of a bf16 transpose and a second
-    quantisation). Weights changed in place some other way without moving their version counter (through
+    the other layout's copy transposed: when the recipe's FP8 dgrad will want the other layout (grad on), the
+    first get makes both in one kernel pass; otherwise a later get transposes the cached copy. Weights changed in place some other way without moving their version counter (through
     .data, or by code outside torch.optim) need clear(). Eager only (reading the version counter breaks a
     graph)."""
 
