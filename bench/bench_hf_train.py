@@ -1,6 +1,7 @@
 """Training-step speed of Hugging Face MoE models: transformers' `grouped_mm` experts vs moe8 (`moe8.accelerate`),
 same model, same weights, same batch: forward + backward + fused AdamW, bf16, random init. With --fp8 RECIPE
-also moe8 with the expert GEMMs in FP8 (column moe8_fp8; the losses show how far FP8 training moves them).
+also moe8 with the expert GEMMs in FP8 (column moe8_fp8; the losses show how far FP8 training moves them);
+with --fuse-loss the moe8 columns also compute the loss without logits (fuse_loss=True).
 
     python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train.json
 
@@ -134,6 +135,11 @@ def main():
         "+dgrad / +wgrad for those backward GEMMs (as bench_layer.py --fp8), e.g. blockwise+dgrad",
     )
     ap.add_argument(
+        "--fuse-loss",
+        action="store_true",
+        help="moe8 columns also compute the LM loss without logits (moe8.accelerate(..., fuse_loss=True))",
+    )
+    ap.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -156,12 +162,18 @@ def main():
     for name in args.models.split(","):
         if name not in MODELS:
             raise SystemExit(f"--models: unknown {name!r}, expected from {sorted(MODELS)}")
-        row = {"model": name, "batch": args.batch, "seq": args.seq, "accum": args.accum}
+        row = {
+            "model": name,
+            "batch": args.batch,
+            "seq": args.seq,
+            "accum": args.accum,
+            "fuse_loss": args.fuse_loss,
+        }
         for impl in ("grouped_mm", "moe8") + (("moe8_fp8",) if recipe else ()):
             model = build(name, args.layers)
             row["layers"] = model.config.num_hidden_layers
             if impl != "grouped_mm":
-                moe8.accelerate(model, fp8=recipe if impl == "moe8_fp8" else "none")
+                moe8.accelerate(model, fp8=recipe if impl == "moe8_fp8" else "none", fuse_loss=args.fuse_loss)
             print(f"[bench] {name} {impl}: {args.warmup + args.steps} steps", flush=True)
             tps, mem, losses, profile = measure(
                 model, args.batch, args.seq, args.steps, args.warmup, args.accum, args.profile

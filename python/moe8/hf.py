@@ -33,6 +33,7 @@ _state = {
     "deterministic": True,
     "fuse_router": False,
     "fuse_norm": False,
+    "fuse_loss": False,
     "fp8": None,  # FP8 recipe for the expert GEMMs (moe8.fp8), None: bf16
     "kwargs": {},
     "check": None,
@@ -40,6 +41,7 @@ _state = {
 }
 _switched = {}  # id(config) -> (weakref to the config, experts implementation to restore on disable())
 _fused = weakref.WeakSet()  # routers and norms running moe8's forward (they carry `_moe8_config`)
+_loss_fused = weakref.WeakSet()  # causal LMs whose training loss moe8.loss computes (fuse_loss)
 _patched_classes = set()  # router / norm classes whose forward is moe8's (their own kept as `_moe8_forward`)
 # the router class of each family (the MoE block's `gate`, GPT-OSS: `router`)
 ROUTERS = {
@@ -281,6 +283,17 @@ def _post_init(model, original) -> None:
         _fuse_routers(model)
     if _state["fuse_norm"] and is_accelerated(model):
         _fuse_norms(model)
+    if _state["fuse_loss"] and is_accelerated(model):
+        _fuse_loss(model)
+
+
+def _fuse_loss(model) -> None:
+    """The causal LM's training loss without its logits (moe8.loss.fuse_causal_lm_loss); the inner base model
+    of a CausalLM has no LM head and is left alone."""
+    from .loss import fuse_causal_lm_loss
+
+    if fuse_causal_lm_loss(model):
+        _loss_fused.add(model)
 
 
 def _config_supported(config) -> str | None:
@@ -348,6 +361,7 @@ def enable(
     fp8=None,
     fuse_norm: bool = False,
     fuse_rope: bool = False,
+    fuse_loss: bool = False,
 ):
     """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
     experts on moe8, unless it asks for another `experts_implementation` explicitly.
@@ -363,6 +377,10 @@ def enable(
         backward. In 16-bit the output is rounded once, where transformers' Llama-style norm rounds twice.
     fuse_rope: apply rotary position embeddings with one fused kernel per tensor (moe8.ops.rope), for the
         families of ROPE_FAMILIES; process-wide, until disable(). Rounded once in 16-bit, like fuse_norm.
+    fuse_loss: compute a causal LM's training loss from its final hidden states a chunk of rows at a time
+        (moe8.loss.fuse_causal_lm_loss): in a forward with labels and grad on, no [tokens, vocab] logits (nor
+        their float32 copy, log-softmax and gradients) exist, and outputs.logits is None; forwards without
+        labels or without grad (generation, evaluation) are transformers' own.
     """
     _set_fp8(fp8)
     families = _families(families)
@@ -372,6 +390,7 @@ def enable(
         deterministic=deterministic,
         fuse_router=fuse_router,
         fuse_norm=fuse_norm,
+        fuse_loss=fuse_loss,
     )
     register()
     if fuse_rope:
@@ -385,6 +404,7 @@ def accelerate(
     fp8=None,
     fuse_norm: bool = False,
     fuse_rope: bool = False,
+    fuse_loss: bool = False,
 ):
     """Run the experts of an existing model on moe8 and return the model (switched in place).
 
@@ -393,6 +413,7 @@ def accelerate(
     fuse_router: also route with moe8.layer.route (see enable).
     fuse_norm: also run the RMSNorms as fused kernels (see enable).
     fuse_rope: also apply rotary embeddings with a fused kernel (see enable; process-wide).
+    fuse_loss: also compute the causal LM's training loss without its logits (see enable).
     fp8: an FP8 recipe for the expert GEMMs (see enable; process-wide, as enable's); "none" switches FP8 off;
         None leaves the current setting.
     """
@@ -425,6 +446,8 @@ def accelerate(
         _fuse_norms(base)
     if fuse_rope:
         _fuse_rope([family])
+    if fuse_loss:
+        _fuse_loss(base)
     return model
 
 
@@ -454,12 +477,18 @@ def disable():
     for mod, own in _rope_patched.items():
         mod.apply_rotary_pos_emb = own
     _rope_patched.clear()
+    from .loss import unfuse_causal_lm_loss
+
+    for m in list(_loss_fused):
+        unfuse_causal_lm_loss(m)
+    _loss_fused.clear()
     ExpertsInterface._global_mapping.pop(NAME, None)
     _state.update(
         families=frozenset(),
         default=False,
         fuse_router=False,
         fuse_norm=False,
+        fuse_loss=False,
         fp8=None,
         kwargs={},
         check=None,

@@ -26,42 +26,45 @@ def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The loss is a scalar, so its gradients are those of the sum times the scalar the backward gets: they
+    are computed in the forward, chunk by chunk while the chunk's logits exist (three GEMMs per chunk, as
+    unfused: logits, d hidden, d weight), and the backward only scales them."""
+
     @staticmethod
     def forward(ctx, hidden, weight, target, chunk, ignore_index):
         n = hidden.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        need_h, need_w = ctx.needs_input_grad[:2]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, n, chunk):
-            logits = _chunk_logits(hidden[s : s + chunk], weight)
-            t = target[s : s + chunk]
-            lse[s : s + chunk] = row_lse = torch.logsumexp(logits, -1)
+            h, t = hidden[s : s + chunk], target[s : s + chunk]
+            logits = _chunk_logits(h, weight)
+            lse = torch.logsumexp(logits, -1)
+            valid = t != ignore_index
             picked = logits.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
-            total += torch.where(t != ignore_index, row_lse - picked, 0.0).sum()
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            if need_h or need_w:  # d sum / d logits = softmax - onehot(t), rows of ignored targets zero
+                d = logits.sub_(lse[:, None]).exp_()
+                d[torch.arange(t.shape[0], device=t.device), t.clamp_min(0)] -= 1.0
+                d.mul_(valid[:, None])
+                d = d.to(hidden.dtype)
+                if need_h:
+                    dh[s : s + chunk] = d @ weight
+                if need_w:
+                    dw.add_(d.t() @ h)
+                del d
             del logits
-        ctx.save_for_backward(hidden, weight, target, lse)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        ctx.save_for_backward(dh, dw)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, target, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            h, t = hidden[s : s + ctx.chunk], target[s : s + ctx.chunk]
-            d = _chunk_logits(h, weight).sub_(lse[s : s + ctx.chunk, None]).exp_()  # softmax
-            valid = t != ctx.ignore_index
-            rows = torch.arange(t.shape[0], device=t.device)
-            d[rows, t.clamp_min(0)] -= valid.float()
-            d.mul_((grad * valid.float())[:, None])
-            d = d.to(hidden.dtype)
-            if need_h:
-                dh[s : s + ctx.chunk] = d @ weight
-            if need_w:
-                dw.add_(d.t() @ h)
-            del d
-        return dh, dw.to(weight.dtype) if need_w else None, None, None, None
+        dh, dw = ctx.saved_tensors
+        dh = dh * grad if dh is not None else None  # in float32, rounded once to dh's dtype
+        dw = (dw * grad).to(ctx.weight_dtype) if dw is not None else None
+        return dh, dw, None, None, None
 
 
 def chunked_cross_entropy(
@@ -124,3 +127,123 @@ def hidden_states_as_logits(model: nn.Module):
         yield head
     finally:
         model.set_output_embeddings(head)
+
+
+def _causal_lm_loss(
+    head: nn.Linear,
+    hidden: Tensor,
+    labels: Tensor,
+    num_items_in_batch=None,
+    ignore_index=IGNORE_INDEX,
+    shift_labels=None,
+    chunk: int = 1024,
+) -> Tensor:
+    """transformers' ForCausalLMLoss (labels shifted left by one, mean over the targets not ignored, or the
+    sum over num_items_in_batch when given: gradient accumulation) from the final hidden states."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    total = chunked_cross_entropy(
+        hidden,
+        head.weight,
+        shift_labels.reshape(-1),
+        chunk=chunk,
+        ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean",
+    )
+    if num_items_in_batch is not None:
+        total = total / torch.as_tensor(num_items_in_batch, device=total.device)
+    return total
+
+
+class _FusedLoss:
+    """What fuse_causal_lm_loss installs on one model: while a training forward with labels runs, the LM head
+    passes the hidden states through and the model's loss_function computes the loss from them chunk by
+    chunk; any other call (no labels, no grad, logits_to_keep) is transformers' own."""
+
+    def __init__(self, model, head: nn.Linear, chunk: int):
+        self.head, self.chunk, self.active = head, chunk, False
+        self.loss_function = model.__dict__.get("_loss_function")  # restored by unfuse (None: the default)
+        self.own_loss = model.loss_function
+        self.head_forward = head.forward
+        self.hooks = [
+            model.register_forward_pre_hook(self.pre, with_kwargs=True),
+            model.register_forward_hook(self.post, always_call=True),
+        ]
+        head.forward = self.forward_head
+        model.loss_function = self.loss
+
+    def pre(self, module, args, kwargs):
+        keep = kwargs.get("logits_to_keep", 0)
+        self.active = (
+            kwargs.get("labels") is not None
+            and torch.is_grad_enabled()
+            and isinstance(keep, int)
+            and keep == 0
+        )
+
+    def post(self, module, args, output):
+        if self.active and hasattr(output, "logits"):
+            output["logits"] = None  # they were the hidden states: none were computed
+        self.active = False
+
+    def forward_head(self, x):
+        return x if self.active else self.head_forward(x)
+
+    def loss(
+        self,
+        logits,
+        labels,
+        vocab_size,
+        num_items_in_batch=None,
+        ignore_index=IGNORE_INDEX,
+        shift_labels=None,
+        **kwargs,
+    ):
+        if not self.active:
+            return self.own_loss(
+                logits,
+                labels,
+                vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
+        return _causal_lm_loss(
+            self.head, logits, labels, num_items_in_batch, ignore_index, shift_labels, self.chunk
+        )
+
+    def remove(self, model) -> None:
+        for h in self.hooks:
+            h.remove()
+        del self.head.forward  # the class's forward again
+        if self.loss_function is None:
+            model.__dict__.pop("_loss_function", None)
+        else:
+            model.loss_function = self.loss_function
+
+
+def fuse_causal_lm_loss(model, chunk: int = 1024) -> bool:
+    """Compute a transformers causal LM's training loss without its logits: in a forward with labels and grad
+    on, the LM head (an nn.Linear without bias) returns the hidden states and the loss is
+    chunked_cross_entropy of them (same value as transformers' ForCausalLMLoss up to summation order,
+    num_items_in_batch and shift_labels honoured); outputs.logits is then None. Forwards without labels or
+    grad (generation, evaluation) are unchanged. Returns False, changing nothing, for a model without such a
+    head or without a loss_function; True once fused (idempotent). unfuse_causal_lm_loss undoes it."""
+    if chunk < 1:
+        raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
+    if getattr(model, "_moe8_fused_loss", None) is not None:
+        return True
+    head = plain_lm_head(model)
+    if head is None or not hasattr(type(model), "loss_function"):
+        return False
+    model._moe8_fused_loss = _FusedLoss(model, head, chunk)
+    return True
+
+
+def unfuse_causal_lm_loss(model) -> None:
+    """Undo fuse_causal_lm_loss (nothing for a model it did not fuse)."""
+    fused = model.__dict__.pop("_moe8_fused_loss", None)
+    if fused is not None:
+        fused.remove(model)

@@ -330,6 +330,34 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     assert mod.apply_rotary_pos_emb is own
 
 
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_fused_loss_matches_transformers(family):
+    """fuse_loss=True: the training loss from the hidden states, chunk by chunk, without logits (outputs.logits
+    None); the same loss (aux loss included) and every gradient as transformers; disable() restores it."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), fuse_loss=True)
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    out_a, grads_a = run(acc, ids)
+    assert out_a.logits is None and rel(out_a.loss, out_r.loss) < TOL
+    assert grads_a.keys() == grads_r.keys()
+    for name, g in grads_r.items():
+        assert rel(grads_a[name], g) < TOL, name
+    hf.disable()
+    assert_same(out_r, grads_r, *run(acc, ids))
+
+
+def test_enable_fuse_loss():
+    hf.enable(fuse_loss=True)
+    model = build("qwen3_moe")
+    ids = tokens()
+    assert model(input_ids=ids, labels=ids).logits is None
+    assert model(input_ids=ids).logits.shape == (*ids.shape, model.config.vocab_size)
+    hf.disable()
+    assert model(input_ids=ids, labels=ids).logits is not None
+
+
 def test_enable_fuse_router(calls):
     hf.enable(fuse_router=True, fuse_norm=True, fuse_rope=True)
     model = build("deepseek_v3")

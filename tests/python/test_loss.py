@@ -94,3 +94,70 @@ def test_hidden_states_as_logits_on_a_transformers_model():
     with pytest.raises(ValueError, match="output embeddings"):
         with hidden_states_as_logits(torch.nn.Module()):
             pass
+
+
+def _tiny_causal_lm(seed=0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _loss_and_grads(model, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**kwargs)
+    out.loss.backward()
+    grads = {
+        n: p.grad.clone() for n, p in model.named_parameters() if n in ("lm_head.weight", "model.norm.weight")
+    }
+    return out, grads
+
+
+@pytest.mark.parametrize("accumulating", [False, True])
+def test_fused_causal_lm_loss_matches_transformers(accumulating):
+    """fuse_causal_lm_loss: the training loss and gradients of transformers' ForCausalLMLoss (ignored labels,
+    num_items_in_batch as the Trainer passes it under gradient accumulation), no logits in the output;
+    forwards without labels or grad keep transformers' logits; unfuse restores everything."""
+    from moe8.loss import fuse_causal_lm_loss, unfuse_causal_lm_loss
+
+    model = _tiny_causal_lm()
+    ids = torch.randint(0, 64, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    extra = dict(num_items_in_batch=torch.tensor(40)) if accumulating else {}
+    want, want_grads = _loss_and_grads(model, input_ids=ids, labels=labels, **extra)
+    logits = model(input_ids=ids).logits
+    assert fuse_causal_lm_loss(model, chunk=5) and fuse_causal_lm_loss(model)  # idempotent
+    got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels, **extra)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert got.logits is None and got["logits"] is None
+    torch.testing.assert_close(model(input_ids=ids).logits, logits)  # no labels: transformers' logits
+    with torch.no_grad():  # evaluation with labels: transformers' loss and logits
+        ev = model(input_ids=ids, labels=labels, **extra)
+    torch.testing.assert_close(ev.loss, want.loss.detach())
+    torch.testing.assert_close(ev.logits, logits)
+    unfuse_causal_lm_loss(model)
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
+    assert model(input_ids=ids, labels=labels).logits.shape == (2, 9, 64)
+
+
+def test_fused_causal_lm_loss_refuses_what_it_cannot_take_apart():
+    from moe8.loss import fuse_causal_lm_loss
+
+    model = _tiny_causal_lm()
+    assert not fuse_causal_lm_loss(model.model)  # the base model: no LM head
+    with pytest.raises(ValueError, match="chunk"):
+        fuse_causal_lm_loss(model, chunk=0)
