@@ -77,6 +77,12 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
                                 const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
                                 bool check_indices = true);
 
+// ---- cross-entropy rows (api/loss.cpp; semantics: cpu/ops.h): the LM loss of logits [n, V] against target
+// [n] int64 (ids in [0, V) or ignore_index) -> loss [n] float32, each logits row overwritten with its
+// gradient softmax - onehot (0 for ignored rows; NaN loss and gradient for an id out of range). ---------
+void cross_entropy_rows(const TensorView& logits, const TensorView& target, int64_t ignore_index,
+                        const TensorView& loss, intptr_t stream);
+
 // ---- rotary position embedding (api/rope.cpp), rotate_half form (Llama, Qwen); semantics: cpu/ops.h ----
 // x [B,H,S,D] (any strides, last dim contiguous; typically a [B,S,H,D] buffer seen through transpose(1, 2)),
 // cos, sin [B,S,D] or [1,S,D] contiguous, D even, one float dtype -> out [B,H,S,D] (last dim contiguous,

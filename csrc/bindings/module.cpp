@@ -213,6 +213,12 @@ NB_MODULE(_C, m) {
       nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("dh"), nb::arg("a_w"), nb::arg("d_weights"),
       nb::arg("stream") = 0, nb::arg("check_indices") = true);
   m.def(
+      "cross_entropy_rows",
+      [](Array logits, Array target, int64_t ignore_index, Array loss, intptr_t stream) {
+        moe8::api::cross_entropy_rows(V(logits), V(target), ignore_index, V(loss), stream);
+      },
+      nb::arg("logits"), nb::arg("target"), nb::arg("ignore_index"), nb::arg("loss"), nb::arg("stream") = 0);
+  m.def(
       "rope",
       [](Array x, Array cos, Array sin, Array out, bool backward, intptr_t stream) {
         moe8::api::rope(V(x), V(cos), V(sin), V(out), backward, stream);

@@ -76,6 +76,15 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
 // [B,S,D] or [1,S,D] (broadcast over batch) contiguous, all one float dtype; fp32 math, one rounding.
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward);
 
+// Cross-entropy of logit rows, the LM loss a chunk of rows at a time: logits [n, V] (float, contiguous),
+// target [n] int64 class ids in [0, V) or ignore_index, loss [n] float32. Per row, in float32:
+// lse = m + log(sum_j exp(x_j - m)) with m = max_j x_j, loss = lse - x[target] (0 for ignore_index, NaN for
+// an id out of [0, V)); the row is then overwritten with the gradient of its loss, softmax(x) - onehot(target)
+// = exp(x_j - lse) - [j == target] (all 0 for an ignored row, NaN for an id out of range), rounded to the
+// logits' dtype.
+void cross_entropy_rows(const TensorView& logits, const TensorView& target, int64_t ignore_index,
+                        const TensorView& loss);
+
 // ---- FP8 e4m3 (stored as uint8; conversion, scale rule and NaN policy in core/fp8.h) ----------------
 // Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x * (1 / scale)), so that
 // x ~= e4m3_to_float(q) * scale. KB = ceil(K/128), NB = ceil(N/128).

@@ -74,6 +74,10 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
 
 // Rotary position embedding (rotate_half form), forward or backward: x [B,H,S,D] and out [B,H,S,D] strided
 // with a contiguous last dim, cos / sin [B,S,D] or [1,S,D] contiguous; see cpu/ops.h.
+// loss.cu: exp and log are CUDA's expf / logf (within 2 ulp), so rows match the CPU reference to ~1e-6
+// relative, not bitwise.
+void cross_entropy_rows(const TensorView& logits, const TensorView& target, int64_t ignore_index,
+                        const TensorView& loss, void* stream);
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
           void* stream);
 

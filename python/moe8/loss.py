@@ -4,7 +4,9 @@ a time, forward and backward, so at most one [chunk, vocab] block of logits exis
 At Qwen3's vocabulary (151,936) a 2 x 4096-token micro-batch has 1.2G logits: 2.5 GB in bf16, and
 transformers' loss adds a float32 copy, its log-softmax and their gradients (about 15 GB more). Here the
 logits are rounded to the weight's dtype and then taken to float32 exactly as transformers does
-(`logits.float()`), so the loss is the same up to summation order; the backward recomputes each chunk.
+(`logits.float()`), so the loss is the same up to summation order. Each chunk's gradients are computed in the
+forward while its logits exist (softmax - onehot written over them by one kernel, `cross_entropy_rows`), so
+a chunk costs the three GEMMs of the unfused loss and no float32 copy of anything [chunk, vocab].
 
     with moe8.loss.hidden_states_as_logits(model) as head:   # the model returns hidden states as "logits"
         out = model(input_ids=x)
@@ -14,15 +16,29 @@ logits are rounded to the weight's dtype and then taken to float32 exactly as tr
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from .ops import _C, _stream
+
 IGNORE_INDEX = -100
 
 
-def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
-    return (h @ weight.t()).float()
+@torch.library.custom_op("moe8::cross_entropy_rows", mutates_args=("logits",))
+def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """Per row of logits [n, V]: the cross-entropy loss [n] float32 against target [n] int64 (0 for
+    ignore_index rows, NaN for an id out of [0, V)), computed in float32; the row is overwritten with its
+    gradient softmax - onehot(target) in the logits' dtype (one CUDA kernel, or the CPU reference)."""
+    loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _C.cross_entropy_rows(logits, target, ignore_index, loss, _stream(logits))
+    return loss
+
+
+@cross_entropy_rows.register_fake
+def _(logits, target, ignore_index):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -38,23 +54,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, n, chunk):
-            h, t = hidden[s : s + chunk], target[s : s + chunk]
-            logits = _chunk_logits(h, weight)
-            lse = torch.logsumexp(logits, -1)
-            valid = t != ignore_index
-            picked = logits.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
-            if need_h or need_w:  # d sum / d logits = softmax - onehot(t), rows of ignored targets zero
-                d = logits.sub_(lse[:, None]).exp_()
-                d[torch.arange(t.shape[0], device=t.device), t.clamp_min(0)] -= 1.0
-                d.mul_(valid[:, None])
-                d = d.to(hidden.dtype)
-                if need_h:
-                    dh[s : s + chunk] = d @ weight
-                if need_w:
-                    dw.add_(d.t() @ h)
-                del d
-            del logits
+            h = hidden[s : s + chunk]
+            d = h @ weight.t()  # the chunk's logits, then (in place) d sum / d logits = softmax - onehot
+            total += cross_entropy_rows(d, target[s : s + chunk], ignore_index).sum()
+            if need_h:
+                dh[s : s + chunk] = d @ weight
+            if need_w:
+                dw.add_(d.t() @ h)
+            del d
         ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         return total
@@ -67,20 +74,28 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
+def chunk_rows(weight: Tensor, budget: int = 1 << 31) -> int:
+    """Rows per chunk that keep one chunk's logits within `budget` bytes (2 GiB): a multiple of 128, at least
+    1024 (151,936 bf16 logits a row, Qwen3's vocabulary: 7,040 rows)."""
+    per_row = weight.shape[0] * weight.element_size()
+    return max(1024, budget // per_row // 128 * 128)
+
+
 def chunked_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     target: Tensor,
     *,
-    chunk: int = 1024,
+    chunk: Optional[int] = 1024,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
 ) -> Tensor:
     """Cross-entropy of the logits `hidden @ weight.T` against `target`, `chunk` rows at a time.
 
     hidden [N, H] (float32, bf16 or fp16), weight [V, H] of the same dtype and device, target [N] integer
-    class ids in [0, V) or `ignore_index`. reduction "sum" or "mean" (over the rows not ignored). Returns a
-    float32 scalar; gradients flow to hidden and weight."""
+    class ids in [0, V) or `ignore_index` (an id out of range makes the loss NaN). chunk: rows per chunk, None
+    for chunk_rows(weight). reduction "sum" or "mean" (over the rows not ignored). Returns a float32 scalar;
+    gradients flow to hidden and weight (computed in the forward when either requires grad)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden, weight: expected [N, H] and [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -93,6 +108,7 @@ def chunked_cross_entropy(
         raise ValueError(
             f"target: expected integer class ids of shape [{hidden.shape[0]}], got {target.dtype} {tuple(target.shape)}"
         )
+    chunk = chunk_rows(weight) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
     if reduction not in ("sum", "mean"):
@@ -136,7 +152,7 @@ def _causal_lm_loss(
     num_items_in_batch=None,
     ignore_index=IGNORE_INDEX,
     shift_labels=None,
-    chunk: int = 1024,
+    chunk: Optional[int] = None,
 ) -> Tensor:
     """transformers' ForCausalLMLoss (labels shifted left by one, mean over the targets not ignored, or the
     sum over num_items_in_batch when given: gradient accumulation) from the final hidden states."""
@@ -161,7 +177,7 @@ class _FusedLoss:
     passes the hidden states through and the model's loss_function computes the loss from them chunk by
     chunk; any other call (no labels, no grad, logits_to_keep) is transformers' own."""
 
-    def __init__(self, model, head: nn.Linear, chunk: int):
+    def __init__(self, model, head: nn.Linear, chunk: Optional[int]):
         self.head, self.chunk, self.active = head, chunk, False
         self.loss_function = model.__dict__.get("_loss_function")  # restored by unfuse (None: the default)
         self.own_loss = model.loss_function
@@ -224,14 +240,15 @@ class _FusedLoss:
             model.loss_function = self.loss_function
 
 
-def fuse_causal_lm_loss(model, chunk: int = 1024) -> bool:
+def fuse_causal_lm_loss(model, chunk: Optional[int] = None) -> bool:
     """Compute a transformers causal LM's training loss without its logits: in a forward with labels and grad
     on, the LM head (an nn.Linear without bias) returns the hidden states and the loss is
     chunked_cross_entropy of them (same value as transformers' ForCausalLMLoss up to summation order,
     num_items_in_batch and shift_labels honoured); outputs.logits is then None. Forwards without labels or
     grad (generation, evaluation) are unchanged. Returns False, changing nothing, for a model without such a
-    head or without a loss_function; True once fused (idempotent). unfuse_causal_lm_loss undoes it."""
-    if chunk < 1:
+    head or without a loss_function; True once fused (idempotent). unfuse_causal_lm_loss undoes it.
+    chunk: rows per chunk; None: chunk_rows(the head's weight), ~2 GiB of logits at a time."""
+    if chunk is not None and chunk < 1:
         raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
     if getattr(model, "_moe8_fused_loss", None) is not None:
         return True

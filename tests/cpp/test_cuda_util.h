@@ -84,6 +84,14 @@ class Runner {
     return view_of(d.get(), t.dtype(), t.shape(), DeviceType::kCUDA);
   }
 
+  // A tensor the op reads and overwrites: uploaded as it is, copied back by finish().
+  TensorView inout(HostTensor& t) {
+    if (!gpu_) return t.view();
+    const TensorView v = in(t);
+    outs_.push_back({&t, v.data});
+    return v;
+  }
+
   // int32 scratch of n elements (device only; absent on the CPU).
   TensorView workspace(int64_t n) {
     if (!gpu_) return absent();

@@ -161,3 +161,21 @@ def test_fused_causal_lm_loss_refuses_what_it_cannot_take_apart():
     assert not fuse_causal_lm_loss(model.model)  # the base model: no LM head
     with pytest.raises(ValueError, match="chunk"):
         fuse_causal_lm_loss(model, chunk=0)
+
+
+def test_cross_entropy_rows_op():
+    """The kernel op on its own: loss rows and the gradient written over the logits (as torch computes them
+    in float32), its fake implementation, and chunk_rows' sizing."""
+    from moe8.loss import chunk_rows, cross_entropy_rows
+
+    logits = torch.randn(6, 50) * 3
+    target = torch.tensor([0, 49, 7, -100, 3, 3])
+    want_loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+    want_grad = torch.softmax(logits, -1) - torch.nn.functional.one_hot(target.clamp_min(0), 50)
+    want_grad[3] = 0
+    d = logits.clone()
+    torch.testing.assert_close(cross_entropy_rows(d, target, -100), want_loss)
+    torch.testing.assert_close(d, want_grad)
+    torch.library.opcheck(cross_entropy_rows, (logits.clone(), target, -100))
+    assert chunk_rows(torch.empty(151936, 8, dtype=torch.bfloat16)) == 7040
+    assert chunk_rows(torch.empty(10**7, 8, dtype=torch.float32)) == 1024
