@@ -11,6 +11,9 @@ a chunk costs the three GEMMs of the unfused loss and no float32 copy of anythin
     with moe8.loss.hidden_states_as_logits(model) as head:   # the model returns hidden states as "logits"
         out = model(input_ids=x)
     loss = moe8.loss.chunked_cross_entropy(out.logits.flatten(0, 1), head.weight, labels.flatten())
+
+or, for a transformers causal LM trained as usual (`model(input_ids=x, labels=y).loss`):
+    moe8.loss.fuse_causal_lm_loss(model)   # what moe8.accelerate(model, fuse_loss=True) does
 """
 
 from __future__ import annotations
