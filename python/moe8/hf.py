@@ -294,6 +294,13 @@ def _fuse_loss(model) -> None:
 
     if fuse_causal_lm_loss(model):
         _loss_fused.add(model)
+    elif hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+        head = type(model.get_output_embeddings()).__name__
+        warnings.warn(
+            f"moe8: fuse_loss left {type(model).__name__}'s loss as it is: its LM head is a {head}, "
+            "not an nn.Linear without bias",
+            stacklevel=3,
+        )
 
 
 def _config_supported(config) -> str | None:

@@ -192,7 +192,7 @@ class _FusedLoss:
         head.forward = self.forward_head
         model.loss_function = self.loss
 
-    def pre(self, module, args, kwargs):
+    def pre(self, module, args, kwargs):  # labels as a keyword, as transformers' Trainer passes them
         keep = kwargs.get("logits_to_keep", 0)
         self.active = (
             kwargs.get("labels") is not None

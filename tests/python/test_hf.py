@@ -348,6 +348,16 @@ def test_fused_loss_matches_transformers(family):
     assert_same(out_r, grads_r, *run(acc, ids))
 
 
+def test_fuse_loss_warns_for_a_head_it_cannot_take_apart():
+    model = build("qwen3_moe")
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.warns(UserWarning, match="fuse_loss left .* Sequential"):
+        hf.accelerate(model, fuse_loss=True)
+    ids = tokens()
+    assert model(input_ids=ids, labels=ids).logits is not None
+    hf.disable()
+
+
 def test_enable_fuse_loss():
     hf.enable(fuse_loss=True)
     model = build("qwen3_moe")

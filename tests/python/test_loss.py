@@ -67,35 +67,6 @@ def test_bad_input(kwargs, match):
         chunked_cross_entropy(h, w, t, **args)
 
 
-def test_hidden_states_as_logits_on_a_transformers_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 64, (2, 9))
-    want = model(input_ids=ids, labels=ids).loss
-    with hidden_states_as_logits(model) as head:
-        h = model(input_ids=ids).logits
-    assert h.shape == (2, 9, 32) and model.get_output_embeddings() is head
-    target = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
-    got = chunked_cross_entropy(h.flatten(0, 1), head.weight, target.flatten(), chunk=5, reduction="mean")
-    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="output embeddings"):
-        with hidden_states_as_logits(torch.nn.Module()):
-            pass
-
-
 def _tiny_causal_lm(seed=0):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
@@ -112,6 +83,21 @@ def _tiny_causal_lm(seed=0):
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_hidden_states_as_logits_on_a_transformers_model():
+    model = _tiny_causal_lm()
+    ids = torch.randint(0, 64, (2, 9))
+    want = model(input_ids=ids, labels=ids).loss
+    with hidden_states_as_logits(model) as head:
+        h = model(input_ids=ids).logits
+    assert h.shape == (2, 9, 32) and model.get_output_embeddings() is head
+    target = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    got = chunked_cross_entropy(h.flatten(0, 1), head.weight, target.flatten(), chunk=5, reduction="mean")
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="output embeddings"):
+        with hidden_states_as_logits(torch.nn.Module()):
+            pass
 
 
 def _loss_and_grads(model, **kwargs):
