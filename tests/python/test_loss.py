@@ -135,6 +135,9 @@ def test_fused_causal_lm_loss_matches_transformers(accumulating):
         ev = model(input_ids=ids, labels=labels, **extra)
     torch.testing.assert_close(ev.loss, want.loss.detach())
     torch.testing.assert_close(ev.logits, logits)
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False, **extra)  # transformers' own: a tuple
+    torch.testing.assert_close(as_tuple[0], want.loss.detach())
+    torch.testing.assert_close(as_tuple[1], logits)
     unfuse_causal_lm_loss(model)
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
     assert model(input_ids=ids, labels=labels).logits.shape == (2, 9, 64)
