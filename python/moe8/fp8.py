@@ -1,5 +1,5 @@
 """moe8.fp8 — FP8 (e4m3) training recipes for the expert GEMMs: the quantisation and GEMM ops, and the cache of
-quantised weights. The differentiable layers built on them are in moe8.fp8_layer (re-exported here).
+quantised weights.
 
 Recipes (`Float8Recipe(name)`):
     "blockwise"   DeepSeek-V3: activations 1x128 along K, weights 128x128, fp32 scales, fp32 promotion
@@ -15,8 +15,8 @@ Raw ops (torch.library custom ops with fake implementations; CPU reference or CU
     quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad
 Weights: quantize_weight, and Fp8WeightCache / default_cache (refreshed when a weight changes or an optimizer
 steps, not per micro-batch).
-Layers (moe8.fp8_layer): grouped_linear (drop-in for ops.grouped_gemm with FP8 GEMMs), activation_linear,
-experts_forward_fp8 (the experts of an MoE layer with both GEMMs in FP8).
+The experts pipeline runs on these through its FP8 precision strategy (moe8.precision.Fp8Gemms): pass
+fp8="blockwise" (or a Float8Recipe) to moe8.experts_forward, or set moe8.Config(fp8=...).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import ops
-from .ops import _C, _stream
+from ._core import C as _C
+from ._core import make_direct, sm90_workspace
+from ._core import stream as _stream
 
 RECIPES = {"blockwise": 0, "rowwise": 1, "tensorwise": 2}
 BLOCK = 128  # edge of the 1x128 / 128x128 blocks
@@ -174,7 +175,7 @@ def _(x, offsets):
 def swiglu_quant(
     h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float
 ) -> tuple[Tensor, Tensor]:
-    """Activation (kind as in ops.ACTIVATIONS) fused with 1x128 quantisation of its output:
+    """Activation (kind as in moe8.ops.ACTIVATIONS) fused with 1x128 quantisation of its output:
     h [R, 2I] (gated) or [R, I] -> q [R, I] uint8, scale [R, ceil(I/128)]."""
     width = h.shape[1] // 2 if kind in (0, 1) else h.shape[1]
     q, scale = _u8((h.shape[0], width), h), _f32((h.shape[0], _blocks(width)), h)
@@ -232,7 +233,7 @@ def _(q, scale, block_rows, block_cols, dtype):
 
 def _fp8_workspace(a: Tensor, num_experts: int) -> Optional[Tensor]:
     """Scratch that lets grouped_gemm_fp8 take the Hopper (CUTLASS sm_90a) path; None where there is none."""
-    return ops.sm90_workspace(a, num_experts, "grouped_gemm_fp8_workspace_bytes")
+    return sm90_workspace(a, num_experts, "grouped_gemm_fp8_workspace_bytes")
 
 
 @torch.library.custom_op("moe8::grouped_gemm_fp8", mutates_args=())
@@ -254,23 +255,28 @@ def _(a, a_scale, b, b_scale, offsets, dtype):
 
 @torch.library.custom_op("moe8::grouped_gemm_fp8_wgrad", mutates_args=())
 def grouped_gemm_fp8_wgrad(
-    dc_t: Tensor, dc_scale: Tensor, a_t: Tensor, a_scale: Tensor, offsets: Tensor, dtype: torch.dtype
+    dc_t: Tensor,
+    dc_scale: Tensor,
+    a_t: Tensor,
+    a_scale: Tensor,
+    offsets: Tensor,
+    dtype: torch.dtype,
+    check_offsets: bool = True,
 ) -> Tensor:
     """The FP8 weight gradient: db[e] = dc[rows of e]^T . a[rows of e] from the transposed 1x128 quantisations
     quantize_cols_1x128(dc, offsets) -> (dc_t [N, R], dc_scale) and quantize_cols_1x128(a, offsets) -> (a_t
     [K, R], a_scale) -> db [E, N, K] of `dtype`. On a GPU only the Hopper kernel exists (bfloat16 out, every
-    offsets[e] a multiple of 16: plan with pad_multiple 16)."""
+    offsets[e] a multiple of 16: plan with pad_multiple 16). check_offsets: validate offsets on the device
+    (a host sync); False for offsets from moe8's own plan."""
     E = offsets.shape[0] - 1
     db = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=dtype, device=dc_t.device)
-    ws = ops.sm90_workspace(dc_t, E, "grouped_gemm_fp8_wgrad_workspace_bytes")
-    _C.grouped_gemm_fp8_wgrad(
-        dc_t, dc_scale, a_t, a_scale, offsets, db, _stream(dc_t), ops._validate["indices"], ws
-    )
+    ws = sm90_workspace(dc_t, E, "grouped_gemm_fp8_wgrad_workspace_bytes")
+    _C.grouped_gemm_fp8_wgrad(dc_t, dc_scale, a_t, a_scale, offsets, db, _stream(dc_t), check_offsets, ws)
     return db
 
 
 @grouped_gemm_fp8_wgrad.register_fake
-def _(dc_t, dc_scale, a_t, a_scale, offsets, dtype):
+def _(dc_t, dc_scale, a_t, a_scale, offsets, dtype, check_offsets=True):
     return dc_t.new_empty(offsets.shape[0] - 1, dc_t.shape[0], a_t.shape[0], dtype=dtype)
 
 
@@ -385,24 +391,4 @@ class Fp8WeightCache:
 
 default_cache = Fp8WeightCache()
 
-ops._make_direct(globals())  # after every op's registrations (ops.set_eager_direct)
-
-
-def __getattr__(name: str):
-    """The layer API, re-exported from moe8.fp8_layer (imported on first use: it imports this module)."""
-    if name in _LAYER_NAMES:
-        from . import fp8_layer
-
-        return getattr(fp8_layer, name)
-    raise AttributeError(f"module 'moe8.fp8' has no attribute {name!r}")
-
-
-_LAYER_NAMES = (
-    "grouped_linear",
-    "activation_linear",
-    "experts_forward_fp8",
-    "_fp8_forward",
-    "_fp8_grouped_linear",
-    "_fp8_activation_linear",
-    "_fp8_activation_down_combine",
-)
+make_direct(globals())  # after every op's registrations (moe8._core: direct calls)

@@ -1,9 +1,14 @@
-"""moe8.fused — the experts' down projection fused with its neighbours, as torch.library custom ops built
-on moe8.ops (re-exported there: moe8.ops.activation_grouped_gemm, moe8.ops.activation_down_combine, ...):
+"""moe8.fused — the experts' GEMMs fused with their neighbours, as torch.library custom ops whose GEMM precision
+is a parameter (moe8.precision: BF16, or Fp8Gemms with an FP8 recipe):
 
-    activation_grouped_gemm   activation then grouped GEMM, keeping h instead of the activations
+    expert_linear             the grouped GEMM of rows in expert order (a . op(w[e]) + bias[e])
+    activation_linear         activation then grouped GEMM (the down projection), keeping h instead of the
+                              activations (recomputed in the backward)
     activation_down_combine   activation, grouped GEMM and combine, keeping only h; the routing weights are
                               applied after the dgrad (activation_backward_routed, routed_down_backward)
+
+Each op carries the precision as an int and the weight's FP8 copy (if any) as tensors, so one op serves
+every precision: the same kernels and bits as the separate ops.
 """
 
 from __future__ import annotations
@@ -13,24 +18,161 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ops import (
-    _C,
-    _input_grad,
-    _make_direct,
-    _stream,
-    _weight_grads,
-    activation,
-    activation_consuming,
-    combine_rows,
-    gather_rows,
-    grouped_gemm,
-)
+from ._core import C as _C
+from ._core import make_direct
+from ._core import stream as _stream
+from .ops import activation, activation_grad, combine_rows, gather_rows
+from .precision import BF16, Precision, add_bias, from_code
 
 
-# ------------------------------------------------------------------------ activation + grouped GEMM
-def activation_grouped_gemm(
+def _out_cols(w_q: Optional[Tensor], w: Tensor, layout: int) -> int:
+    if w_q is not None:  # FP8 copies are [E, N, K] whatever the layout
+        return w_q.shape[1]
+    return w.shape[1] if layout == 0 else w.shape[2]
+
+
+def _gathered(src, row_to_slot, k, slot_to_row):
+    return (src, row_to_slot, k, slot_to_row) if src is not None else None
+
+
+def _weight_and_bias(prec: Precision, w: Tensor, layout: int, bias: Optional[Tensor]):
+    """(quantised weight tensors, the bias the op adds): biases go into the bf16 kernel, else after the op."""
+    return prec.quantized(w, layout), (bias.contiguous() if bias is not None else None)
+
+
+# --------------------------------------------------------------------------------------- expert_linear
+@torch.library.custom_op("moe8::expert_linear", mutates_args=())
+def _expert_linear(
+    a: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    precision: int,
+    src: Optional[Tensor],
+    row_to_slot: Optional[Tensor],
+    k: int,
+    slot_to_row: Optional[Tensor],
+) -> Tensor:
+    gathered = _gathered(src, row_to_slot, k, slot_to_row)
+    return from_code(precision).forward(a, w, (w_q, w_scale, w_row_scale), offsets, layout, bias, gathered)
+
+
+@_expert_linear.register_fake
+def _(a, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, src, row_to_slot, k, slot_to_row):
+    rows = row_to_slot.shape[0] if src is not None else a.shape[0]
+    return a.new_empty(rows, _out_cols(w_q, w, layout))
+
+
+def _el_setup(ctx, inputs, output):
+    a, w, _, _, _, offsets, layout, bias, precision, *_ = inputs
+    ctx.layout, ctx.precision = layout, precision
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(a, w, offsets)
+
+
+def _el_bwd(ctx, g):
+    a, w, offsets = ctx.saved_tensors
+    prec, g = from_code(ctx.precision), g.contiguous()
+    da = prec.dgrad(g, w, offsets, ctx.layout) if ctx.needs_input_grad[0] else None
+    dw = dbias = None
+    if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
+        dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
+    return (da, dw, None, None, None, None, None, dbias) + (None,) * 5
+
+
+_expert_linear.register_autograd(_el_bwd, setup_context=_el_setup)
+
+
+def expert_linear(
+    a: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int = 0,
+    bias: Optional[Tensor] = None,
+    precision: Precision = BF16,
+    gathered_from: Optional[tuple] = None,
+) -> Tensor:
+    """c[r] = a[r] . op(w[e]) + bias[e] for the rows r of expert e, in `precision`: a [R, K], w [E, N, K]
+    (layout 0) or [E, K, N] (layout 1), bias [E, N] -> [R, N] in a's dtype; gradients to a, w and bias.
+    gathered_from (src, row_to_slot, k[, slot_to_row]): a is ops.permute(src, row_to_slot, slot_to_row, k);
+    the FP8 blockwise recipe then quantises a's rows from src directly (the same bits, without reading a)."""
+    wq, b = _weight_and_bias(precision, w, layout, bias)
+    src, row_to_slot, k, slot_to_row = (*gathered_from, None)[:4] if gathered_from else (None, None, 1, None)
+    in_kernel = b if precision.bias_in_kernel else None
+    c = _expert_linear(
+        a.contiguous(),
+        w,
+        *wq,
+        offsets,
+        layout,
+        in_kernel,
+        precision.code,
+        src,
+        row_to_slot,
+        int(k),
+        slot_to_row,
+    )
+    return c if precision.bias_in_kernel else add_bias(c, b, offsets)
+
+
+# ----------------------------------------------------------------------------------- activation_linear
+@torch.library.custom_op("moe8::activation_linear", mutates_args=())
+def _activation_linear(
     h: Tensor,
-    b: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    precision: int,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    consume_h: bool,
+) -> Tensor:
+    act = (kind, interleaved, alpha, limit)
+    return from_code(precision).act_forward(h, w, (w_q, w_scale, w_row_scale), offsets, layout, act, bias)
+
+
+@_activation_linear.register_fake
+def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, *rest):
+    return h.new_empty(h.shape[0], _out_cols(w_q, w, layout))
+
+
+def _al_setup(ctx, inputs, output):
+    h, w, _, _, _, offsets, layout, bias, precision, *act, consume_h = inputs
+    ctx.layout, ctx.precision, ctx.act, ctx.consume_h = layout, precision, act, consume_h
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(h, w, offsets)  # not the activations: recomputed below
+
+
+def _al_bwd(ctx, g):
+    h, w, offsets = ctx.saved_tensors
+    prec, g = from_code(ctx.precision), g.contiguous()
+    dh = dw = dbias = None
+    if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
+        a = activation(h, *ctx.act)  # recomputed; freed before d activations and d h exist
+        dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
+        del a
+    if ctx.needs_input_grad[0]:
+        da = prec.dgrad(g, w, offsets, ctx.layout)
+        dh = activation_grad(h, da, ctx.act, in_place=ctx.consume_h)  # see ops.activation_consuming
+    return (dh, dw, None, None, None, None, None, dbias) + (None,) * 6
+
+
+_activation_linear.register_autograd(_al_bwd, setup_context=_al_setup)
+
+
+def activation_linear(
+    h: Tensor,
+    w: Tensor,
     offsets: Tensor,
     layout: int,
     bias: Optional[Tensor],
@@ -39,65 +181,25 @@ def activation_grouped_gemm(
     alpha: float,
     limit: float,
     consume_h: bool = False,
+    precision: Precision = BF16,
 ) -> Tensor:
-    """grouped_gemm(activation(h), b, offsets, layout, bias) (the experts' down projection) whose backward
-    keeps h and recomputes activation(h) for the weight gradient: the [R, I] activations are not held from
-    the forward to the backward. Same kernels, so the same bits. Two autograd nodes as in the unfused ops
-    (activation, then the GEMM, whose backward hands d activation to activation's), so the backward never
-    holds the recomputed activations, d activations and d h at once. consume_h: h is an intermediate that
-    nothing reads after the backward, which then writes d h over it (one [R, 2I] buffer less at its peak;
-    h's contents are gone afterwards, and a second backward through the graph raises)."""
-    act = activation_consuming if consume_h else activation
-    a = act(h, kind, interleaved, alpha, limit)
-    return _grouped_gemm_recompute(a, h, b, offsets, layout, bias, kind, interleaved, alpha, limit)
+    """expert_linear(ops.activation(h, ...), w, ...) (the experts' down projection) whose backward keeps h and
+    recomputes the activations for the weight gradient: the [R, I] activations are not held from the forward
+    to the backward. Same kernels, so the same bits as the two calls (FP8 blockwise: the activation and the
+    1x128 quantisation of its output in one pass). consume_h: h is an intermediate that nothing reads after
+    the backward, which then writes d h over it (one [R, 2I] buffer less at its peak; h's contents are gone
+    afterwards, and a second backward through the graph raises)."""
+    wq, b = _weight_and_bias(precision, w, layout, bias)
+    in_kernel = b if precision.bias_in_kernel else None
+    act = (int(kind), bool(interleaved), float(alpha), float(limit), bool(consume_h))
+    c = _activation_linear(h.contiguous(), w, *wq, offsets, layout, in_kernel, precision.code, *act)
+    return c if precision.bias_in_kernel else add_bias(c, b, offsets)
 
 
-@torch.library.custom_op("moe8::grouped_gemm_recompute", mutates_args=())
-def _grouped_gemm_recompute(
-    a: Tensor,
-    h: Tensor,
-    b: Tensor,
-    offsets: Tensor,
-    layout: int,
-    bias: Optional[Tensor],
-    kind: int,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-) -> Tensor:
-    """grouped_gemm(a, b, ...) for a = activation(h, ...), saving h instead of a for the backward."""
-    return grouped_gemm(a, b, offsets, layout, bias)
+activation_grouped_gemm = activation_linear  # the name of the bf16 op in moe8's first releases
 
 
-@_grouped_gemm_recompute.register_fake
-def _(a, h, b, offsets, layout, bias, kind, interleaved, alpha, limit):
-    return a.new_empty(a.shape[0], b.shape[1] if layout == 0 else b.shape[2])
-
-
-def _ggr_setup(ctx, inputs, output):
-    a, h, b, offsets, layout, bias, *act = inputs
-    ctx.layout, ctx.act = layout, act
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(h, b, offsets)
-
-
-def _ggr_bwd(ctx, g):
-    h, b, offsets = ctx.saved_tensors
-    g = g.contiguous()
-    da = db = dbias = None
-    if ctx.needs_input_grad[2] or (ctx.bias_dtype is not None and ctx.needs_input_grad[5]):
-        a = activation(h, *ctx.act)  # recomputed: not kept from the forward; freed before da exists
-        db, dbias = _weight_grads(a, g, b, offsets, ctx.layout, ctx.bias_dtype)
-        del a
-    if ctx.needs_input_grad[0]:
-        da = _input_grad(g, b, offsets, ctx.layout)
-    return da, None, db, None, None, dbias, None, None, None, None
-
-
-_grouped_gemm_recompute.register_autograd(_ggr_bwd, setup_context=_ggr_setup)
-
-
-# ------------------------------------------------------ activation + down projection + combine
+# ---------------------------------------------------------------- the routed down projection's backward
 @torch.library.custom_op("moe8::activation_backward_routed", mutates_args=("dout",))
 def activation_backward_routed(
     h: Tensor,
@@ -190,10 +292,68 @@ def routed_down_backward(
     return dh, dw, d_weights
 
 
+# ---------------------------------------------------------------------------- activation_down_combine
 @torch.library.custom_op("moe8::activation_down_combine", mutates_args=())
+def _activation_down_combine(
+    h: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    precision: int,
+    weights: Tensor,
+    slot_to_row: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    consume_h: bool,
+) -> Tensor:
+    act = (kind, interleaved, alpha, limit)
+    o = from_code(precision).act_forward(h, w, (w_q, w_scale, w_row_scale), offsets, layout, act)
+    return combine_rows(o, slot_to_row.view(weights.shape), weights)
+
+
+@_activation_down_combine.register_fake
+def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, precision, weights, *rest):
+    return h.new_empty(weights.shape[0], _out_cols(w_q, w, layout))
+
+
+def _adc_setup(ctx, inputs, output):
+    h, w, _, _, _, offsets, layout, precision, weights, slot_to_row, row_to_slot, *act, consume_h = inputs
+    ctx.layout, ctx.precision, ctx.act, ctx.consume_h = layout, precision, act, consume_h
+    ctx.save_for_backward(h, w, offsets, weights, row_to_slot, slot_to_row)
+
+
+def _adc_bwd(ctx, g):
+    h, w, offsets, weights, row_to_slot, slot_to_row = ctx.saved_tensors
+    lay, prec, g, k = ctx.layout, from_code(ctx.precision), g.contiguous(), weights.shape[1]
+    g_rows = (g, row_to_slot, k, slot_to_row)  # the rows the down projection's dgrad reads: g gathered
+    dh, dw, d_weights = routed_down_backward(
+        h,
+        g,
+        weights,
+        row_to_slot,
+        slot_to_row,
+        ctx.act,
+        ctx.consume_h,
+        # an FP8 dgrad quantises the unweighted rows straight from g (they are g gathered by row_to_slot)
+        lambda rows: prec.dgrad(rows, w, offsets, lay, g_rows),
+        lambda a_w, rows: prec.wgrad(a_w, rows, w, offsets, lay)[0],
+        ctx.needs_input_grad[1],
+    )
+    return (dh, dw) + (None,) * 6 + (d_weights,) + (None,) * 7
+
+
+_activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
+
+
 def activation_down_combine(
     h: Tensor,
-    b: Tensor,
+    w: Tensor,
     offsets: Tensor,
     layout: int,
     weights: Tensor,
@@ -204,48 +364,18 @@ def activation_down_combine(
     alpha: float,
     limit: float,
     consume_h: bool,
+    precision: Precision = BF16,
 ) -> Tensor:
-    """combine(grouped_gemm(activation(h), b, offsets, layout), weights, ...) (the experts' down projection
-    without a bias, and the weighted sum back to tokens): h [R, 2I], weights [T, K] f32 -> y [T, H]. Keeps
-    neither the activations nor the expert outputs for the backward (routed_down_backward): one [R, H] and
-    one [R, I] tensor less held, and no separate pass for the weights' gradient. consume_h: as in
-    activation_grouped_gemm (d h written over h)."""
-    a = activation(h, kind, interleaved, alpha, limit)
-    o = grouped_gemm(a, b, offsets, layout, None)
-    del a
-    return combine_rows(o, slot_to_row.view(weights.shape), weights)
-
-
-@activation_down_combine.register_fake
-def _(h, b, offsets, layout, weights, slot_to_row, row_to_slot, kind, interleaved, alpha, limit, consume_h):
-    return h.new_empty(weights.shape[0], b.shape[1] if layout == 0 else b.shape[2])
-
-
-def _adc_setup(ctx, inputs, output):
-    h, b, offsets, layout, weights, slot_to_row, row_to_slot, *act, consume_h = inputs
-    ctx.layout, ctx.act, ctx.consume_h = layout, act, consume_h
-    ctx.save_for_backward(h, b, offsets, weights, row_to_slot, slot_to_row)
-
-
-def _adc_bwd(ctx, g):
-    h, b, offsets, weights, row_to_slot, slot_to_row = ctx.saved_tensors
-    lay = ctx.layout
-    dh, db, d_weights = routed_down_backward(
-        h,
-        g.contiguous(),
-        weights,
-        row_to_slot,
-        slot_to_row,
-        ctx.act,
-        ctx.consume_h,
-        lambda rows: _input_grad(rows, b, offsets, lay),
-        lambda a_w, rows: _weight_grads(a_w, rows, b, offsets, lay, None)[0],
-        ctx.needs_input_grad[1],
+    """combine(grouped_gemm(activation(h), w, offsets, layout), weights, ...) (the experts' down projection
+    without a bias, and the weighted sum back to tokens) in `precision`: h [R, 2I], weights [T, K] f32 ->
+    y [T, H]. Keeps neither the activations nor the expert outputs for the backward (routed_down_backward):
+    one [R, H] and one [R, I] tensor less held, and no separate pass for the weights' gradient. consume_h: as
+    in activation_linear (d h written over h)."""
+    wq = precision.quantized(w, layout)
+    act = (int(kind), bool(interleaved), float(alpha), float(limit), bool(consume_h))
+    return _activation_down_combine(
+        h.contiguous(), w, *wq, offsets, layout, precision.code, weights, slot_to_row, row_to_slot, *act
     )
-    return (dh, db, None, None, d_weights) + (None,) * 7
 
 
-activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
-
-
-_make_direct(globals())  # last: after every op's registrations
+make_direct(globals())  # last: after every op's registrations

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .ops import _C, _stream
+from ._core import C as _C
+from ._core import stream as _stream
 
 IGNORE_INDEX = -100
 

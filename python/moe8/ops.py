@@ -1,183 +1,29 @@
-"""moe8.ops — every core op as a torch.library custom op (fake/meta implementation, autograd where it
-has a gradient), so eager code and torch.compile(fullgraph=True) both call the C++/CUDA core.
+"""moe8.ops — the core ops as torch.library custom ops (fake/meta implementation, autograd where they have a
+gradient), so eager code and torch.compile(fullgraph=True) both call the C++/CUDA core (through moe8._core).
 
 Raw ops (allocate their outputs, call moe8._C):
-    route, route_backward, plan, gather_rows, combine_rows, combine_weights_grad,
-    grouped_gemm, grouped_gemm_wgrad, activation, activation_backward, activation_backward_routed,
-    rope, rope_backward
-Differentiable ops (autograd registered): route, permute, combine, grouped_gemm, activation, rope; the fused
-activation_grouped_gemm and activation_down_combine (with activation_backward_routed) are defined in
-moe8.fused, rope and apply_rotary_pos_emb in moe8.rotary, route and route_backward in moe8.routing, all
-importable from here too.
+    plan, gather_rows, combine_rows, combine_weights_grad, grouped_gemm, grouped_gemm_wgrad,
+    grouped_lowrank_add, activation, activation_backward, activation_consuming
+Differentiable ops (autograd registered): permute, combine, grouped_gemm, grouped_lowrank_add, activation.
+The router's top-k (route, route_backward, from moe8.routing) and RoPE (rope, apply_rotary_pos_emb, from
+moe8.rotary) are part of this namespace too. The experts' fused down projections, in bf16 or FP8, are in
+moe8.fused.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
-import torch.utils.dlpack
 from torch import Tensor
 
-from . import _C as _ext
-
-
-class _Core:
-    """moe8._C with tensor arguments detached (DLPack refuses tensors that require grad). With direct eager
-    calls on (set_eager_direct), tensors go over as DLPack capsules made here (torch.utils.dlpack.to_dlpack,
-    ~0.4 us) rather than through Tensor.__dlpack__, which nanobind calls otherwise (~5 us a tensor on the
-    development CPU; a layer step passes ~66 tensors)."""
-
-    def __getattr__(self, name):
-        fn = getattr(_ext, name)
-        capsule = torch.utils.dlpack.to_dlpack
-
-        def call(*args):
-            if _eager["direct"]:  # detach only what requires grad (~1 us a tensor on the H200's host)
-                return fn(
-                    *[
-                        capsule(a.detach() if a.requires_grad else a) if isinstance(a, Tensor) else a
-                        for a in args
-                    ]
-                )
-            return fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
-
-        setattr(self, name, call)  # built once per function: later lookups skip __getattr__
-        return call
-
-
-_C = _Core()
-
-SCHEMES = {"softmax": 0, "sigmoid_group": 1, "topk_softmax": 2}
-ACTIVATIONS = {"swiglu": 0, "swiglu_clamped": 1, "silu": 2, "gelu": 3}
-LAYOUTS = {"nk": 0, "kn": 1}
-
-# Index validation of plan inputs (one device sync per plan on CUDA); ops fed by our own plan skip it.
-_validate = {"indices": True}
-
-
-def set_index_validation(enabled: bool) -> None:
-    """Turn the range check of expert ids in `plan` on (default) or off (no device sync on CUDA)."""
-    _validate["indices"] = bool(enabled)
-
-
-# Direct eager calls. A torch.library custom op call goes twice through the dispatcher and through the
-# custom-op wrappers before it reaches the op's Python function (~30 us of host time a call measured on a
-# CPU, 2x the function itself), which a single MoE layer pays ~15 times a step; on a GPU the kernels of
-# the router, plan and permute take microseconds, so the GPU waits for that host time. With direct calls
-# on, a call from plain eager code runs the op's own function, and a differentiable op an autograd.Function
-# built from its registered setup_context / backward: the same functions and kernels, the same results.
-# Anything else takes the custom op: torch.compile tracing, functorch transforms, an active
-# TorchDispatchMode or TorchFunctionMode (fake / meta tensors, FlopCounter, ...), tensors other than plain
-# CPU / CUDA tensors and parameters (DTensor, meta), keyword arguments. An op that writes an input bumps its
-# version counter as the dispatcher does. On by default (its tests passed on the H200, session 6);
-# set_eager_direct(False) or MOE8_EAGER_DIRECT=0 keeps every call on the custom ops.
-_eager = {"direct": os.environ.get("MOE8_EAGER_DIRECT", "1") != "0"}
-
-
-def set_eager_direct(enabled: bool) -> None:
-    """Run moe8's ops from plain eager code without the custom-op dispatch (see above)."""
-    _eager["direct"] = bool(enabled)
-
-
-def eager_direct() -> bool:
-    return _eager["direct"]
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _direct_ok(args) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    for a in args:
-        if isinstance(a, Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
-            return False
-    return True
-
-
-class _DirectOp(torch._library.custom_ops.CustomOpDef):
-    """A moe8 custom op whose plain eager calls skip the dispatcher (see set_eager_direct); an instance of
-    CustomOpDef still (torch.library.opcheck, register_fake, ... see the same op)."""
-
-    def _setup_direct(self) -> None:
-        schema = self._opoverload._schema
-        self._direct_nargs = len(schema.arguments)
-        # the arguments an in-place op writes: their version counters are bumped as the dispatcher would,
-        # so that autograd still refuses a saved tensor that was overwritten
-        self._direct_writes = [
-            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        ]
-        self._direct_fn = None
-        impl, setup, bwd = self._init_fn, self._setup_context_fn, self._backward_fn
-        if bwd is not None and setup is not None:
-
-            def forward(ctx, *args):
-                out = impl(*args)
-                setup(ctx=ctx, inputs=args, output=out)
-                return out
-
-            def backward(ctx, *grads):
-                return bwd(ctx, *grads)
-
-            methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-            self._direct_fn = type("Direct_" + self._name, (torch.autograd.Function,), methods)
-
-    def __call__(self, *args, **kwargs):
-        if not _eager["direct"] or kwargs or len(args) != self._direct_nargs or not _direct_ok(args):
-            return super().__call__(*args, **kwargs)
-        if self._direct_fn is not None and torch.is_grad_enabled():
-            if any(isinstance(a, Tensor) and a.requires_grad for a in args):
-                return self._direct_fn.apply(*args)
-        out = self._init_fn(*args)
-        for i in self._direct_writes:
-            torch.autograd.graph.increment_version(args[i])
-        return out
-
-
-def _make_direct(namespace: dict) -> None:
-    """Turns every custom op in `namespace` (a module's globals, after all its registrations) into a
-    _DirectOp (the same object, its class swapped)."""
-    for value in namespace.values():
-        if type(value) is torch._library.custom_ops.CustomOpDef:
-            value.__class__ = _DirectOp
-            value._setup_direct()
-
-
-def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-
-
-_ws_bytes: dict = {}
-
-
-def sm90_workspace(
-    a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes"
-) -> Optional[Tensor]:
-    """Scratch that lets a grouped GEMM take the Hopper (CUTLASS sm_90a) path (`query` names the _C function
-    giving its size); None where there is no such path. Sizes are cached per (device, experts, query)."""
-    n = sm90_workspace_bytes(a, num_experts, query)
-    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
-
-
-def sm90_workspace_bytes(a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes") -> int:
-    """Bytes of sm90_workspace for a's device (0: no Hopper path there, or a is on the CPU); cached."""
-    if not a.is_cuda:
-        return 0
-    key = (a.device.index, num_experts, query)
-    if key not in _ws_bytes:
-        with torch.cuda.device(a.device):
-            _ws_bytes[key] = getattr(_C, query)(num_experts, True)
-    return _ws_bytes[key]
-
-
-def _gated(kind: int) -> bool:
-    return kind in (0, 1)
+from ._core import ACTIVATIONS, LAYOUTS, SCHEMES, sm90_workspace, sm90_workspace_bytes  # noqa: F401
+from ._core import C as _C
+from ._core import gated as _gated
+from ._core import make_direct as _make_direct
+from ._core import stream as _stream
+from .rotary import apply_rotary_pos_emb, rope, rope_backward  # noqa: F401
+from .routing import route, route_backward  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -186,8 +32,8 @@ def plan(
     ids: Tensor, num_experts: int, pad_multiple: int, check_ids: bool = True
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """ids [T, K] int32 -> counts [E], offsets [E+1], row_to_slot [R], slot_to_row [T*K] (all int32).
-    check_ids: range-check the ids (one device sync on CUDA; also off with set_index_validation(False));
-    pass False for ids from a top-k over num_experts scores."""
+    check_ids: range-check the ids (one device sync on CUDA); pass False for ids from a top-k over
+    num_experts scores."""
     slots = ids.numel()
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
@@ -208,7 +54,7 @@ def plan(
         slot_to_row,
         workspace,
         _stream(ids),
-        check_ids and _validate["indices"],
+        check_ids,
     )
     return counts, offsets, row_to_slot, slot_to_row
 
@@ -524,16 +370,3 @@ activation_consuming.register_autograd(_act_consuming_bwd, setup_context=_act_se
 
 
 _make_direct(globals())  # last: after every op's registrations
-
-# The fused experts ops live in moe8.fused, RoPE in moe8.rotary and the router's top-k in moe8.routing (built
-# on the ops above); all are part of this namespace too.
-from .fused import (  # noqa: E402, F401
-    _grouped_gemm_recompute,
-    activation_backward_routed,
-    activation_backward_routed_,
-    activation_down_combine,
-    activation_grouped_gemm,
-    routed_down_backward,
-)
-from .rotary import apply_rotary_pos_emb, rope, rope_backward  # noqa: E402, F401
-from .routing import route, route_backward  # noqa: E402, F401

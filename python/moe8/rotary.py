@@ -1,13 +1,15 @@
 """moe8.rotary — rotary position embeddings as one fused kernel per tensor (torch.library custom ops on
 moe8._C, differentiable), and apply_rotary_pos_emb, the drop-in hf.py patches into the families of
-hf.ROPE_FAMILIES (fuse_rope). Re-exported from moe8.ops (moe8.ops.rope, moe8.ops.apply_rotary_pos_emb)."""
+hf.ROPE_FAMILIES (fuse_rope). Part of moe8.ops too (moe8.ops.rope, moe8.ops.apply_rotary_pos_emb)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .ops import _C, _make_direct, _stream
+from ._core import C as _C
+from ._core import make_direct as _make_direct
+from ._core import stream as _stream
 
 
 def _rope_out(x: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """moe8.routing — the router's top-k as one fused kernel (torch.library custom ops on moe8._C): softmax,
 sigmoid with expert groups, or top-k then softmax; the routing weights, the load-balancing statistics and the
-log-sum-exp for the z-loss, and their backward. Re-exported from moe8.ops (moe8.ops.route)."""
+log-sum-exp for the z-loss, and their backward. Part of moe8.ops too (moe8.ops.route)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ops import _C, _make_direct, _stream
+from ._core import C as _C
+from ._core import make_direct as _make_direct
+from ._core import stream as _stream
 
 
 @torch.library.custom_op("moe8::route", mutates_args=())

@@ -1,21 +1,31 @@
-"""moe8.ops.set_eager_direct: plain eager calls of moe8's ops skip the dispatcher and run the op's own
+"""Direct calls (moe8._core): plain eager calls of moe8's ops skip the dispatcher and run the op's own
 function (through an autograd.Function built from its registered backward), with the same bits as the
 custom-op path; tracing, dispatch modes, meta tensors and keyword calls keep the custom op."""
+
+import contextlib
 
 import pytest
 import torch
 from conftest import devices
 
 import moe8
-from moe8 import layer, ops
+from moe8 import _core, layer, ops
 
 
 @pytest.fixture
 def direct():
-    """Yields a setter of the mode; restores the mode the session had."""
-    before = ops.eager_direct()
-    yield ops.set_eager_direct
-    ops.set_eager_direct(before)
+    """Yields a setter: direct(False) sends moe8's op calls through the dispatcher (moe8._core.dispatched())
+    until direct(True)."""
+    stack = contextlib.ExitStack()
+
+    def set_direct(on: bool) -> None:
+        if on:
+            stack.close()
+        else:
+            stack.enter_context(_core.dispatched())
+
+    yield set_direct
+    stack.close()
 
 
 def both_ways(direct, run):
@@ -116,7 +126,7 @@ def test_second_backward_through_consumed_h_of_down_combine_raises(direct, use_d
     w, b = torch.randn(2, 16, 8, requires_grad=True), torch.randn(2, 6, 8, requires_grad=True)
     weights = torch.rand(6, 2, requires_grad=True)
     h = ops.grouped_gemm(x, w, offsets, 0, None)
-    y = ops.activation_down_combine(
+    y = moe8.fused.activation_down_combine(
         h, b, offsets, 0, weights, slot_to_row, row_to_slot, 0, False, 1.702, 7.0, True
     )
     g = torch.randn_like(y)
@@ -145,7 +155,7 @@ def test_second_backward_through_consumed_h_still_raises(direct):
     x = torch.randn(12, 8, requires_grad=True)
     w, b = torch.randn(2, 16, 8, requires_grad=True), torch.randn(2, 6, 8, requires_grad=True)
     h = ops.grouped_gemm(x, w, offsets, 0, None)
-    o = ops.activation_grouped_gemm(h, b, offsets, 0, None, 0, False, 1.702, 7.0, True)
+    o = moe8.fused.activation_linear(h, b, offsets, 0, None, 0, False, 1.702, 7.0, True)
     g = torch.randn_like(o)
     torch.autograd.grad(o, [x], g, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import moe8
-from moe8 import ops
 from moe8.ops import _C
 
 
@@ -372,4 +371,3 @@ def test_python_front_errors():
             torch.randn(2, 6, 7),
             torch.randn(2, 8, 3),
         )
-    ops.set_index_validation(True)

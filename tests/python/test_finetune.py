@@ -553,19 +553,14 @@ def test_lora_without_moe8_runs_peft(tmp_path, text_file, capsys):
 def test_fp8_full_finetune_runs_and_is_checked(tmp_path, text_file, capsys):
     """--fp8 blockwise runs the experts' GEMMs in FP8 (loss still falls); with LoRA or --no-moe8 it is refused
     before anything is written."""
-    from moe8 import hf
-
     out = tmp_path / "fp8"
-    try:
-        rc, text = finetune_rc(capsys, flags(out, text_file, "--fp8", "blockwise", "--lr", "0.003"))
-        assert rc == 0, text
-        assert "experts on moe8 (FP8 blockwise)" in text
-        losses = [
-            json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
-        ]
-        assert losses[-1] < losses[0]
-    finally:
-        hf._set_fp8(None)  # process-wide: leave the other tests bf16
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--fp8", "blockwise", "--lr", "0.003"))
+    assert rc == 0, text
+    assert "experts on moe8 (FP8 blockwise)" in text
+    losses = [
+        json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+    ]
+    assert losses[-1] < losses[0]
     for extra, match in (
         (["--method", "lora"], "with LoRA are not supported"),
         (["--no-moe8"], "drop --no-moe8"),

@@ -10,8 +10,30 @@ import torch
 from conftest import devices
 
 import moe8
-from moe8 import fp8
+from moe8 import fp8, fused, precision
 from moe8.ops import _C
+from moe8.precision import Fp8Gemms
+
+
+def experts_fp8(x, ids, w, gate_up, down, recipe="blockwise", cache=fp8.default_cache, **kwargs):
+    """moe8.experts_forward with its GEMMs in FP8 (`recipe`, weights from `cache`)."""
+    return moe8.experts_forward(x, ids, w, gate_up, down, fp8=Fp8Gemms(recipe, cache), **kwargs)
+
+
+def grouped_linear(a, w, offsets, layout=0, bias=None, recipe="blockwise", cache=None, gathered_from=None):
+    """moe8.fused.expert_linear in FP8."""
+    return fused.expert_linear(a, w, offsets, layout, bias, Fp8Gemms(recipe, cache), gathered_from)
+
+
+def activation_linear(
+    h, w, offsets, layout, bias, recipe, cache, kind, interleaved, alpha, limit, consume=False
+):
+    """moe8.fused.activation_linear in FP8."""
+    prec = Fp8Gemms(recipe, cache)
+    return fused.activation_linear(
+        h, w, offsets, layout, bias, kind, interleaved, alpha, limit, consume, prec
+    )
+
 
 E4M3 = torch.float8_e4m3fn
 
@@ -340,11 +362,11 @@ def test_experts_forward_fp8_close_to_bf16(device, recipe):
     x, ids, w, gate_up, down = moe_inputs(device)
     ref = moe8.experts_forward(x, ids, w, gate_up, down).double().cpu()
     with torch.no_grad():  # the fused permute+quantise / swiglu+quantise path for blockwise
-        y = fp8.experts_forward_fp8(x, ids, w, gate_up, down, recipe=recipe, cache=None).double().cpu()
+        y = experts_fp8(x, ids, w, gate_up, down, recipe=recipe, cache=None).double().cpu()
     rel = ((y - ref).norm() / ref.norm()).item()
     assert 1e-2 < rel < REL_BOUND, f"{recipe}: relative error {rel:.4f}"
     # the differentiable (unfused) path computes the same forward
-    y2 = fp8.experts_forward_fp8(x, ids, w, gate_up.clone().requires_grad_(), down, recipe=recipe, cache=None)
+    y2 = experts_fp8(x, ids, w, gate_up.clone().requires_grad_(), down, recipe=recipe, cache=None)
     assert ((y2.double().cpu() - y).norm() / ref.norm()).item() < 1e-2
     if recipe == "blockwise":  # and both match the recipe simulated with torch's float8 casts
         sim = simulate_blockwise(x, ids, w, gate_up, down)
@@ -359,7 +381,7 @@ def test_grouped_linear_backward_is_the_bf16_backward(device):
     wt = (torch.randn(len(counts), 136, 256, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
     bias = torch.randn(len(counts), 136, device=device).to(torch.bfloat16).requires_grad_()
     g = torch.randn(64, 136, device=device).to(torch.bfloat16)
-    c = fp8.grouped_linear(a, wt, offsets, 0, bias, "blockwise", cache=None)
+    c = grouped_linear(a, wt, offsets, 0, bias, "blockwise", cache=None)
     grads = torch.autograd.grad((c * g).sum(), (a, wt, bias))
     c_ref = moe8.ops.grouped_gemm(a, wt, offsets, 0, bias)
     ref = torch.autograd.grad((c_ref * g).sum(), (a, wt, bias))
@@ -381,9 +403,9 @@ def test_grouped_linear_fp8_dgrad(device, recipe, layout):
     w = (torch.randn(*shape, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
     g = torch.randn(64, 136, device=device).to(torch.bfloat16)
     r = fp8.Float8Recipe(recipe, dgrad="fp8")
-    c = fp8.grouped_linear(a, w, offsets, layout, None, r, cache=None)
+    c = grouped_linear(a, w, offsets, layout, None, r, cache=None)
     da, dw = torch.autograd.grad(c, (a, w), g)
-    want = fp8._fp8_forward(g, fp8.quantize_weight(w, 1 - layout, r), offsets, r)
+    want = precision._fp8_forward(g, fp8.quantize_weight(w, 1 - layout, r), offsets, r)
     assert torch.equal(da, want)
     c16 = moe8.ops.grouped_gemm(a, w, offsets, layout, None)
     da16, dw16 = torch.autograd.grad(c16, (a, w), g)
@@ -405,7 +427,7 @@ def test_grouped_linear_fp8_wgrad(device, layout):
     w = (torch.randn(*shape, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
     g = torch.randn(224, 136, device=device).to(torch.bfloat16)
     r = fp8.Float8Recipe("blockwise", wgrad="fp8")
-    c = fp8.grouped_linear(a, w, offsets, layout, None, r, cache=None)
+    c = grouped_linear(a, w, offsets, layout, None, r, cache=None)
     da, dw = torch.autograd.grad(c, (a, w), g)
     gq, gs = fp8.quantize_cols_1x128(g, offsets)
     aq, a_s = fp8.quantize_cols_1x128(a.detach(), offsets)
@@ -430,7 +452,7 @@ def test_experts_fp8_backward_recipes(device):
     ref = torch.autograd.grad(y16, leaves, g)
     for r in (fp8.Float8Recipe(), fp8.Float8Recipe(dgrad="fp8"), fp8.Float8Recipe(dgrad="fp8", wgrad="fp8")):
         leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
-        y = fp8.experts_forward_fp8(leaves[0], ids, w, leaves[1], leaves[2], recipe=r, cache=None)
+        y = experts_fp8(leaves[0], ids, w, leaves[1], leaves[2], recipe=r, cache=None)
         for name, got, want in zip(("x", "gate_up", "down"), torch.autograd.grad(y, leaves, g), ref):
             rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert rel < 0.12, f"{r}: d {name} relative error {rel:.3f}"
@@ -459,10 +481,10 @@ def test_activation_linear_is_activation_then_linear_keeping_less(device, recipe
         kept = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
             if fused:
-                o = fp8.activation_linear(h, w, offsets, layout, c, r, None, kind, False, 1.702, 7.0)
+                o = activation_linear(h, w, offsets, layout, c, r, None, kind, False, 1.702, 7.0)
             else:
                 a = moe8.ops.activation(h, kind, False, 1.702, 7.0)
-                o = fp8.grouped_linear(a, w, offsets, layout, c, r, cache=None)
+                o = grouped_linear(a, w, offsets, layout, c, r, cache=None)
         return o, torch.autograd.grad(o, [h, w] + ([c] if bias else []), g), sum(kept)
 
     (o1, g1, kept1), (o2, g2, kept2) = run(True), run(False)
@@ -472,12 +494,10 @@ def test_activation_linear_is_activation_then_linear_keeping_less(device, recipe
     assert kept2 - kept1 == 208 * 128  # the activations [R, I]
 
 
-def fp8_experts_runner(device, recipe, seed, monkeypatch):
+def fp8_experts_runner(device, recipe, seed):
     """A small FP8 experts problem (bf16, 64 tokens, 4 experts, top-2, FP8 dgrad and wgrad) and
-    run(**layer_flags) -> (y, gradients of x, gate_up, down and the routing weights), the moe8.layer flags
-    set for the call."""
-    from moe8 import layer
-
+    run(**config_fields) -> (y, gradients of x, gate_up, down and the routing weights), with a moe8.Config
+    of those fields."""
     torch.manual_seed(seed)
     T, H, I, E, K = 64, 128, 128, 4, 2
     x0 = torch.randn(T, H, device=device).to(torch.bfloat16)
@@ -486,11 +506,9 @@ def fp8_experts_runner(device, recipe, seed, monkeypatch):
     w0 = torch.rand(T, K, device=device)
     r = fp8.Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")
 
-    def run(**flags):
-        for name, value in flags.items():
-            monkeypatch.setattr(layer, name, value)
+    def run(**fields):
         x, gu, dn, w = (t.clone().requires_grad_() for t in (x0, *weights, w0))
-        y = fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe=r, cache=None)
+        y = experts_fp8(x, ids, w, gu, dn, recipe=r, cache=None, config=moe8.Config(**fields))
         return y, torch.autograd.grad(y.float().square().sum(), [x, gu, dn, w])
 
     return run
@@ -498,25 +516,27 @@ def fp8_experts_runner(device, recipe, seed, monkeypatch):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_experts_fp8_consuming_gate_up_matches(device, recipe, monkeypatch):
-    """layer.CONSUME_GATE_UP in the FP8 experts (d h written over the gate_up output): the same bits,
+def test_experts_fp8_consuming_gate_up_matches(device, recipe):
+    """Config.consume_gate_up in the FP8 experts (d h written over the gate_up output): the same bits,
     forward and every gradient, FP8 dgrad and wgrad included, routed down projection or not."""
-    run = fp8_experts_runner(device, recipe, 9, monkeypatch)
+    run = fp8_experts_runner(device, recipe, 9)
     for routed in (True, False):
-        flags = dict(ROUTED_DOWN=routed)
-        (y1, g1), (y2, g2) = run(CONSUME_GATE_UP=True, **flags), run(CONSUME_GATE_UP=False, **flags)
+        (y1, g1), (y2, g2) = (
+            run(consume_gate_up=True, routed_down=routed),
+            run(consume_gate_up=False, routed_down=routed),
+        )
         for a, b in zip([y1, *g1], [y2, *g2]):
             assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_experts_fp8_routed_down_matches_separate_ops(device, recipe, monkeypatch):
-    """layer.ROUTED_DOWN in the FP8 experts (the routing weights applied after the down projection's dgrad,
+def test_experts_fp8_routed_down_matches_separate_ops(device, recipe):
+    """Config.routed_down in the FP8 experts (the routing weights applied after the down projection's dgrad,
     the dgrad's rows quantised straight from dy): the same forward bits as the separate ops, and every
     gradient, the routing weights' included, within FP8 noise of theirs."""
-    run = fp8_experts_runner(device, recipe, 10, monkeypatch)
-    (y1, g1), (y2, g2) = run(ROUTED_DOWN=True), run(ROUTED_DOWN=False)
+    run = fp8_experts_runner(device, recipe, 10)
+    (y1, g1), (y2, g2) = run(routed_down=True), run(routed_down=False)
     assert torch.equal(y1, y2)
     for name, a, b in zip(("x", "gate_up", "down", "weights"), g1, g2):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -539,7 +559,7 @@ def test_grouped_linear_gathered_from_is_the_same(device):
         xl, wl = x.clone().requires_grad_(), wt.clone().requires_grad_()
         a = moe8.ops.permute(xl, r2s, s2r, K)
         src = {None: None, 3: (xl, r2s, K), 4: (xl, r2s, K, s2r)}[gathered]
-        c = fp8.grouped_linear(a, wl, offsets, 0, None, "blockwise", None, src)
+        c = grouped_linear(a, wl, offsets, 0, None, "blockwise", None, src)
         return [c, *torch.autograd.grad(c, [xl, wl], g)]
 
     want = run(None)
@@ -762,6 +782,6 @@ def test_experts_forward_fp8_checks_its_arguments():
     """The FP8 experts make the same argument checks as the bf16 ones (ValueError naming the argument)."""
     x, ids, w, gate_up, down = moe_inputs("cpu")
     with pytest.raises(ValueError, match="layout: expected one of"):
-        fp8.experts_forward_fp8(x, ids, w, gate_up, down, layout="nn")
+        experts_fp8(x, ids, w, gate_up, down, layout="nn")
     with pytest.raises(ValueError, match="weights: expected shape"):
-        fp8.experts_forward_fp8(x, ids, w[:, :1], gate_up, down)
+        experts_fp8(x, ids, w[:, :1], gate_up, down)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 import moe8  # noqa: E402, F401
-from moe8 import hf, layer  # noqa: E402
+from moe8 import experts, hf, layer  # noqa: E402
 from moe8.finetune.data import shared  # noqa: E402
 
 VOCAB = 128
@@ -177,22 +177,22 @@ def _restore():
 
 @pytest.fixture(autouse=True)
 def calls(monkeypatch):
-    """Counts the calls of moe8.layer.experts_forward ("n") and moe8.layer.route ("route"); with
+    """Counts the calls of moe8.experts.experts_forward ("n") and moe8.layer.route ("route"); with
     MOE8_HF_STANDIN=1 those of the pure-PyTorch stand-in instead."""
     if STANDIN:
         import _standin
 
-        monkeypatch.setattr(layer, "experts_forward", _standin.experts_forward)
+        monkeypatch.setattr(experts, "experts_forward", _standin.experts_forward)
         monkeypatch.setattr(layer, "route", _standin.route)
     counter = {"n": 0, "route": 0}
-    for name, key in (("experts_forward", "n"), ("route", "route")):
-        inner = getattr(layer, name)
+    for module, name, key in ((experts, "experts_forward", "n"), (layer, "route", "route")):
+        inner = getattr(module, name)
 
         def counted(*args, _inner=inner, _key=key, **kwargs):
             counter[_key] += 1
             return _inner(*args, **kwargs)
 
-        monkeypatch.setattr(layer, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return counter
 
 

@@ -107,15 +107,15 @@ def test_expert_with_no_tokens_gets_zero_grad(device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("routed", [True, False])
-def test_no_tokens_at_all(device, routed, monkeypatch):
+def test_no_tokens_at_all(device, routed):
     """A batch of 0 tokens: empty output, zero weight gradients, through y.sum().backward() (whose gradient is
     an expanded [0, H] tensor, contiguous for torch and now for moe8's checks too)."""
-    monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
     H, I, E = 8, 6, 4
     x = make((0, H), torch.float32, device)
     gu, dn = make((E, 2 * I, H), torch.float32, device), make((E, H, I), torch.float32, device)
     w = torch.rand(0, 2, device=device, requires_grad=True)
-    y = moe8.experts_forward(x, torch.zeros(0, 2, dtype=torch.int32, device=device), w, gu, dn)
+    ids = torch.zeros(0, 2, dtype=torch.int32, device=device)
+    y = moe8.experts_forward(x, ids, w, gu, dn, config=moe8.Config(routed_down=routed))
     y.sum().backward()
     assert y.shape == (0, H) and x.grad.shape == (0, H) and w.grad.shape == (0, 2)
     assert gu.grad.abs().max() == 0 and dn.grad.abs().max() == 0
@@ -188,18 +188,22 @@ def test_opcheck():
         (moe8.ops.grouped_gemm, (torch.randn(24, 8), b, offsets, 0, None)),
         (moe8.ops.activation, (torch.randn(24, 12), 0, False, 1.702, 7.0)),
         (
-            moe8.ops._grouped_gemm_recompute,
-            (torch.randn(24, 6), torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, None)
-            + (0, False, 1.702, 7.0),
+            moe8.fused._expert_linear,
+            (torch.randn(24, 8), b, None, None, None, offsets, 0, None, -1, None, None, 1, None),
+        ),
+        (
+            moe8.fused._activation_linear,
+            (torch.randn(24, 12), torch.randn(4, 8, 6), None, None, None, offsets, 0, None, -1)
+            + (0, False, 1.702, 7.0, False),
         ),
         (moe8.ops.combine, (torch.randn(24, 8), torch.rand(12, 2), s2r, r2s)),
         (
-            moe8.ops.activation_down_combine,
-            (torch.randn(24, 12), torch.randn(4, 8, 6), offsets, 0, torch.rand(12, 2), s2r, r2s)
-            + (0, False, 1.702, 7.0, False),
+            moe8.fused._activation_down_combine,
+            (torch.randn(24, 12), torch.randn(4, 8, 6), None, None, None, offsets, 0, -1, torch.rand(12, 2))
+            + (s2r, r2s, 0, False, 1.702, 7.0, False),
         ),
         (
-            moe8.ops.activation_backward_routed,
+            moe8.fused.activation_backward_routed,
             (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0),
         ),
         (
@@ -211,7 +215,7 @@ def test_opcheck():
 
 
 def test_fp8_option_routes_to_the_fp8_experts():
-    from moe8 import fp8
+    from moe8.precision import Fp8Gemms
 
     torch.manual_seed(3)
     T, H, I, E, K = 40, 256, 128, 4, 2
@@ -220,7 +224,9 @@ def test_fp8_option_routes_to_the_fp8_experts():
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K)
     y = moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise")
-    assert torch.equal(y, fp8.experts_forward_fp8(x, ids, w, gu, dn, recipe="blockwise", cache=None))
+    assert torch.equal(y, moe8.experts_forward(x, ids, w, gu, dn, fp8=Fp8Gemms("blockwise", cache=None)))
+    assert torch.equal(y, moe8.experts_forward(x, ids, w, gu, dn, config=moe8.Config(fp8="blockwise")))
+    assert not torch.equal(y, moe8.experts_forward(x, ids, w, gu, dn))  # bf16 GEMMs differ from FP8's
     with pytest.raises(ValueError, match="fp8: FP8 experts with LoRA"):
         moe8.experts_forward(x, ids, w, gu, dn, fp8="blockwise", lora=object())
 
@@ -300,17 +306,16 @@ def small_experts_problem(device, seed, T=40, H=32, I=24, E=4, K=2, r=4):
 
 
 @pytest.mark.parametrize("device", devices())
-def test_expert_lora_fused_add_matches(device, monkeypatch):
-    """layer.FUSED_LORA_ADD: the expert LoRA's B projection through grouped_lowrank_add gives the unfused
+def test_expert_lora_fused_add_matches(device):
+    """Config.fused_lora_add: the expert LoRA's B projection through grouped_lowrank_add gives the unfused
     result (fp32), forward and every gradient."""
     x0, (gu, dn), ids, w, factors = small_experts_problem(device, seed=6)
 
     def run(fused):
-        monkeypatch.setattr(layer, "FUSED_LORA_ADD", fused)
         x = x0.clone().requires_grad_()
         fs = [f.clone().requires_grad_() for f in factors]
         lora = layer.ExpertLoRA(*fs, scaling=2.0)
-        y = moe8.experts_forward(x, ids, w, gu, dn, lora=lora)
+        y = moe8.experts_forward(x, ids, w, gu, dn, lora=lora, config=moe8.Config(fused_lora_add=fused))
         return [y, *torch.autograd.grad(y.square().sum(), [x, *fs])]
 
     for a, b in zip(run(True), run(False)):
@@ -319,18 +324,17 @@ def test_expert_lora_fused_add_matches(device, monkeypatch):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("with_lora", [False, True])
-def test_experts_consuming_gate_up_matches(device, with_lora, monkeypatch):
-    """layer.CONSUME_GATE_UP (d h written over the gate_up output) gives the same bits, forward and every
+def test_experts_consuming_gate_up_matches(device, with_lora):
+    """Config.consume_gate_up (d h written over the gate_up output) gives the same bits, forward and every
     gradient, with and without the expert LoRA."""
     x0, weights, ids, w, factors = small_experts_problem(device, seed=8)
 
     def run(consume):
-        monkeypatch.setattr(layer, "CONSUME_GATE_UP", consume)
         x = x0.clone().requires_grad_()
         ws = [t.clone().requires_grad_() for t in weights]
         fs = [f.clone().requires_grad_() for f in factors] if with_lora else []
         lora = layer.ExpertLoRA(*fs, scaling=2.0) if with_lora else None
-        y = moe8.experts_forward(x, ids, w, *ws, lora=lora)
+        y = moe8.experts_forward(x, ids, w, *ws, lora=lora, config=moe8.Config(consume_gate_up=consume))
         return [y, *torch.autograd.grad(y.square().sum(), [x, *ws, *fs])]
 
     for a, b in zip(run(True), run(False)):
@@ -406,7 +410,7 @@ def test_activation_gemm_is_activation_then_gemm_keeping_less(device, act, layou
             lambda t: (kept.setdefault(t.data_ptr(), t.numel()), t)[1], lambda t: t
         ):
             if fused:
-                o = moe8.ops.activation_grouped_gemm(h, b, offsets, lay, c, kind, False, 1.702, 7.0)
+                o = moe8.fused.activation_linear(h, b, offsets, lay, c, kind, False, 1.702, 7.0)
             else:
                 a = moe8.ops.activation(h, kind, False, 1.702, 7.0)
                 o = moe8.ops.grouped_gemm(a, b, offsets, lay, c)
@@ -441,7 +445,7 @@ def test_activation_gemm_consuming_h(device, act, interleaved):
     def run(consume, retain=False):
         x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
         h = moe8.ops.grouped_gemm(x, w, offsets, 0, None)  # an intermediate, as in experts_forward
-        o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, interleaved, 1.702, 7.0, consume)
+        o = moe8.fused.activation_linear(h, b, offsets, 0, None, kind, interleaved, 1.702, 7.0, consume)
         return o, torch.autograd.grad(o, [x, w, b], g, retain_graph=retain), h.detach(), (o, x)
 
     o1, g1, h1, _ = run(True)
@@ -473,7 +477,7 @@ def test_activation_gemm_consuming_h_lowers_the_peak():
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         h = moe8.ops.grouped_gemm(x, w, offsets, 0, None)
-        o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, False, 1.702, 7.0, consume)
+        o = moe8.fused.activation_linear(h, b, offsets, 0, None, kind, False, 1.702, 7.0, consume)
         del h
         o.backward(g)
         torch.cuda.synchronize()
@@ -502,7 +506,7 @@ def test_activation_gemm_backward_peak_is_no_higher():
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         if fused:
-            o = moe8.ops.activation_grouped_gemm(h, b, offsets, 0, None, kind, False, 1.702, 7.0)
+            o = moe8.fused.activation_linear(h, b, offsets, 0, None, kind, False, 1.702, 7.0)
         else:
             o = moe8.ops.grouped_gemm(moe8.ops.activation(h, kind, False, 1.702, 7.0), b, offsets, 0, None)
         o.backward(g)
@@ -549,11 +553,11 @@ def test_activation_down_combine_matches_unfused(device, act, interleaved, consu
             h = ops.grouped_gemm(xp, w1, offsets, layout, None)
             args = (kind, interleaved, 1.702, 7.0)
             if fused:
-                y = ops.activation_down_combine(
+                y = moe8.fused.activation_down_combine(
                     h, w2, offsets, layout, r, slot_to_row, row_to_slot, *args, consume
                 )
             else:
-                o = ops.activation_grouped_gemm(h, w2, offsets, layout, None, *args, consume)
+                o = moe8.fused.activation_linear(h, w2, offsets, layout, None, *args, consume)
                 y = ops.combine(o, r, slot_to_row, row_to_slot)
         return y, torch.autograd.grad(y, [xp, w1, w2, r], g), list(kept.values())
 
@@ -567,7 +571,7 @@ def test_activation_down_combine_matches_unfused(device, act, interleaved, consu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
-def test_experts_peak_without_kept_expert_outputs(monkeypatch):
+def test_experts_peak_without_kept_expert_outputs():
     """The layer no longer holds the expert outputs o [R, H] into the backward (they were kept for the
     routing weights' gradient): forward + backward peak lower by about one [R, H] buffer (less the [R, I]
     d act the new backward holds at its peak) than with the separate activation_grouped_gemm and combine."""
@@ -580,12 +584,11 @@ def test_experts_peak_without_kept_expert_outputs(monkeypatch):
     w = torch.rand(T, K, device=dev, requires_grad=True)
     g = torch.randn(T, Hd, device=dev, dtype=bf)
 
-    def peak(routed):  # ROUTED_DOWN False: activation_grouped_gemm, then combine keeping o for its backward
-        monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
+    def peak(routed):  # routed_down False: activation_linear, then combine keeping o for its backward
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        y = layer.experts_forward(x, ids, w, gu, dn, check_ids=False)
+        y = layer.experts_forward(x, ids, w, gu, dn, check_ids=False, config=moe8.Config(routed_down=routed))
         y.backward(g)
         torch.cuda.synchronize()
         x.grad = gu.grad = dn.grad = w.grad = None

@@ -1,0 +1,184 @@
+"""moe8._core — the ground floor of the Python front: the extension handle (moe8._C), CUDA streams, GEMM
+workspaces and the direct-call path of moe8's torch.library ops. Every op module imports this one; it imports
+nothing else of moe8 but the environment defaults (moe8._env).
+
+Direct calls. A torch.library custom op call goes twice through the dispatcher and through the custom-op
+wrappers before it reaches the op's Python function (~30 us of host time a call measured on a CPU, 2x the
+function itself), which a single MoE layer pays ~15 times a step; on a GPU the kernels of the router, plan and
+permute take microseconds, so the GPU waits for that host time. A call from plain eager code therefore runs
+the op's own function, and a differentiable op an autograd.Function built from its registered setup_context /
+backward: the same functions and kernels, the same results. Anything else takes the custom op: torch.compile
+tracing, functorch transforms, an active TorchDispatchMode or TorchFunctionMode (fake / meta tensors,
+FlopCounter, `dispatched()` below, ...), tensors other than plain CPU / CUDA tensors and parameters (DTensor,
+meta), keyword arguments. An op that writes an input bumps its version counter as the dispatcher does.
+MOE8_EAGER_DIRECT=0 in the environment (read once, at import) keeps every call on the custom ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.utils.dlpack
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from . import _C as _ext
+from ._env import ENV
+
+EAGER_DIRECT: bool = ENV["eager_direct"]
+
+SCHEMES = {"softmax": 0, "sigmoid_group": 1, "topk_softmax": 2}
+ACTIVATIONS = {"swiglu": 0, "swiglu_clamped": 1, "silu": 2, "gelu": 3}
+LAYOUTS = {"nk": 0, "kn": 1}
+
+
+class _Core:
+    """moe8._C with tensor arguments detached (DLPack refuses tensors that require grad). With direct calls
+    on, tensors go over as DLPack capsules made here (torch.utils.dlpack.to_dlpack, ~0.4 us) rather than
+    through Tensor.__dlpack__, which nanobind calls otherwise (~5 us a tensor on the development CPU; a layer
+    step passes ~66 tensors)."""
+
+    def __getattr__(self, name):
+        fn = getattr(_ext, name)
+        capsule = torch.utils.dlpack.to_dlpack
+
+        if EAGER_DIRECT:
+
+            def call(*args):  # detach only what requires grad (~1 us a tensor on the H200's host)
+                return fn(
+                    *[
+                        capsule(a.detach() if a.requires_grad else a) if isinstance(a, Tensor) else a
+                        for a in args
+                    ]
+                )
+
+        else:
+
+            def call(*args):
+                return fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
+
+        setattr(self, name, call)  # built once per function: later lookups skip __getattr__
+        return call
+
+
+C = _Core()
+
+
+def stream(t: Tensor) -> int:
+    """The current CUDA stream of t's device as an integer (0 for a CPU tensor), as the core takes it."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def choice(name: str, value: str, table: dict) -> int:
+    """table[value], or a ValueError naming the argument and the expected values."""
+    if value not in table:
+        raise ValueError(f"{name}: expected one of {sorted(table)}, got {value!r}")
+    return table[value]
+
+
+def gated(kind: int) -> bool:
+    return kind in (0, 1)
+
+
+# ------------------------------------------------------------------------------------------ workspaces
+_ws_bytes: dict = {}
+
+
+def sm90_workspace(
+    a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes"
+) -> Optional[Tensor]:
+    """Scratch that lets a grouped GEMM take the Hopper (CUTLASS sm_90a) path (`query` names the _C function
+    giving its size); None where there is no such path. Sizes are cached per (device, experts, query)."""
+    n = sm90_workspace_bytes(a, num_experts, query)
+    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+
+
+def sm90_workspace_bytes(a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes") -> int:
+    """Bytes of sm90_workspace for a's device (0: no Hopper path there, or a is on the CPU); cached."""
+    if not a.is_cuda:
+        return 0
+    key = (a.device.index, num_experts, query)
+    if key not in _ws_bytes:
+        with torch.cuda.device(a.device):
+            _ws_bytes[key] = getattr(C, query)(num_experts, True)
+    return _ws_bytes[key]
+
+
+# -------------------------------------------------------------------------------------- direct calls
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct_ok(args) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
+            return False
+    return True
+
+
+class _DirectOp(torch._library.custom_ops.CustomOpDef):
+    """A moe8 custom op whose plain eager calls skip the dispatcher (see the module's docstring); an
+    instance of CustomOpDef still (torch.library.opcheck, register_fake, ... see the same op)."""
+
+    def _setup_direct(self) -> None:
+        schema = self._opoverload._schema
+        self._direct_nargs = len(schema.arguments)
+        # the arguments an in-place op writes: their version counters are bumped as the dispatcher would,
+        # so that autograd still refuses a saved tensor that was overwritten
+        self._direct_writes = [
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        self._direct_fn = None
+        impl, setup, bwd = self._init_fn, self._setup_context_fn, self._backward_fn
+        if bwd is not None and setup is not None:
+
+            def forward(ctx, *args):
+                out = impl(*args)
+                setup(ctx=ctx, inputs=args, output=out)
+                return out
+
+            def backward(ctx, *grads):
+                return bwd(ctx, *grads)
+
+            methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+            self._direct_fn = type("Direct_" + self._name, (torch.autograd.Function,), methods)
+
+    def __call__(self, *args, **kwargs):
+        if not EAGER_DIRECT or kwargs or len(args) != self._direct_nargs or not _direct_ok(args):
+            return super().__call__(*args, **kwargs)
+        if self._direct_fn is not None and torch.is_grad_enabled():
+            if any(isinstance(a, Tensor) and a.requires_grad for a in args):
+                return self._direct_fn.apply(*args)
+        out = self._init_fn(*args)
+        for i in self._direct_writes:
+            torch.autograd.graph.increment_version(args[i])
+        return out
+
+
+def make_direct(namespace: dict) -> None:
+    """Turns every custom op in `namespace` (a module's globals, after all its registrations) into a
+    _DirectOp (the same object, its class swapped)."""
+    for value in namespace.values():
+        if type(value) is torch._library.custom_ops.CustomOpDef:
+            value.__class__ = _DirectOp
+            value._setup_direct()
+
+
+class _Dispatched(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def dispatched():
+    """Within this block every moe8 op call goes through the torch.library dispatcher (a TorchFunctionMode
+    that changes nothing else): for comparing the direct path with the dispatched one."""
+    with _Dispatched():
+        yield

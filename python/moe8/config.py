@@ -1,0 +1,98 @@
+"""moe8.config — one frozen configuration per model: what moe8 does to it and how its layers run.
+
+`moe8.enable(**fields)` sets the Config given to models built afterwards, `moe8.accelerate(model, **fields)`
+attaches one to a model that exists; every MoE layer of the model reads its model's Config, so two models in
+one process can differ. `moe8.experts_forward(..., config=Config(...))` takes one directly. Defaults that the
+environment may change (moe8._env) are read once, at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from ._env import ENV
+from .fp8 import Float8Recipe, _recipe
+
+TRANSPORTS = ("auto", "nccl", "ipc")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How moe8 runs a model's MoE layers (immutable; `replace(**changes)` gives a changed copy).
+
+    fp8: None (expert GEMMs in the model's dtype) or an FP8 recipe for them: "blockwise" (1x128 / 128x128
+        scales, the DeepSeek-V3 recipe), "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe (dgrad / wgrad in
+        FP8 too). Experts with moe8 LoRA stay in bf16.
+    routed_down: run the experts' activation, down projection and combine as one op
+        (moe8.fused.activation_down_combine) when the down projection has no bias and no LoRA: neither the
+        activations nor the expert outputs are kept for the backward (default on; MOE8_ROUTED_DOWN=0).
+    consume_gate_up: the experts' backward writes d h over the gate_up output (one [R, 2I] buffer less at the
+        backward's peak, the same bits); a second backward through the same graph (retain_graph=True) then
+        raises, so set False for that.
+    fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
+        (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
+    check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
+        keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
+    fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
+        its logits, so hooks keep working).
+    fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).
+    fuse_rope: rotary embeddings with one fused kernel per tensor (process-wide while on: transformers'
+        attention looks the function up in its modeling module).
+    fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
+        [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
+    ep: expert-parallel group size (1: every rank holds all experts).
+    transport: how tokens reach their experts' ranks under expert parallelism: "nccl" (all-to-all), "ipc"
+        (direct GPU-to-GPU writes within one node) or "auto" (ipc within a node, else nccl).
+    """
+
+    fp8: Optional[Union[str, Float8Recipe]] = None
+    routed_down: bool = field(default_factory=lambda: ENV["routed_down"])
+    consume_gate_up: bool = True
+    fused_lora_add: bool = False
+    check_ids: bool = False
+    fuse_router: bool = False
+    fuse_norm: bool = False
+    fuse_rope: bool = False
+    fuse_loss: bool = False
+    ep: int = 1
+    transport: str = "auto"
+
+    def __post_init__(self):
+        fp8 = self.fp8
+        if fp8 in ("none", "bf16"):  # the spellings of "off" in configs and flags
+            fp8 = None
+        if fp8 is not None and not isinstance(fp8, Float8Recipe):
+            fp8 = _recipe(fp8)  # raises on an unknown recipe
+        object.__setattr__(self, "fp8", fp8)
+        for name in (
+            "routed_down",
+            "consume_gate_up",
+            "fused_lora_add",
+            "check_ids",
+            "fuse_router",
+            "fuse_norm",
+            "fuse_rope",
+            "fuse_loss",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"ep: expected a positive int, got {self.ep!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
+
+    def replace(self, **changes) -> Config:
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"moe8.Config has no field(s) {unknown}; fields: {fields()}")
+        return dataclasses.replace(self, **changes)
+
+
+def fields() -> list:
+    """The names of Config's fields."""
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+DEFAULT = Config()

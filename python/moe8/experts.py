@@ -1,0 +1,161 @@
+"""moe8.experts — the experts of an MoE layer, one pipeline for every GEMM precision:
+
+    plan -> permute -> gate_up GEMM (+ LoRA) -> activation + down GEMM (+ LoRA) -> combine
+
+in expert order, deterministic (no atomics). The GEMM precision is a strategy (moe8.precision: bf16, or an
+FP8 recipe with its weight cache) that the fused ops (moe8.fused) take as a parameter; what else varies
+(routed down projection, consumed gate_up output, fused LoRA add, id checks) comes from the moe8.Config.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import fused, ops
+from ._core import ACTIVATIONS, LAYOUTS, choice
+from .config import DEFAULT, Config
+from .precision import BF16, Precision, precision
+
+
+class ExpertLoRA(NamedTuple):
+    """Low-rank updates of the expert weights, stored in the layout of the base weights:
+    "nk": W[e] + scaling * B[e]·A[e]; "kn": W[e] + scaling * A[e]·B[e]. Either way A maps the GEMM's input
+    to r and B maps r to its output, so the update runs as two thin grouped GEMMs, (x·A)·B, no B·A made."""
+
+    gate_up_A: Tensor  # nk [E, r, H]   kn [E, H, r]
+    gate_up_B: Tensor  # nk [E, 2I, r]  kn [E, r, 2I]
+    down_A: Tensor  # nk [E, r, I]   kn [E, I, r]
+    down_B: Tensor  # nk [E, H, r]   kn [E, r, H]
+    scaling: float
+    dropout: float = 0.0  # on the LoRA branch's input only; pass 0 in eval
+
+
+def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
+    E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
+    r = A.shape[2 if kn else 1] if A.dim() == 3 else -1
+    want = ((E, kd, r), (E, r, n)) if kn else ((E, r, kd), (E, n, r))
+    if (tuple(A.shape), tuple(B.shape)) != want:
+        raise ValueError(
+            f"lora.{name}_A, lora.{name}_B: expected shapes {want[0]}, {want[1]} for {name} "
+            f"{tuple(w.shape)}, got {tuple(A.shape)}, {tuple(B.shape)}"
+        )
+
+
+def _plus_low_rank(
+    c: Tensor, x: Tensor, A: Tensor, B: Tensor, offsets: Tensor, lay: int, lora: ExpertLoRA, fused_add: bool
+) -> Tensor:
+    """c + scaling * (dropout(x)·A[e])·B[e] per expert: x [R, K] -> [R, r] -> [R, N], added to c [R, N]."""
+    if lora.dropout:
+        x = torch.nn.functional.dropout(x, lora.dropout)
+    t = ops.grouped_gemm(x, A.to(x.dtype).contiguous(), offsets, lay, None)  # [R, r]
+    t = lora.scaling * t  # scaling on the thin tensor
+    B = B.to(x.dtype).contiguous()
+    if fused_add:
+        return ops.grouped_lowrank_add(c, t, B, offsets, lay)
+    return c + ops.grouped_gemm(t, B, offsets, lay, None)
+
+
+def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: str) -> tuple[int, int]:
+    """The checks every experts_forward makes (ValueError naming the argument); returns the layout and
+    activation codes."""
+    lay = choice("layout", layout, LAYOUTS)
+    act = choice("activation", activation, ACTIVATIONS)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(
+            f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}"
+        )
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(
+            f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
+    return lay, act
+
+
+def dispatch_plan(x: Tensor, ids: Tensor, gate_up: Tensor, pad_multiple: int = 1, check_ids: bool = True):
+    """x in the experts' dtype, top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot,
+    slot_to_row)."""
+    _, offsets, row_to_slot, slot_to_row = ops.plan(
+        ids.to(torch.int32).contiguous(), gate_up.shape[0], pad_multiple, check_ids
+    )
+    return x.to(gate_up.dtype).contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
+
+
+def experts_forward(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    *,
+    layout: str = "nk",
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    gate_up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    lora: Optional[ExpertLoRA] = None,
+    fp8=None,
+    check_ids: Optional[bool] = None,
+    config: Optional[Config] = None,
+) -> Tensor:
+    """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
+
+    x [T, H]; ids [T, K] int; weights [T, K]; layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
+    layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
+    lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
+    fp8: the expert GEMMs' precision when not the config's: None (config.fp8), "none", an FP8 recipe
+    ("blockwise", "rowwise", "tensorwise", a moe8.fp8.Float8Recipe) or a moe8.precision strategy (e.g.
+    Fp8Gemms("blockwise", cache=None) to quantise the weights at every call).
+    check_ids: range-check ids on the device (a host sync on CUDA, which also keeps the call out of CUDA
+    graphs); default True here, config.check_ids when a config is passed; pass False for ids from a top-k.
+    config: a moe8.Config (routed_down, consume_gate_up, fused_lora_add, fp8, check_ids); default
+    moe8.config.DEFAULT.
+    """
+    if check_ids is None:
+        check_ids = True if config is None else config.check_ids
+    cfg = DEFAULT if config is None else config
+    prec = precision(cfg.fp8 if fp8 is None else fp8)
+    lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
+    if lora is not None and prec is not BF16:
+        raise ValueError(f"fp8: FP8 experts with LoRA are not supported yet; got {prec!r} with lora")
+    if lora is not None:
+        _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
+        _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, prec.pad_multiple, check_ids)
+    x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)
+    xp = _permuted(x, x_rows, prec, (weights, gate_up, down, gate_up_bias, down_bias, lora))  # [R, H]
+    h = fused.expert_linear(xp, gate_up, offsets, lay, gate_up_bias, prec, x_rows)  # [R, 2I]
+    if lora is not None:
+        h = _plus_low_rank(h, xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora, cfg.fused_lora_add)
+    act_args = (act, bool(interleaved), float(alpha), float(limit))
+    w = weights.float().contiguous()  # [T, K]
+    consume = cfg.consume_gate_up
+    if cfg.routed_down and lora is None and down_bias is None:  # neither activations nor expert outputs kept
+        return fused.activation_down_combine(
+            h, down, offsets, lay, w, slot_to_row, row_to_slot, *act_args, consume, prec
+        )
+    if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
+        o = fused.activation_linear(h, down, offsets, lay, down_bias, *act_args, consume, prec)  # [R, H]
+    else:  # the LoRA branch keeps them anyway
+        a = (ops.activation_consuming if consume else ops.activation)(h, *act_args)  # [R, I]
+        o = fused.expert_linear(a, down, offsets, lay, down_bias, prec)  # [R, H]
+        o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora, cfg.fused_lora_add)
+    return ops.combine(o, w, slot_to_row, row_to_slot)  # [T, H]
+
+
+def _permuted(x: Tensor, x_rows: tuple, prec: Precision, others: tuple) -> Tensor:
+    """x's rows in expert order (ops.permute), unless nothing will read them: without autograd the FP8
+    blockwise GEMM quantises its rows straight from x (x stands in for them, read only for its dtype)."""
+    if getattr(prec, "name", None) == "blockwise":
+        tensors = [x, *others[:5]] + (list(others[5][:4]) if others[5] is not None else [])
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+            return x
+    return ops.permute(*x_rows[:2], x_rows[3], x_rows[2])

@@ -1,0 +1,97 @@
+"""moe8.hf.forward — the forwards moe8 gives transformers' modules: the "moe8" experts function, and the
+router and RMSNorm forwards of fused models. Each reads the moe8.Config attached to its module."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from moe8 import experts as _experts
+from moe8.config import Config
+
+from .families import TABLE, experts_spec
+from .registry import registry
+
+NAME = "moe8"
+_noticed = set()  # experts classes already warned about (once each)
+
+
+def module_config(module) -> Config:
+    """The moe8.Config of the model this module belongs to (attached by enable() / accelerate()); the
+    registry's default for a model switched to "moe8" through transformers alone."""
+    cfg = getattr(module, "_moe8", None)
+    return registry.default if cfg is None else cfg
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "moe8" entry of ALL_EXPERTS_FUNCTIONS, called as the experts module's forward.
+
+    hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H] in hidden_states' dtype.
+    """
+    spec = experts_spec(self)
+    if isinstance(spec, str) and hasattr(self, "gate_up_lora_A"):
+        raise RuntimeError(
+            f"moe8: {type(self).__name__} carries moe8 expert LoRA but moe8 can't run it: {spec}"
+        )
+    if isinstance(spec, str):  # never break a model: run transformers' default instead
+        if not torch.compiler.is_compiling() and type(self) not in _noticed:
+            _noticed.add(type(self))
+            warnings.warn(
+                f"moe8: {type(self).__name__} runs on transformers' grouped_mm: {spec}", stacklevel=2
+            )
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    cfg = module_config(self)
+    extra = {}
+    if self.has_bias:
+        extra = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+    if hasattr(self, "gate_up_lora_A"):  # expert LoRA attached by moe8.lora.apply_lora
+        extra["lora"] = _experts.ExpertLoRA(
+            self.gate_up_lora_A,
+            self.gate_up_lora_B,
+            self.down_lora_A,
+            self.down_lora_B,
+            self.lora_scaling,
+            self.lora_dropout if self.training else 0.0,
+        )
+        extra["fp8"] = "none"  # FP8 experts with LoRA are not supported yet: these stay in bf16
+    return _experts.experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        **spec,
+        **extra,
+        check_ids=cfg.check_ids,  # the model's router picked them with a top-k over the experts: no sync
+        config=cfg,
+    ).to(hidden_states.dtype)
+
+
+def _is_moe8(module) -> bool:
+    config = getattr(module, "_moe8_config", None)
+    return config is not None and config._experts_implementation == NAME
+
+
+def router_forward(self, hidden_states):
+    """The forward of a family's router class while routing is fused (Config.fuse_router). Routers of fused
+    models route with moe8.layer.route (the family's `route` in moe8.hf.families), the others run their own
+    forward. The router module is still called, so hooks on it (router logits recorded for the aux loss) keep
+    working, and its outputs keep their meaning: (router_logits [T, E], top_k_weights [T, K], top_k_index [T, K]
+    int32)."""
+    if not _is_moe8(self):
+        return type(self)._moe8_forward(self, hidden_states)
+    return TABLE[self._moe8_config.model_type].route(self, hidden_states)
+
+
+def norm_forward(self, hidden_states):
+    """The forward of a family's RMSNorm class while norms are fused (Config.fuse_norm): one fused kernel
+    (torch.nn.functional.rms_norm: fp32 statistics, the weight applied in fp32, one rounding) instead of
+    transformers' chain of elementwise passes, forward and backward. Norms of other models, and inputs whose
+    dtype is not the weight's, run their own forward."""
+    if not _is_moe8(self) or hidden_states.dtype != self.weight.dtype:
+        return type(self)._moe8_forward(self, hidden_states)
+    return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)

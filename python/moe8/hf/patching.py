@@ -1,0 +1,268 @@
+"""moe8.hf.patching — switching transformers models to moe8 and back: "moe8" in ALL_EXPERTS_FUNCTIONS, the
+hooks that pick it for models built after enable(), the per-model moe8.Config, the fused router / norm /
+RoPE / loss forwards, and disable(), which undoes all of it."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+import weakref
+
+from moe8.config import DEFAULT, Config
+
+from .families import (
+    FAMILIES,
+    NORMS,
+    ROPE_FAMILIES,
+    ROUTERS,
+    config_supported,
+    experts_spec,
+    is_experts_module,
+)
+from .forward import NAME, _noticed, experts_forward, norm_forward, router_forward
+from .registry import registry
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "moe8's Hugging Face integration needs transformers>=5: pip install 'transformers>=5'"
+        ) from e
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ImportError(
+            f"moe8's Hugging Face integration needs transformers>=5 (fused 3D experts and ALL_EXPERTS_FUNCTIONS); "
+            f"found transformers {transformers.__version__}"
+        )
+    return transformers
+
+
+def _families(families) -> frozenset:
+    if families is None:
+        return frozenset(FAMILIES)
+    families = [families] if isinstance(families, str) else list(families)
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"moe8: unknown families {unknown}; supported: {list(FAMILIES)}")
+    return frozenset(families)
+
+
+def _config(base: Config, config, changes: dict) -> Config:
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"config: expected a moe8.Config, got {type(config).__name__}")
+    return (config or base).replace(**changes)
+
+
+# ------------------------------------------------------------------------------------ fusing, per model
+def _fuse(model, classes: dict, forward) -> None:
+    """Give every module of model whose class is classes[model_type] moe8's forward (patched on the class,
+    switched on per module by `_moe8_config`, the model's HF config)."""
+    config = model.config
+    name = classes.get(getattr(config, "model_type", None))
+    for m in model.modules():
+        cls = type(m)
+        if cls.__name__ != name:
+            continue
+        if cls not in registry.patched_classes:
+            cls._moe8_forward, cls.forward = cls.forward, forward
+            registry.patched_classes.add(cls)
+        m._moe8_config = config  # a plain attribute: not in state_dict; deepcopy and pickle keep it right
+        registry.fused.add(m)
+
+
+def _fuse_rope(families) -> None:
+    """Point the modeling modules of these families at moe8.ops.apply_rotary_pos_emb (one fused kernel per
+    tensor, forward and backward; process-wide: the attention code looks the function up by name)."""
+    from moe8 import ops
+
+    for family in set(families) & set(ROPE_FAMILIES):
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        if mod not in registry.rope_patched:
+            registry.rope_patched[mod] = mod.apply_rotary_pos_emb
+            mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
+
+
+def _fuse_loss(model) -> None:
+    """The causal LM's training loss without its logits (moe8.loss.fuse_causal_lm_loss); the inner base model
+    of a CausalLM has no LM head and is left alone."""
+    from moe8.loss import fuse_causal_lm_loss
+
+    if fuse_causal_lm_loss(model):
+        registry.loss_fused.add(model)
+    elif hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+        head = type(model.get_output_embeddings()).__name__
+        warnings.warn(
+            f"moe8: fuse_loss left {type(model).__name__}'s loss as it is: its LM head is a {head}, "
+            "not an nn.Linear without bias",
+            stacklevel=4,
+        )
+
+
+def _apply(model, cfg: Config) -> None:
+    """Attach cfg to the model's experts and turn on the fusions it asks for."""
+    for m in model.modules():
+        if is_experts_module(m):
+            m._moe8 = cfg  # a plain attribute, as _moe8_config
+            registry.configured.add(m)
+    if cfg.fuse_router:
+        _fuse(model, ROUTERS, router_forward)
+    if cfg.fuse_norm:
+        _fuse(model, NORMS, norm_forward)
+    if cfg.fuse_rope:
+        _fuse_rope([model.config.model_type])
+    if cfg.fuse_loss:
+        _fuse_loss(model)
+
+
+def is_accelerated(model) -> bool:
+    """True when the model's experts run on moe8."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_experts_implementation", None) == NAME
+
+
+def config_of(model) -> Config | None:
+    """The moe8.Config a model's experts run with (None when none is attached)."""
+    return next((m._moe8 for m in model.modules() if getattr(m, "_moe8", None) is not None), None)
+
+
+# ------------------------------------------------------------------------------ hooks on PreTrainedModel
+def _post_init(model, original) -> None:
+    original(model)
+    if registry.auto and is_accelerated(model):
+        _apply(model, registry.default)
+
+
+def _check_and_adjust(model, requested, original):
+    """Wraps PreTrainedModel._check_and_adjust_experts_implementation, which every model's __init__ and
+    set_experts_implementation call: picks "moe8" by default after enable(), and remembers each config set to
+    "moe8" so that disable() can switch it back."""
+    config = model.config
+    previous = config._experts_implementation
+    if requested is None and registry.auto and getattr(config, "model_type", None) in registry.families:
+        why = config_supported(config)
+        if why is None:
+            requested = NAME
+        else:
+            warnings.warn(f"moe8: {type(model).__name__} left on transformers' experts: {why}", stacklevel=4)
+    chosen = original(model, requested)
+    entry = registry.switched.get(id(config))
+    if chosen == NAME and (entry is None or entry[0]() is not config):
+        if previous in (None, NAME):
+            previous = original(model, None)
+        registry.switched[id(config)] = (weakref.ref(config), previous)
+    return chosen
+
+
+def register():
+    """Register "moe8" in transformers' ALL_EXPERTS_FUNCTIONS, so that `experts_implementation="moe8"` and
+    `model.set_experts_implementation("moe8")` work; changes no default."""
+    _transformers()
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.modeling_utils import PreTrainedModel
+
+    ExpertsInterface.register(NAME, experts_forward)
+    if registry.check is None:
+        original = PreTrainedModel._check_and_adjust_experts_implementation
+
+        def _check_and_adjust_experts_implementation(self, experts_implementation):
+            return _check_and_adjust(self, experts_implementation, original)
+
+        PreTrainedModel._check_and_adjust_experts_implementation = _check_and_adjust_experts_implementation
+        registry.check = (original, _check_and_adjust_experts_implementation)
+    if registry.post_init is None:
+        original_post_init = PreTrainedModel.post_init
+
+        def post_init(self):
+            _post_init(self, original_post_init)
+
+        PreTrainedModel.post_init = post_init
+        registry.post_init = (original_post_init, post_init)
+
+
+# ---------------------------------------------------------------------------------------------- the API
+def enable(families=None, config: Config | None = None, **fields):
+    """Make every supported MoE model built from now on (from_pretrained, from_config, the class) run its
+    experts on moe8, unless it asks for another `experts_implementation` explicitly.
+
+    families: config.model_type names to accelerate (default: all of moe8.hf.FAMILIES).
+    config, **fields: the moe8.Config these models get (fields override config's; see moe8.Config: fp8,
+        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). fuse_rope patches
+        the families' modeling modules right away (process-wide, until disable()).
+    """
+    cfg = _config(DEFAULT, config, fields)
+    families = _families(families)
+    register()
+    registry.families, registry.auto, registry.default = families, True, cfg
+    if cfg.fuse_rope:
+        _fuse_rope(families)
+
+
+def accelerate(model, families=None, config: Config | None = None, **fields):
+    """Run the experts of an existing model on moe8 and return the model (switched in place).
+
+    model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
+    family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
+    config, **fields: the model's moe8.Config (see moe8.Config); fields change the model's current Config
+    (the one enable() gave it, or the default) when no config is given. fp8="none" switches FP8 off.
+    """
+    _transformers()
+    from transformers.modeling_utils import PreTrainedModel
+
+    families = _families(families)
+    base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    family = getattr(getattr(base, "config", None), "model_type", None)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    why = None
+    if base is None:
+        why = "not a transformers model"
+    elif not experts:
+        why = "no MoE experts"
+    elif family not in families:
+        why = f"model type {family!r} is not one of {sorted(families)}"
+    else:
+        why = next((s for s in map(experts_spec, experts) if isinstance(s, str)), None)
+    if why is not None:
+        warnings.warn(f"moe8: {type(model).__name__} left untouched: {why}", stacklevel=2)
+        return model
+    cfg = _config(config_of(base) or registry.default, config, fields)
+    register()
+    base.set_experts_implementation(NAME)
+    _apply(base, cfg)
+    return model
+
+
+def disable():
+    """Undo enable() and accelerate(): models switched to moe8 go back to the experts implementation (and
+    routers) they had, new models get transformers' default, and "moe8" leaves ALL_EXPERTS_FUNCTIONS."""
+    if registry.check is None:  # never registered: nothing to undo (and transformers may be absent)
+        return
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.modeling_utils import PreTrainedModel
+
+    from moe8.loss import unfuse_causal_lm_loss
+
+    for hooks, attr in (
+        (registry.check, "_check_and_adjust_experts_implementation"),
+        (registry.post_init, "post_init"),
+    ):
+        if hooks is not None and PreTrainedModel.__dict__.get(attr) is hooks[1]:
+            setattr(PreTrainedModel, attr, hooks[0])
+    for ref, previous in registry.switched.values():
+        config = ref()
+        if config is not None and config._experts_implementation == NAME:
+            config._experts_implementation_internal = previous
+    for m in list(registry.fused):
+        del m._moe8_config
+    for m in list(registry.configured):
+        del m._moe8
+    for cls in registry.patched_classes:
+        cls.forward = cls._moe8_forward
+        del cls._moe8_forward
+    for mod, own in registry.rope_patched.items():
+        mod.apply_rotary_pos_emb = own
+    for m in list(registry.loss_fused):
+        unfuse_causal_lm_loss(m)
+    ExpertsInterface._global_mapping.pop(NAME, None)
+    registry.reset()
+    _noticed.clear()

@@ -1,0 +1,187 @@
+"""moe8.precision — the GEMM precision of the experts pipeline, as a strategy object that supplies the
+forward, dgrad and wgrad grouped GEMMs (moe8.fused and moe8.experts take it as a parameter; there is one
+pipeline, not one per precision):
+
+    BF16                 the GEMMs in the inputs' dtype (bf16 / fp16 / fp32), biases fused into the kernel
+    Fp8Gemms(recipe)     the forward GEMMs in FP8 e4m3 with a moe8.fp8 recipe (blockwise, rowwise, tensorwise),
+                         the dgrad / wgrad GEMMs too when the recipe says dgrad / wgrad "fp8"; weights
+                         quantised through an Fp8WeightCache (refreshed once per optimizer step)
+
+Inside a torch.library op the strategy travels as an int (`code`; `from_code` rebuilds it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .fp8 import (
+    RECIPES,
+    Float8Recipe,
+    Fp8Weight,
+    Fp8WeightCache,
+    _recipe,
+    default_cache,
+    grouped_gemm_fp8,
+    grouped_gemm_fp8_wgrad,
+    quantize_activation,
+    quantize_cols_1x128,
+    quantize_rows_1x128,
+    quantize_weight,
+    swiglu_quant,
+)
+
+NO_WEIGHT = (None, None, None)  # the quantised-weight arguments of the fused ops when nothing is quantised
+
+
+class Bf16Gemms:
+    """The grouped GEMMs in the inputs' own dtype (moe8.ops.grouped_gemm and its gradients)."""
+
+    name = "bf16"
+    code = -1
+    pad_multiple = 1  # row groups need no alignment
+    bias_in_kernel = True  # the GEMM adds the bias (and its wgrad gives d bias)
+
+    def quantized(self, w: Tensor, layout: int) -> tuple:
+        return NO_WEIGHT
+
+    def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
+        """a [R, K] . op(w[e]) (+ bias[e]) per expert group -> [R, N]."""
+        return ops.grouped_gemm(a, w.contiguous(), offsets, layout, bias)
+
+    def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
+        """forward(activation(h, *act)), the activations freed on return."""
+        return self.forward(ops.activation(h, *act), w, wq, offsets, layout, bias)
+
+    def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
+        """d a of c = a . op(w) from g = d c (`gathered`: g's rows are a gather, unused here)."""
+        return ops._input_grad(g, w, offsets, layout)
+
+    def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
+        """(d w, d bias in bias_dtype or None)."""
+        return ops._weight_grads(a, g, w, offsets, layout, bias_dtype)
+
+
+BF16 = Bf16Gemms()
+
+
+class Fp8Gemms:
+    """The grouped GEMMs in FP8 with `recipe` (a moe8.fp8 recipe name or Float8Recipe). cache: where the
+    weights' FP8 copies come from in the forward (None: quantised at every call); the backward's copies (FP8
+    dgrad) come from moe8.fp8.default_cache."""
+
+    bias_in_kernel = False  # the bias is added in fp32 after the GEMM (see add_bias)
+
+    def __init__(self, recipe="blockwise", cache: Optional[Fp8WeightCache] = default_cache):
+        self.recipe = _recipe(recipe)
+        self.cache = cache
+        r = self.recipe
+        self.name = r.name
+        self.code = r.id | (r.dgrad == "fp8") << 2 | (r.wgrad == "fp8") << 3
+        # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
+        self.pad_multiple = 16 if r.wgrad == "fp8" else 1
+
+    def __repr__(self) -> str:
+        return f"Fp8Gemms({self.recipe!r})"
+
+    def quantized(self, w: Tensor, layout: int) -> Fp8Weight:
+        if self.cache is None:
+            return quantize_weight(w, layout, self.recipe)
+        return self.cache.get(w, layout, self.recipe)
+
+    def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
+        assert bias is None, "Fp8Gemms adds biases outside the GEMM (add_bias)"
+        return _fp8_forward(a, Fp8Weight(*wq), offsets, self.recipe, gathered)
+
+    def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
+        assert bias is None, "Fp8Gemms adds biases outside the GEMM (add_bias)"
+        wq = Fp8Weight(*wq)
+        if self.recipe.name == "blockwise":  # activation and 1x128 quantisation in one pass (same bits)
+            aq, a_s = swiglu_quant(h, *act)
+            return grouped_gemm_fp8(aq, a_s, wq.q, wq.scale, offsets, h.dtype)
+        return _fp8_forward(ops.activation(h, *act), wq, offsets, self.recipe)
+
+    def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
+        if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
+            wt = default_cache.get(w, 1 - layout, self.recipe)
+            return _fp8_forward(g, wt, offsets, self.recipe, gathered)
+        return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
+
+    def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
+        dw = _fp8_wgrad(a, g, offsets, layout, w.shape[0]) if self.recipe.wgrad == "fp8" else None
+        if dw is None:  # bf16, or no FP8 wgrad kernel here
+            dw = ops.grouped_gemm_wgrad(a, g, offsets, layout, w.shape[0], False)[0]
+        return dw.to(w.dtype), None
+
+
+Precision = Union[Bf16Gemms, Fp8Gemms]
+
+
+def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
+    """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms;
+    a strategy object is returned as it is."""
+    if fp8 is None or isinstance(fp8, str) and fp8 in ("none", "bf16"):
+        return BF16
+    if isinstance(fp8, (Bf16Gemms, Fp8Gemms)):
+        return fp8
+    return Fp8Gemms(fp8, cache)
+
+
+def from_code(code: int) -> Precision:
+    """The strategy a fused op's `precision` argument names (Precision.code); FP8 weights from default_cache."""
+    if code < 0:
+        return BF16
+    name = next(n for n, i in RECIPES.items() if i == code & 3)
+    fp8 = ("bf16", "fp8")
+    return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]))
+
+
+# ------------------------------------------------------------------------------------ FP8 internals
+def _row_experts(offsets: Tensor, rows: int) -> Tensor:
+    """[rows] expert of each row (E for rows past offsets[E]), without a host sync."""
+    r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, r, right=True) - 1
+
+
+def _per_row(t: Tensor, offsets: Tensor, rows: int) -> Tensor:
+    """t [E, N] -> [rows, N]: row r gets t[expert of r]; rows past offsets[E] get zeros."""
+    padded = torch.cat([t, t.new_zeros(1, t.shape[1])])
+    return padded[_row_experts(offsets, rows)]
+
+
+def add_bias(c: Tensor, bias: Optional[Tensor], offsets: Tensor) -> Tensor:
+    """c + bias[expert of each row], added in fp32 (so its gradient, a sum over rows, is accumulated in fp32)."""
+    if bias is None:
+        return c
+    return (c.float() + _per_row(bias.float(), offsets, c.shape[0])).to(c.dtype)
+
+
+def _fp8_forward(a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe, gathered=None) -> Tensor:
+    """a . wq per expert group in FP8. gathered (src, row_to_slot, k, slot_to_row): a's rows are src's
+    gathered (ops.permute / gather_rows); the blockwise recipe then quantises them from src in that gather's
+    pass (quantize_rows_1x128 with row_to_slot: the same bits, one [R, K] read fewer; slot_to_row: each token
+    read and quantised once), and a is only read for its dtype."""
+    if gathered is not None and recipe.name == "blockwise":
+        aq, a_scale = quantize_rows_1x128(*gathered)
+    else:
+        aq, a_scale = quantize_activation(a, recipe)
+    c = grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
+    if wq.row_scale is not None:
+        c = (c.float() * _per_row(wq.row_scale, offsets, c.shape[0])).to(a.dtype)
+    return c
+
+
+def _fp8_wgrad(a: Tensor, g: Tensor, offsets: Tensor, layout: int, num_experts: int) -> Optional[Tensor]:
+    """The weight gradient of c = a . w[e] (layout 0: w [E, N, K]; 1: [E, K, N]) through the FP8 grouped GEMM,
+    or None where that kernel is not available (a GPU without the Hopper kernel)."""
+    if a.is_cuda and not ops.sm90_workspace_bytes(a, num_experts, "grouped_gemm_fp8_wgrad_workspace_bytes"):
+        return None
+    gq, gs = quantize_cols_1x128(g, offsets)
+    aq, a_s = quantize_cols_1x128(a, offsets)
+    out = torch.bfloat16 if a.is_cuda else torch.float32
+    if layout == 0:  # dW[e] [N, K] = g_e^T . a_e
+        return grouped_gemm_fp8_wgrad(gq, gs, aq, a_s, offsets, out, False)
+    return grouped_gemm_fp8_wgrad(aq, a_s, gq, gs, offsets, out, False)  # [K, N] = a_e^T . g_e
