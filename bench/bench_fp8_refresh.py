@@ -2,11 +2,11 @@
 forward's copy and the FP8 dgrad's transposed one), for the expert weights of one MoE layer:
 
   forward only  quantize_weight_128x128 of gate_up and down (what a bf16-dgrad recipe pays)
-  two passes    that, then the codes and scales transposed by torch (the cache's way before the pair kernel)
+  two passes    that, then the codes and scales transposed by torch (a second pass for the dgrad's layout)
   one pass      quantize_weight_128x128_pair: both layouts written by one kernel
   cache         Fp8WeightCache.get of both layouts, as a training step asks for them (one pass, plus Python)
 
-    python bench/bench_fp8_refresh.py --shapes qwen3,mixtral,deepseek --json bench/results/fp8_refresh.json
+    python bench/bench_fp8_refresh.py --shapes qwen3,mixtral,deepseek --json bench/results/fp8_refresh_h200.json
 
 Prints ms per layer and the bytes moved per second (2 read + 1 written per weight, +1 for the second layout;
 the two-pass form moves 2 more, but is credited only the same bytes)."""

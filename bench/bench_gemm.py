@@ -1,4 +1,4 @@
-"""Expert grouped GEMMs alone, moe8 vs torch in the same run (issue 4): BF16 forward (ragged M), dgrad and
+"""Expert grouped GEMMs alone, moe8 vs torch in the same run: BF16 forward (ragged M), dgrad and
 wgrad (ragged K) against torch._grouped_mm, the FP8 e4m3 forward (moe8 blockwise: 1x128 activations,
 128x128 weights; quantization not timed) against torch._scaled_grouped_mm rowwise, and the FP8 wgrad (1x128
 blocks along the rows of both operands; no torch counterpart), on the expert shapes
@@ -201,8 +201,8 @@ def with_env(fn, env: dict):
 def interleaved_ms(fns: dict, device, warmup: int, iters: int) -> dict:
     """{name: median ms} of each fn, timed round-robin with the order rotating every round, so that the
     GPU's clock changes under sustained load fall on all alike (timing each fn's iterations in a block
-    favoured whichever ran first: up to 20% on the same kernel, gemm_h200.md); {name: error text} for a
-    fn that raised."""
+    favours whichever runs first: up to 20% on the same kernel on an H200); {name: error text} for a fn that
+    raised."""
     out, live = {}, {}
     for name, fn in fns.items():
         try:

@@ -3,7 +3,7 @@ same model, same weights, same batch: forward + backward + fused AdamW, bf16, ra
 also moe8 with the expert GEMMs in FP8 (column moe8_fp8; the losses show how far FP8 training moves them);
 with --fuse-loss the moe8 columns also compute the loss without logits (fuse_loss=True).
 
-    python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train.json
+    python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train_h200.json
 
 Prints a table last: model, layers, batch, HF tokens/s, moe8 tokens/s, ratio, peak memory of each (and the
 FP8 column's tokens/s, ratio and peak)."""

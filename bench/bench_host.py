@@ -3,7 +3,7 @@ dispatcher vs directly (moe8.ops.set_eager_direct): a tiny layer, so the kernels
 and the wall time per step is the Python and dispatch work that a GPU would wait for.
 
     PYTHONPATH=python python bench/bench_host.py                     # CPU, or the GPU when there is one
-    PYTHONPATH=python python bench/bench_host.py --device cpu --steps 300 --json host.json
+    PYTHONPATH=python python bench/bench_host.py --device cpu --json bench/results/eager_direct_cpu.json
 
 Prints microseconds per step (median of --repeats blocks of --steps steps) for each way, alternating."""
 

@@ -2,7 +2,7 @@
 as JSON and a markdown table: tokens/s (median over the logged steps after the first 10%), peak memory, first
 and last loss, last eval loss, and moe8's speed-up over transformers for each method.
 
-    python bench/finetune_compare.py OUT --json OUT/finetune_1b.json --md OUT/finetune_1b.md
+    python bench/finetune_compare.py OUT --json OUT/finetune_1b_h200.json --md OUT/finetune_1b_h200.md
 """
 
 from __future__ import annotations
