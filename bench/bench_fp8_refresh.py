@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from bench_gemm import SHAPES, TINY  # this folder is on sys.path
 from bench_layer import median_ms
+from run_info import run_info
 
 import moe8
 from moe8 import fp8
@@ -91,12 +91,7 @@ def main() -> int:
         del gate_up, down, fn
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "moe8": moe8.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    meta = {**run_info(device), "timing": f"CUDA events, median of {args.iters}"}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 from bench_layer import one_ms  # the same timing as the layer benchmark (this folder is on sys.path)
+from run_info import run_info
 
 import moe8
 from moe8 import fp8, ops
@@ -318,11 +317,7 @@ def main() -> int:
         )
     device = torch.device("cuda" if cuda else "cpu")
     meta = dict(
-        gpu=torch.cuda.get_device_name(0) if cuda else "cpu",
-        torch=torch.__version__,
-        moe8=moe8.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
+        **run_info(device),
         tokens=args.tokens,
         zipf=args.zipf,
         ceilings_tflops={k: v / 1e12 for k, v in CEILING.items()},

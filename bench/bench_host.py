@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from run_info import run_info  # this folder is on sys.path
 
 import moe8
 from moe8 import ops
@@ -81,11 +81,7 @@ def main() -> int:
         ops.set_eager_direct(before)
     med = {way: statistics.median(t) for way, t in times.items()}
     meta = dict(
-        device=torch.cuda.get_device_name(0) if name == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__,
-        moe8=moe8.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
+        **run_info(name),
         shape=shape,
         steps=args.steps,
         repeats=args.repeats,

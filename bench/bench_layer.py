@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from run_info import run_info  # this folder is on sys.path
 
 import moe8
 from moe8 import reference as ref
@@ -366,15 +366,9 @@ def main():
     for n in names:
         if n not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {n!r}, expected from {sorted(SHAPES)}")
-    import transformers
 
     meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "moe8": moe8.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **run_info("cuda"),
         "consume_gate_up": args.consume_gate_up,
         "routed_down": args.routed_down,
     }

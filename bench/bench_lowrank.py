@@ -18,6 +18,7 @@ import sys
 
 import torch
 from bench_layer import median_ms  # this folder is on sys.path
+from run_info import run_info
 
 import moe8
 from moe8 import ops
@@ -101,8 +102,7 @@ def main() -> int:
         ap.error(f"--ranks: expected comma-separated integers, got {args.ranks!r}")
     shape = "tiny" if args.tiny else args.shape
     env = {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
+        **run_info(device),
         "dtype": str(dtype).replace("torch.", ""),
         "shape": shape,
     }
