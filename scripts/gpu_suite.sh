@@ -96,7 +96,9 @@ if [ -n "$PREBUILT" ]; then
   if [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tgz" ]; then
     mkdir -p "$(dirname "$PREBUILT")" && tar xzf "$PREBUILT.tgz" -C "$(dirname "$PREBUILT")"
   fi
-  ln -sf "$PWD/$PREBUILT"/_C*.so python/moe8/
+  [ -d "$PREBUILT" ] || die "--prebuilt: no folder $PREBUILT (nor $PREBUILT.tgz)"
+  PREBUILT=$(cd "$PREBUILT" && pwd)
+  ln -sf "$PREBUILT"/_C*.so python/moe8/
   if has_cuda && [ -x "$PREBUILT/moe8_tests" ]; then
     echo "prebuilt $PREBUILT: moe8 with CUDA"
     USE_PREBUILT=1 TESTS=$PREBUILT/moe8_tests BUILD=
