@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import time
 
 import torch
 from bench_gemm import balanced_cases  # this folder is on sys.path
+from run_info import run_info
 
 import moe8
 from moe8 import ops
@@ -134,11 +134,7 @@ def main() -> int:
         )
     if args.json:
         meta = dict(
-            gpu=torch.cuda.get_device_name(0),
-            torch=torch.__version__,
-            moe8=moe8.__version__,
-            python=platform.python_version(),
-            date=time.strftime("%Y-%m-%d"),
+            **run_info("cuda"),
             shape=dict(rows=R, K=K, N=N, experts=E),
         )
         with open(args.json, "w") as f:

@@ -2,11 +2,11 @@
 forward's copy and the FP8 dgrad's transposed one), for the expert weights of one MoE layer:
 
   forward only  quantize_weight_128x128 of gate_up and down (what a bf16-dgrad recipe pays)
-  two passes    that, then the codes and scales transposed by torch (the cache's way before the pair kernel)
+  two passes    that, then the codes and scales transposed by torch (a second pass for the dgrad's layout)
   one pass      quantize_weight_128x128_pair: both layouts written by one kernel
   cache         Fp8WeightCache.get of both layouts, as a training step asks for them (one pass, plus Python)
 
-    python bench/bench_fp8_refresh.py --shapes qwen3,mixtral,deepseek --json bench/results/fp8_refresh.json
+    python bench/bench_fp8_refresh.py --shapes qwen3,mixtral,deepseek --json bench/results/fp8_refresh_h200.json
 
 Prints ms per layer and the bytes moved per second (2 read + 1 written per weight, +1 for the second layout;
 the two-pass form moves 2 more, but is credited only the same bytes)."""
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from bench_gemm import SHAPES, TINY  # this folder is on sys.path
 from bench_layer import median_ms
+from run_info import run_info
 
 import moe8
 from moe8 import fp8
@@ -91,12 +91,7 @@ def main() -> int:
         del gate_up, down, fn
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "moe8": moe8.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    meta = {**run_info(device), "timing": f"CUDA events, median of {args.iters}"}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

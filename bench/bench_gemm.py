@@ -1,4 +1,4 @@
-"""Expert grouped GEMMs alone, moe8 vs torch in the same run (issue 4): BF16 forward (ragged M), dgrad and
+"""Expert grouped GEMMs alone, moe8 vs torch in the same run: BF16 forward (ragged M), dgrad and
 wgrad (ragged K) against torch._grouped_mm, the FP8 e4m3 forward (moe8 blockwise: 1x128 activations,
 128x128 weights; quantization not timed) against torch._scaled_grouped_mm rowwise, and the FP8 wgrad (1x128
 blocks along the rows of both operands; no torch counterpart), on the expert shapes
@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 from bench_layer import one_ms  # the same timing as the layer benchmark (this folder is on sys.path)
+from run_info import run_info
 
 import moe8
 from moe8 import fp8, ops
@@ -201,8 +200,8 @@ def with_env(fn, env: dict):
 def interleaved_ms(fns: dict, device, warmup: int, iters: int) -> dict:
     """{name: median ms} of each fn, timed round-robin with the order rotating every round, so that the
     GPU's clock changes under sustained load fall on all alike (timing each fn's iterations in a block
-    favoured whichever ran first: up to 20% on the same kernel, gemm_h200.md); {name: error text} for a
-    fn that raised."""
+    favours whichever runs first: up to 20% on the same kernel on an H200); {name: error text} for a fn that
+    raised."""
     out, live = {}, {}
     for name, fn in fns.items():
         try:
@@ -318,11 +317,7 @@ def main() -> int:
         )
     device = torch.device("cuda" if cuda else "cpu")
     meta = dict(
-        gpu=torch.cuda.get_device_name(0) if cuda else "cpu",
-        torch=torch.__version__,
-        moe8=moe8.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
+        **run_info(device),
         tokens=args.tokens,
         zipf=args.zipf,
         ceilings_tflops={k: v / 1e12 for k, v in CEILING.items()},

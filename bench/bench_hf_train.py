@@ -3,7 +3,7 @@ same model, same weights, same batch: forward + backward + fused AdamW, bf16, ra
 also moe8 with the expert GEMMs in FP8 (column moe8_fp8; the losses show how far FP8 training moves them);
 with --fuse-loss the moe8 columns also compute the loss without logits (fuse_loss=True).
 
-    python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train.json
+    python bench/bench_hf_train.py --models qwen3,mixtral --json bench/results/hf_train_h200.json
 
 Prints a table last: model, layers, batch, HF tokens/s, moe8 tokens/s, ratio, peak memory of each (and the
 FP8 column's tokens/s, ratio and peak)."""
@@ -17,6 +17,7 @@ import time
 
 import torch
 from bench_layer import recipe_of  # this folder is on sys.path
+from run_info import run_info
 
 import moe8
 
@@ -156,7 +157,6 @@ def main():
         raise SystemExit(f"--profile: expected >= 0, got {args.profile}")
     if not moe8.cuda_available():
         raise SystemExit("bench_hf_train: needs a CUDA GPU and moe8 built with CUDA")
-    import transformers
 
     rows = []
     for name in args.models.split(","):
@@ -191,15 +191,7 @@ def main():
             row["fp8_recipe"] = args.fp8
             row["fp8_speedup"] = row["moe8_fp8_tokens_per_s"] / row["grouped_mm_tokens_per_s"]
         rows.append(row)
-    meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "moe8": moe8.__version__,
-        "dtype": "bfloat16",
-        "optimizer": "AdamW fused",
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    meta = {**run_info("cuda"), "dtype": "bfloat16", "optimizer": "AdamW fused"}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -3,7 +3,7 @@ dispatcher vs directly (moe8.ops.set_eager_direct): a tiny layer, so the kernels
 and the wall time per step is the Python and dispatch work that a GPU would wait for.
 
     PYTHONPATH=python python bench/bench_host.py                     # CPU, or the GPU when there is one
-    PYTHONPATH=python python bench/bench_host.py --device cpu --steps 300 --json host.json
+    PYTHONPATH=python python bench/bench_host.py --device cpu --json bench/results/eager_direct_cpu.json
 
 Prints microseconds per step (median of --repeats blocks of --steps steps) for each way, alternating."""
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from run_info import run_info  # this folder is on sys.path
 
 import moe8
 from moe8 import ops
@@ -81,11 +81,7 @@ def main() -> int:
         ops.set_eager_direct(before)
     med = {way: statistics.median(t) for way, t in times.items()}
     meta = dict(
-        device=torch.cuda.get_device_name(0) if name == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__,
-        moe8=moe8.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
+        **run_info(name),
         shape=shape,
         steps=args.steps,
         repeats=args.repeats,

@@ -1,23 +1,23 @@
 """Whole MoE layer forward+backward: moe8 vs transformers' `grouped_mm` experts on the same inputs, plus
 the accuracy of moe8 against a pure-PyTorch float32 reference (output and every gradient).
 
-    python bench/bench_layer.py --shapes qwen3 --tokens 16384 --json bench/results/layer.json
+    python bench/bench_layer.py --shapes qwen3,mixtral,deepseek --no-check --fp8 blockwise+dgrad --json bench/results/layer_h200.json
 
 Prints a table last: shape, baseline ms, moe8 ms, ratio, TFLOP/s, % of the bf16 ceiling, peak extra memory
 of forward + backward, and the memory a forward leaves held for its backward (its output included).
 Each timed step starts with the gradients of x and the block's parameters set to None, as a training step
-after optimizer.zero_grad() (until session 5 the steps accumulated into the previous step's gradients: an
-extra read-add-write of every weight gradient in both columns, 0.9 ms of 9.3 at the Qwen3 shape)."""
+after optimizer.zero_grad() (accumulating into the previous step's gradients would add a read-add-write of
+every weight gradient to both columns, 0.9 ms of 9.3 at the Qwen3 shape on an H200)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from run_info import run_info  # this folder is on sys.path
 
 import moe8
 from moe8 import reference as ref
@@ -366,15 +366,9 @@ def main():
     for n in names:
         if n not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {n!r}, expected from {sorted(SHAPES)}")
-    import transformers
 
     meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "moe8": moe8.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **run_info("cuda"),
         "consume_gate_up": args.consume_gate_up,
         "routed_down": args.routed_down,
     }

@@ -147,17 +147,12 @@ def child(args):
         print(f"[{v}] {msg}", flush=True)
 
     try:
-        import peft
-        import transformers
+        from run_info import run_info  # bench/run_info.py (this folder is on sys.path)
 
         import moe8
 
         res["meta"] = dict(
-            gpu=torch.cuda.get_device_name(0) if cuda else "cpu",
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            peft=peft.__version__,
-            moe8=moe8.__version__,
+            **run_info(device),
             moe8_cuda=moe8.cuda_available(),
         )
         if not cuda and not args.tiny and args.layers > 2:

@@ -1,10 +1,10 @@
-"""The expert LoRA's pieces alone, at the 30B LoRA step's shapes (issue 5): per projection, the A projection
+"""The expert LoRA's pieces alone, at the 30B LoRA step's shapes: per projection, the A projection
 x·A[e] ([R, K] -> [R, r]: a grouped GEMM with N = r), then the B projection added to the base output h,
 fused (`ops.grouped_lowrank_add`) against unfused (`h + ops.grouped_gemm(t, B)`), and the backward's
 grouped GEMMs with a rank-sized side. Prints ms, and GB/s for the memory-bound add (bytes of h read and
 out written).
 
-    PYTHONPATH=python python bench/bench_lowrank.py --json /tmp/lowrank.json
+    PYTHONPATH=python python bench/bench_lowrank.py --ranks 16,32 --json bench/results/lowrank_h200.json
     PYTHONPATH=python python bench/bench_lowrank.py --tiny     # smoke test of the script, CPU is fine
 
 Rows per expert balanced (R = tokens x top-k); weights [E, N, K] as HF stores them (layout 0).
@@ -18,6 +18,7 @@ import sys
 
 import torch
 from bench_layer import median_ms  # this folder is on sys.path
+from run_info import run_info
 
 import moe8
 from moe8 import ops
@@ -101,8 +102,7 @@ def main() -> int:
         ap.error(f"--ranks: expected comma-separated integers, got {args.ranks!r}")
     shape = "tiny" if args.tiny else args.shape
     env = {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
+        **run_info(device),
         "dtype": str(dtype).replace("torch.", ""),
         "shape": shape,
     }

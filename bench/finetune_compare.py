@@ -2,7 +2,7 @@
 as JSON and a markdown table: tokens/s (median over the logged steps after the first 10%), peak memory, first
 and last loss, last eval loss, and moe8's speed-up over transformers for each method.
 
-    python bench/finetune_compare.py OUT --json OUT/finetune_1b.json --md OUT/finetune_1b.md
+    python bench/finetune_compare.py OUT --json OUT/finetune_1b_h200.json --md OUT/finetune_1b_h200.md
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from run_info import run_info  # this folder is on sys.path
 
 
 def summarize(path: Path) -> dict | None:
@@ -79,10 +81,14 @@ def main() -> int:
             )
     text = "\n".join(rows)
     print(text)
+    # the versions of this process: scripts/gpu_finetune.sh compares right after the runs, on their machine
+    meta = run_info()
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(runs=runs, moe8_over_transformers=speedup), indent=1))
+        out = dict(meta=meta, runs=runs, moe8_over_transformers=speedup)
+        Path(args.json).write_text(json.dumps(out, indent=1))
     if args.md:
-        Path(args.md).write_text(text + "\n")
+        facts = "\n".join(f"| {k} | {v} |" for k, v in meta.items())
+        Path(args.md).write_text(f"| | |\n| --- | --- |\n{facts}\n\n{text}\n")
     return 0 if all(runs.values()) else 1
 
 

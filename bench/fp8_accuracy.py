@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
 import torch
 from bench_layer import rel  # the layer benchmark's relative error (this folder is on sys.path)
+from run_info import run_info
 
 import moe8
 
@@ -77,10 +77,7 @@ def main() -> int:
     y16, g16 = layer(None)
     out = {
         "meta": dict(
-            device=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-            torch=torch.__version__,
-            moe8=moe8.__version__,
-            python=platform.python_version(),
+            **run_info(args.device),
             shape=dict(T=T, H=H, I=I, E=E, K=K),
             note="forward expert GEMMs in FP8, backward bf16; relative Frobenius error vs the bf16 layer",
         )

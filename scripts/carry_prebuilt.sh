@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepares .carry/ (git-ignored) for a GPU machine without network, on a machine with network and nvcc but no
-# GPU (docs/gpu.md): the pinned wheels (.carry/wheels, and .carry/wheels-lite without the CUTLASS wheel), the
+# GPU (docs/developing.md): the pinned wheels (.carry/wheels, and .carry/wheels-lite without the CUTLASS wheel), the
 # shared corpus and tokenizer (.carry/shared/data, when ../shared/data exists), an unpacked libgtest-dev
 # (.carry/gtest), and the moe8._C extension for the GPU machine's Python plus the CUDA GoogleTest binary,
-# stripped and packed as .carry/py312.tgz (for gpu_suite.sh PREBUILT=.carry/py312).
+# stripped and packed as .carry/py312.tgz (for gpu_suite.sh --prebuilt .carry/py312).
 #   PY312=/path/to/python3.12 JOBS=2 bash scripts/carry_prebuilt.sh
 # PY312: a CPython of the GPU machine's minor version (default: pyenv's 3.12, else python3.12 on PATH); it gets
 # the pinned nanobind and nvidia-cutlass wheels. The build goes to build/gpu312 (incremental on later runs).
@@ -53,7 +53,8 @@ echo "== build (_C for $("$PY312" --version), moe8_tests)"
 "$PY312" -m pip install -q --disable-pip-version-check --no-deps .carry/wheels/nanobind-2.9.2-py3-none-any.whl \
   .carry/wheels/nvidia_cutlass-4.2.0.0-py3-none-any.whl
 mkdir -p build
-cmake -S . -B build/gpu312 -G Ninja -DMOE8_BUILD_TESTS=ON -DPython_EXECUTABLE="$PY312" -DCMAKE_BUILD_TYPE=Release \
+# -U: the optimised build type CMakeLists.txt sets when none is given, whatever an earlier configure cached
+cmake -S . -B build/gpu312 -G Ninja -DMOE8_BUILD_TESTS=ON -DPython_EXECUTABLE="$PY312" -UCMAKE_BUILD_TYPE \
   >build/gpu312-configure.log 2>&1 || { tail -20 build/gpu312-configure.log; exit 1; }
 if ! grep -q "moe8: CUTLASS sm90a kernels ON" build/gpu312-configure.log; then
   grep "moe8:" build/gpu312-configure.log >&2
@@ -67,4 +68,4 @@ strip .carry/py312/*
 tar czf .carry/py312.tgz -C .carry py312
 du -sh .carry/py312.tgz .carry/wheels-lite
 echo "carry: [\".carry/py312.tgz\", \".carry/wheels-lite\"] (and \".carry/shared\" for the corpus);" \
-  "there: PREBUILT=.carry/py312 WHEELS=.carry/wheels-lite bash scripts/gpu_suite.sh"
+  "there: bash scripts/gpu_suite.sh --prebuilt .carry/py312 --wheels .carry/wheels-lite --test"

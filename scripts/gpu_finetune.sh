@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 5's real-text runs on a GPU: LoRA and full fine-tuning of the built-in ~1B Qwen3-MoE (qwen3-moe-1b) with
-# the Qwen3 tokenizer on the shared English text, each through moe8 and through plain transformers
-# (--no-moe8: transformers' experts, and PEFT's LoRA for lora), then bench/finetune_compare.py writes the side-by-side JSON + markdown. Run directories go to
-# $RUNS (checkpoints are large); metrics.jsonl, report.html and each run's log are copied to $OUT.
-#   MOE8_SHARED_DATA=.carry/shared/data OUT=/tmp/out STEPS=100 bash scripts/gpu_finetune.sh
+# The fine-tuning benchmark on real text, on a GPU: LoRA and full fine-tuning of the built-in ~1B Qwen3-MoE
+# (qwen3-moe-1b) with the Qwen3 tokenizer on the shared English text, each through moe8 and through plain
+# transformers (--no-moe8: transformers' experts, and PEFT's LoRA for lora), then bench/finetune_compare.py
+# writes the side-by-side finetune_1b_<gpu>.json + .md (bench/results/finetune_1b_h200.md). Run directories go
+# to $RUNS (checkpoints are large); metrics.jsonl, report.html and each run's log are copied to $OUT.
+#   MOE8_SHARED_DATA=/path/to/shared/data OUT=/tmp/out STEPS=80 bash scripts/gpu_finetune.sh
+# METHODS (default "lora full"), RUN_TIMEOUT (seconds per run, default 150).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/finetune_run}
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-/tmp/moe8-finetune-out}
 RUNS=${RUNS:-/tmp/moe8-finetune}
 STEPS=${STEPS:-100}
 DATA=${MOE8_SHARED_DATA:-../shared/data}
@@ -27,4 +29,7 @@ for method in ${METHODS:-lora full}; do
     cp "$RUNS/$name"/{metrics.jsonl,report.html,finetune.toml} "$OUT/$name/" 2>/dev/null
   done
 done
-$PY bench/finetune_compare.py "$OUT" --json "$OUT/finetune_1b.json" --md "$OUT/finetune_1b.md"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | sed 's/^NVIDIA //' | tr ' ' '\n' |
+  grep -m1 '[0-9]' | cut -d- -f1 | tr 'A-Z' 'a-z' | tr -cd 'a-z0-9')
+GPU=${GPU:-gpu}  # "NVIDIA H200" -> h200
+$PY bench/finetune_compare.py "$OUT" --json "$OUT/finetune_1b_$GPU.json" --md "$OUT/finetune_1b_$GPU.md"

@@ -1,160 +1,176 @@
 #!/usr/bin/env bash
-# The GPU half of the test suite plus the benchmarks, for a machine with an NVIDIA GPU: builds libmoe8
-# with CUDA (kernels, CUTLASS sm_90a kernels when the headers are found, GoogleTest suite, Python extension)
-# in build/gpu, runs ctest and pytest (CUDA tests included), then the benchmarks. Logs and JSON go to $OUT
-# (default bench/results/gpu_run). STAGE=test (build, ctest, pytest), pytest (build _C, pytest), build (_C
-# only), bench (build _C, benchmarks), lora (build _C, bench_lowrank.py, the 30B LoRA step: moe8 with the
-# fusions FUSE (default router,norm,rope,consume) vs PEFT, then moe8 with FUSE plus lora_add),
-# tiles (the Sm90Test gtests when PREBUILT holds moe8_tests, then bench_gemm.py --tiles TILES and
-# bench_layer.py on LAYER_SHAPES once per forced tile, MOE8_SM90_TILE), direct (ops.set_eager_direct, on by default: its
-# tests (also with it off), bench_host.py, bench_layer.py on LAYER_SHAPES three times each way, alternating) or all.
-#   JOBS=16 OUT=/tmp/out STAGE=test bash scripts/gpu_suite.sh
-#   JOBS=16 OUT=/tmp/out STAGE=bench bash scripts/gpu_suite.sh --shapes qwen3,mixtral --gemm
-# STAGE=bench runs bench_layer.py (with these arguments) and bench_gemm.py; HF_TRAIN=1 adds
-# bench_hf_train.py, LORA30B=1 bench_lora_30b.py (moe8 bf16 adapters vs PEFT fp32, profiled).
-# PREBUILT=dir: link dir/_C*.so, built elsewhere for this Python, instead of building (a build runs when it
-# does not import with CUDA); with STAGE=test dir must also hold the GoogleTest binary moe8_tests (built with
-# MOE8_BUILD_TESTS=ON and CUDA), run in 8 parallel gtest shards instead of ctest. PYTEST_ARGS also runs pytest
-# in the other stages. WHEELS=dir (default .carry/wheels) holds the wheels to install.
-# GoogleTest is taken from CMAKE_PREFIX_PATH (e.g. an unpacked libgtest-dev in .carry/gtest/usr); the pinned
-# wheels in .carry/wheels (nanobind, CUTLASS, peft, pytest-xdist, ...) are installed into /tmp/moe8-site and
-# put on PYTHONPATH when present (see docs/gpu.md). PYTEST_TIMEOUT (default 400 s), PYTEST_WORKERS (default
-# 6, when pytest-xdist is importable) and PYTEST_ARGS (default tests/python) shape the pytest step.
+# Builds moe8 with CUDA, runs its tests and its benchmarks on a machine with an NVIDIA GPU; logs and JSON
+# go to --out, named <benchmark>_<gpu>.json as in bench/results/. See docs/gpu.md.
+#
+# usage: bash scripts/gpu_suite.sh [--build] [--test] [--bench] [options] [-- bench_layer.py arguments]
+#        (no step flag: --build --test --bench)
+# steps:
+#   --build              configure and build libmoe8 with CUDA in build/gpu: the Python extension (CUTLASS
+#                        sm_90a kernels when the headers are found) and the GoogleTest suite
+#   --test               GoogleTest (ctest without the *Speed* tests) and pytest, CUDA tests included
+#   --bench              the benchmarks in --benchmarks
+# options:
+#   --out DIR            where logs and results go (default /tmp/moe8-gpu)
+#   --jobs N             build parallelism (default 16)
+#   --pytest ARGS        what pytest runs (default tests/python), e.g. "tests/python/test_fp8.py -k cache"
+#   --pytest-workers N   pytest-xdist workers when it is installed (default 6)
+#   --timeout S          time limit of each test or benchmark command (default: none)
+#   --benchmarks LIST    comma-separated, from speed (the *Speed* gtests' TFLOP/s tables), layer, gemm,
+#                        hf_train, fp8_refresh, lora_30b, lowrank, host, clocks (default speed,layer,gemm)
+#   --prebuilt DIR       use DIR/_C*.so and DIR/moe8_tests, built elsewhere for this Python, instead of
+#                        building (DIR.tgz is unpacked when DIR is missing; docs/developing.md)
+#   --wheels DIR         pinned wheels to install into /tmp/moe8-site and put on PYTHONPATH
+#                        (default .carry/wheels when it holds wheels; docs/developing.md)
+#   -h, --help           this text
+# Arguments after -- go to bench/bench_layer.py (default: --shapes qwen3,mixtral,deepseek --no-check
+# --fp8 blockwise+dgrad). Examples:
+#   bash scripts/gpu_suite.sh --build --test
+#   bash scripts/gpu_suite.sh --bench --benchmarks layer,hf_train -- --shapes qwen3 --fp8 blockwise
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu_run}
-JOBS=${JOBS:-16}
-STAGE=${STAGE:-all}
+cd "$(dirname "$0")/.." || exit 2
+
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
+need() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"; }
+
+BUILD='' TEST='' BENCH=''
+OUT=/tmp/moe8-gpu
+JOBS=16
+PYTEST_ARGS=tests/python
+PYTEST_WORKERS=6
+TIMEOUT=0
+BENCHMARKS=speed,layer,gemm
+PREBUILT=
+WHEELS=.carry/wheels
+LAYER_ARGS=(--shapes 'qwen3,mixtral,deepseek' --no-check --fp8 blockwise+dgrad)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) BUILD=1 ;;
+    --test) TEST=1 ;;
+    --bench) BENCH=1 ;;
+    --out) need "$@"; OUT=$2; shift ;;
+    --jobs) need "$@"; JOBS=$2; shift ;;
+    --pytest) need "$@"; PYTEST_ARGS=$2; shift ;;
+    --pytest-workers) need "$@"; PYTEST_WORKERS=$2; shift ;;
+    --timeout) need "$@"; TIMEOUT=$2; shift ;;
+    --benchmarks) need "$@"; BENCHMARKS=$2; shift ;;
+    --prebuilt) need "$@"; PREBUILT=$2; shift ;;
+    --wheels) need "$@"; WHEELS=$2; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; LAYER_ARGS=("$@"); break ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+  shift
+done
+[ -z "$BUILD$TEST$BENCH" ] && BUILD=1 TEST=1 BENCH=1
+for b in ${BENCHMARKS//,/ }; do
+  case "$b" in
+    speed | layer | gemm | hf_train | fp8_refresh | lora_30b | lowrank | host | clocks) ;;
+    *) die "--benchmarks: unknown '$b' (see --help)" ;;
+  esac
+done
+command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || die "no NVIDIA GPU found (nvidia-smi -L)"
+
 PY=$(command -v python3)
 mkdir -p "$OUT"
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+# the GPU's short name for result files: "NVIDIA H200" -> h200
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/^NVIDIA //' | tr ' ' '\n' | grep -m1 '[0-9]' |
+  cut -d- -f1 | tr 'A-Z' 'a-z' | tr -cd 'a-z0-9')
+GPU=${GPU:-gpu}
 [ -d .carry/gtest/usr ] && export CMAKE_PREFIX_PATH=$PWD/.carry/gtest/usr
 SITE=
-WHEELS=${WHEELS:-.carry/wheels}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-deps --no-index --target /tmp/moe8-site "$WHEELS"/*.whl && SITE=/tmp/moe8-site
 fi
 export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
-nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+limit() { if [ "$TIMEOUT" != 0 ]; then timeout "$TIMEOUT" "$@"; else "$@"; fi; }
+has_cuda() { $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)" 2>/dev/null; }
+FAILED=0
 t0=$(date +%s)
-if [ -n "${PREBUILT:-}" ] && [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tgz" ]; then  # carried packed (64 MiB limit)
-  mkdir -p "$(dirname "$PREBUILT")" && tar xzf "$PREBUILT.tgz" -C "$(dirname "$PREBUILT")"
-fi
-if [ -n "${PREBUILT:-}" ] && { [ "$STAGE" != test ] || [ -x "$PREBUILT/moe8_tests" ]; }; then  # docs/gpu.md
-  ln -sf "$PWD/$PREBUILT"/_C*.so python/moe8/
-  if $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)"; then
-    echo "prebuilt $PREBUILT: moe8 with CUDA"
-    [ "$STAGE" = build ] && exit 0
-    SKIP_BUILD=1
-  else
-    echo "prebuilt $PREBUILT unusable here: building"
-    rm -f python/moe8/_C*.so
+
+TESTS=build/gpu/moe8_tests
+USE_PREBUILT=
+if [ -n "$PREBUILT" ]; then
+  if [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tgz" ]; then
+    mkdir -p "$(dirname "$PREBUILT")" && tar xzf "$PREBUILT.tgz" -C "$(dirname "$PREBUILT")"
   fi
-fi
-if [ -z "${SKIP_BUILD:-}" ]; then
-echo "== build" | tee "$OUT/build.log"
-cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
-  >>"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" --target _C >>"$OUT/build.log" 2>&1 || {
-  grep -B2 -A12 -E "error|FAILED" "$OUT/build.log" | head -80
-  exit 1
-}
-grep -E "moe8: (CUDA|CUTLASS)" "$OUT/build.log"
-ln -sf "$PWD"/build/gpu/_C*.so python/moe8/
-echo "build took $(($(date +%s) - t0)) s"
-[ "$STAGE" = build ] && exit 0
+  [ -d "$PREBUILT" ] || die "--prebuilt: no folder $PREBUILT (nor $PREBUILT.tgz)"
+  PREBUILT=$(cd "$PREBUILT" && pwd)
+  ln -sf "$PREBUILT"/_C*.so python/moe8/
+  if has_cuda && [ -x "$PREBUILT/moe8_tests" ]; then
+    echo "prebuilt $PREBUILT: moe8 with CUDA"
+    USE_PREBUILT=1 TESTS=$PREBUILT/moe8_tests BUILD=
+  else
+    echo "prebuilt $PREBUILT unusable here (no extension with CUDA, or no moe8_tests): building"
+    rm -f python/moe8/_C*.so
+    BUILD=1
+  fi
 fi
 
-if [ "$STAGE" = test ] && [ -n "${SKIP_BUILD:-}" ]; then
-  echo "== gtest ($PREBUILT/moe8_tests, 8 shards)"
-  for i in 0 1 2 3 4 5 6 7; do
-    GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 300 "$PREBUILT/moe8_tests" --gtest_filter='-*Speed*' \
-      >"$OUT/gtest_shard$i.log" 2>&1 &
-  done
-  wait
-  cat "$OUT"/gtest_shard*.log >"$OUT/ctest.log"
-  grep -h -E "^\[  (PASSED|FAILED)  \]|tests? ran" "$OUT"/gtest_shard*.log
-elif [ "$STAGE" = test ] || [ "$STAGE" = all ]; then
-  cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1 || grep -A12 -E "error|FAILED" "$OUT/build.log" | head -60
-  echo "== ctest"
-  # the *.Speed tests only print TFLOP/s tables: STAGE=bench runs them
-  ctest --test-dir build/gpu -j 8 -E 'Speed' --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
-  grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/ctest.log" | tail -12
+if [ -n "$BUILD" ]; then
+  echo "== build"
+  if cmake -S . -B build/gpu -G Ninja -DMOE8_BUILD_TESTS=ON -DMOE8_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" \
+    >"$OUT/build.log" 2>&1 && cmake --build build/gpu -j "$JOBS" >>"$OUT/build.log" 2>&1; then
+    grep -E "moe8: (CUDA|CUTLASS)" "$OUT/build.log"
+    echo "build took $(($(date +%s) - t0)) s"
+  else
+    grep -B2 -A12 -E "error|FAILED" "$OUT/build.log" | head -80
+    exit 1
+  fi
 fi
-if [ "$STAGE" = test ] || [ "$STAGE" = pytest ] || [ "$STAGE" = all ] || [ -n "${PYTEST_ARGS:-}" ]; then
+if [ -z "$USE_PREBUILT" ]; then
+  ls build/gpu/_C*.so >/dev/null 2>&1 || die "no build in build/gpu: run with --build (or --prebuilt DIR)"
+  ln -sf "$PWD"/build/gpu/_C*.so python/moe8/
+fi
+has_cuda || { echo "gpu_suite.sh: moe8 does not import with CUDA" >&2; exit 1; }
+
+if [ -n "$TEST" ]; then
+  echo "== GoogleTest"
+  if [ -z "$USE_PREBUILT" ]; then
+    # the *Speed* tests only print TFLOP/s tables: --bench runs them
+    limit ctest --test-dir build/gpu -j 8 -E 'Speed' --output-on-failure >"$OUT/gtest.log" 2>&1 || FAILED=1
+    grep -E "tests passed|tests failed|\*\*\*Failed|\(Failed\)" "$OUT/gtest.log" | tail -12
+  else
+    for i in 0 1 2 3 4 5 6 7; do
+      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i limit "$TESTS" --gtest_filter='-*Speed*' \
+        >"$OUT/gtest_shard$i.log" 2>&1 &
+    done
+    for job in $(jobs -p); do wait "$job" || FAILED=1; done
+    cat "$OUT"/gtest_shard*.log >"$OUT/gtest.log" && rm -f "$OUT"/gtest_shard*.log
+    grep -h -E "^\[  (PASSED|FAILED)  \]|tests? ran" "$OUT/gtest.log"
+  fi
   echo "== pytest"
-  XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-6}")
+  XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n $PYTEST_WORKERS")
   # shellcheck disable=SC2086
-  timeout "${PYTEST_TIMEOUT:-400}" $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 ${PYTEST_ARGS:-tests/python} \
-    >"$OUT/pytest.log" 2>&1
+  limit $PY -X faulthandler -m pytest -q -rs $XDIST --durations=8 $PYTEST_ARGS >"$OUT/pytest.log" 2>&1 || FAILED=1
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-  echo "t $(($(date +%s) - t0)) s"
 fi
-if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
-  echo "== bench"
-  if [ -z "${SKIP_BUILD:-}" ] && cmake --build build/gpu -j "$JOBS" --target moe8_tests >>"$OUT/build.log" 2>&1; then
-    build/gpu/moe8_tests --gtest_filter='*Speed*' >"$OUT/speed.log" 2>&1
-    grep -E "TFLOP|^[a-z].*[0-9]$" "$OUT/speed.log" | head -30
-  fi
-  timeout 200 $PY bench/bench_layer.py --json "$OUT/layer.json" "$@" >"$OUT/bench.log" 2>&1
-  tail -14 "$OUT/bench.log"
-  timeout 150 $PY bench/bench_gemm.py --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
-  grep -E "moe8 / torch|Error" "$OUT/gemm.log" | tail -4
-  if [ -n "${HF_TRAIN:-}" ]; then
-    timeout 200 $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 3 --warmup 1 \
-      --json "$OUT/hf_train.json" >"$OUT/hf_train.log" 2>&1
-    tail -4 "$OUT/hf_train.log"
-  fi
-  if [ -n "${LORA30B:-}" ]; then  # issue 5: moe8 (bf16 adapters) vs PEFT as users run it (fp32 adapters)
-    timeout 300 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 25 \
-      --timeout 140 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
-    tail -6 "$OUT/lora_30b.log"
-  fi
-fi
-if [ "$STAGE" = lora ]; then  # the 30B LoRA step alone: moe8 (fusions FUSE) vs PEFT, then moe8 with lora_add too
-  FUSE=${FUSE:-router,norm,rope,consume}
-  timeout 60 $PY bench/bench_lowrank.py --ranks 16,32 --json "$OUT/lowrank.json" >"$OUT/lowrank.log" 2>&1
-  cat "$OUT/lowrank.log"
-  timeout 220 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 --profile 30 \
-    --steps 5 --moe8-fuse "$FUSE" --timeout 170 --json "$OUT/lora_30b.json" >"$OUT/lora_30b.log" 2>&1
-  tail -7 "$OUT/lora_30b.log"
-  timeout 80 $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --variants moe8 --steps 5 \
-    --moe8-fuse "$FUSE,lora_add" --timeout 70 --json "$OUT/lora_30b_lora_add.json" >"$OUT/lora_30b_lora_add.log" 2>&1
-  grep -E "^moe8 " "$OUT/lora_30b_lora_add.log"
-fi
-if [ "$STAGE" = tiles ]; then  # the per-shape tile sweep: each forced sm_90a tile, per GEMM and per layer
-  TILES=${TILES:-large,m2,pong128,tall}
-  if [ -x "${PREBUILT:-}/moe8_tests" ]; then
-    for i in 0 1 2 3; do
-      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 200 "$PREBUILT/moe8_tests" \
-        --gtest_filter='Sm90Test.*-*Speed*' >"$OUT/gtest_sm90_$i.log" 2>&1 &
-    done
-    wait
-    grep -h -E "^\[  (PASSED|FAILED)  \]" "$OUT"/gtest_sm90_*.log
-  fi
-  timeout 240 $PY bench/bench_gemm.py --kinds fwd,dgrad,wgrad --iters 5 --warmup 2 --tiles "$TILES" \
-    --json "$OUT/gemm_tiles.json" >"$OUT/gemm_tiles.log" 2>&1
-  tail -2 "$OUT/gemm_tiles.log"
-  for t in default ${TILES//,/ }; do
-    [ "$t" = default ] && unset MOE8_SM90_TILE || export MOE8_SM90_TILE=$t
-    timeout 90 $PY bench/bench_layer.py --shapes "${LAYER_SHAPES:-qwen3,mixtral}" --no-check \
-      --json "$OUT/layer_tile_$t.json" >"$OUT/layer_tile_$t.log" 2>&1
-    echo "layer, tile $t:"; grep -A3 "^shape" "$OUT/layer_tile_$t.log"
-  done
-  unset MOE8_SM90_TILE
-fi
-if [ "$STAGE" = direct ]; then  # ops.set_eager_direct on the GPU: its tests, host time, the layer both ways
-  timeout 200 $PY -m pytest -q tests/python/test_direct.py tests/python/test_layer.py >"$OUT/pytest_direct.log" 2>&1
-  MOE8_EAGER_DIRECT=0 timeout 200 $PY -m pytest -q tests/python/test_layer.py tests/python/test_cuda_ops.py \
-    >>"$OUT/pytest_direct.log" 2>&1
-  grep -E "passed|failed" "$OUT/pytest_direct.log" | tail -2
-  timeout 60 $PY bench/bench_host.py --json "$OUT/host.json" >"$OUT/host.log" 2>&1
-  tail -3 "$OUT/host.log"
-  for i in 1 2 3; do
-    for d in 0 1; do
-      MOE8_EAGER_DIRECT=$d timeout 90 $PY bench/bench_layer.py --shapes "${LAYER_SHAPES:-qwen3}" --no-check \
-        --json "$OUT/layer_direct${d}_$i.json" >"$OUT/layer_direct${d}_$i.log" 2>&1
-      echo "MOE8_EAGER_DIRECT=$d run $i: $(grep -A1 '^shape' "$OUT/layer_direct${d}_$i.log" | tail -1)"
-    done
+
+if [ -n "$BENCH" ]; then
+  for b in ${BENCHMARKS//,/ }; do
+    echo "== $b"
+    name=$b
+    [ "$b" = host ] && name=eager_direct  # bench_host.py's results: eager_direct_<gpu> in bench/results
+    log=$OUT/${name}_$GPU.log json=$OUT/${name}_$GPU.json
+    case "$b" in
+      speed) limit "$TESTS" --gtest_filter='*Speed*' >"$log" 2>&1 ;;
+      layer) limit $PY bench/bench_layer.py "${LAYER_ARGS[@]}" --json "$json" >"$log" 2>&1 ;;
+      gemm) limit $PY bench/bench_gemm.py --json "$json" >"$log" 2>&1 ;;
+      hf_train) limit $PY bench/bench_hf_train.py --models qwen3,mixtral --steps 5 --warmup 1 --fp8 blockwise+dgrad \
+        --json "$json" >"$log" 2>&1 ;;
+      fp8_refresh) limit $PY bench/bench_fp8_refresh.py --shapes qwen3,mixtral,deepseek --json "$json" >"$log" 2>&1 ;;
+      lora_30b) limit $PY bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 \
+        --json "$json" >"$log" 2>&1 ;;
+      lowrank) limit $PY bench/bench_lowrank.py --ranks 16,32 --json "$json" >"$log" 2>&1 ;;
+      host) limit $PY bench/bench_host.py --json "$json" >"$log" 2>&1 ;;
+      clocks) limit $PY bench/bench_clocks.py --json "$json" >"$log" 2>&1 ;;
+    esac
+    rc=$?
+    [ $rc = 0 ] || { FAILED=1; echo "$b: failed (rc $rc), see $log"; }
+    if [ "$b" = speed ]; then grep -E "TFLOP|^[a-z].*[0-9]$" "$log" | head -30; else tail -8 "$log"; fi
   done
 fi
-echo "total $(($(date +%s) - t0)) s"
+echo "total $(($(date +%s) - t0)) s; logs and results in $OUT"
+exit $FAILED
