@@ -24,7 +24,6 @@ from bench_gemm import balanced_cases  # this folder is on sys.path
 from run_info import run_info
 
 import moe8
-from moe8 import ops
 
 CASES = ("fp8_blockwise", "fp8_rowwise", "bf16", "bf16_torch")
 R, K, N, E = 32768, 4096, 28672, 8
@@ -92,7 +91,6 @@ def main() -> int:
         raise SystemExit(f"--seconds: expected > 0, got {args.seconds}")
     if not (torch.cuda.is_available() and moe8.cuda_available()):
         raise SystemExit("bench_clocks: needs a CUDA GPU and moe8 built with CUDA")
-    ops.set_index_validation(False)
     fns = make_cases(names, torch.device("cuda"))
     flops = 2 * R * K * N
     rows = []

@@ -1,24 +1,28 @@
 """Host time of one MoE layer step (forward + backward) with moe8's ops called through the torch.library
-dispatcher vs directly (moe8.ops.set_eager_direct): a tiny layer, so the kernels take next to nothing
+dispatcher (MOE8_EAGER_DIRECT=0) vs directly (moe8._core): a tiny layer, so the kernels take next to nothing
 and the wall time per step is the Python and dispatch work that a GPU would wait for.
 
     PYTHONPATH=python python bench/bench_host.py                     # CPU, or the GPU when there is one
     PYTHONPATH=python python bench/bench_host.py --device cpu --json bench/results/eager_direct_cpu.json
 
-Prints microseconds per step (median of --repeats blocks of --steps steps) for each way, alternating."""
+Prints microseconds per step (median of --repeats blocks of --steps steps) for each way; each way runs in
+a process of its own, since the environment variable is read once, at import."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 from run_info import run_info  # this folder is on sys.path
 
 import moe8
-from moe8 import ops
+from moe8 import _core
 
 
 def make_step(device, T, H, I, E, K):
@@ -56,6 +60,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps per timed block (default 200)")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per way (default 5)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--way", choices=("direct", "dispatcher"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 1 or args.repeats < 1:
         raise SystemExit(f"--steps, --repeats: expected >= 1, got {args.steps}, {args.repeats}")
@@ -67,18 +72,18 @@ def main() -> int:
     device = torch.device(name)
     shape = dict(T=16, H=64, I=32, E=8, K=2)
     step = make_step(device, **shape)
-    before = ops.eager_direct()
-    times = {"dispatcher": [], "direct": []}
-    try:
-        for way in times:  # warm both ways
-            ops.set_eager_direct(way == "direct")
-            us_per_step(step, 20, device)
-        for _ in range(args.repeats):
-            for way in times:
-                ops.set_eager_direct(way == "direct")
-                times[way].append(us_per_step(step, args.steps, device))
-    finally:
-        ops.set_eager_direct(before)
+    if args.way is not None:  # a child: this process's way only
+        assert _core.EAGER_DIRECT == (args.way == "direct"), "MOE8_EAGER_DIRECT does not match --way"
+        us_per_step(step, 20, device)  # warm
+        print(json.dumps([us_per_step(step, args.steps, device) for _ in range(args.repeats)]))
+        return 0
+    times = {}
+    for way in ("dispatcher", "direct"):
+        env = dict(os.environ, MOE8_EAGER_DIRECT="1" if way == "direct" else "0")
+        cmd = [sys.executable, __file__, "--device", name, "--steps", str(args.steps), "--way", way]
+        cmd += ["--repeats", str(args.repeats)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+        times[way] = json.loads(out.strip().splitlines()[-1])
     med = {way: statistics.median(t) for way, t in times.items()}
     meta = dict(
         **run_info(name),

@@ -22,6 +22,7 @@ from run_info import run_info  # this folder is on sys.path
 import moe8
 from moe8 import reference as ref
 
+CONFIG = {}  # {'config': moe8.Config} of the moe8 layer, from the command line (main)
 SHAPES = {  # name: (hidden, intermediate, experts, top-k)
     "qwen3": (2048, 768, 128, 8),
     "mixtral": (4096, 14336, 8, 2),
@@ -159,7 +160,7 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
 
     def layer(recipe=None):
         """bf16, or the FP8 recipe's training path (under grad: not the fused inference path)."""
-        extra = {} if recipe is None else {"fp8": recipe_of(recipe)}
+        extra = dict(CONFIG) if recipe is None else {"fp8": recipe_of(recipe), **CONFIG}
         y, _ = moe8.moe_forward(
             x.view(T, H), gate.weight, experts.gate_up_proj, experts.down_proj, K, "softmax", True, **extra
         )
@@ -173,7 +174,6 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
         y = layer(recipe)
         return y.detach(), torch.autograd.grad(y, x, dy.view(T, H))[0]
 
-    moe8.ops.set_index_validation(False)
     hf_ms, hf_mem = timed(hf_step)
     m_ms, m_mem = timed(moe8_step)
     fresh_grads()
@@ -223,7 +223,6 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
             with open(path) as f:
                 profiles["gaps"][who] = gpu_gaps(json.load(f))
             print_gaps(f"  {who} trace {path}", profiles["gaps"][who])
-    moe8.ops.set_index_validation(True)
     flops = 3 * 2 * T * K * (H * 2 * I + I * H)  # fwd + dgrad + wgrad of the two expert GEMMs
     row = {
         "shape": name,
@@ -326,13 +325,13 @@ def main():
         "--consume-gate-up",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="moe8.layer.CONSUME_GATE_UP (default on): the experts' backward writes d h over the gate_up output",
+        help="moe8.Config.consume_gate_up (default on): the experts' backward writes d h over the gate_up output",
     )
     ap.add_argument(
         "--routed-down",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="moe8.layer.ROUTED_DOWN (default on): activation, down projection and combine as one op whose "
+        help="moe8.Config.routed_down (default on): activation, down projection and combine as one op whose "
         "backward applies the routing weights after the dgrad (the expert outputs are not kept)",
     )
     ap.add_argument(
@@ -358,8 +357,7 @@ def main():
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    moe8.layer.CONSUME_GATE_UP = args.consume_gate_up
-    moe8.layer.ROUTED_DOWN = args.routed_down
+    CONFIG["config"] = moe8.Config(consume_gate_up=args.consume_gate_up, routed_down=args.routed_down)
     if not moe8.cuda_available():
         raise SystemExit("bench_layer: needs a CUDA GPU and moe8 built with CUDA")
     names = args.shapes.split(",")

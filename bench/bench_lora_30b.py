@@ -119,11 +119,14 @@ def add_moe8(model, args):
 
     model = apply_lora(model, r=args.r, alpha=args.alpha, targets=(*ATTN, "experts"))
     fuse = set(args.moe8_fuse.split(",")) - {"none"}
-    moe8.layer.FUSED_LORA_ADD = "lora_add" in fuse  # the expert LoRA's B projection added in one pass
-    moe8.layer.CONSUME_GATE_UP = "consume" in fuse  # the experts' d h written over h
     # as `moe8 finetune` runs it: routing, RMSNorms and RoPE fused too
     return moe8.accelerate(
-        model, fuse_router="router" in fuse, fuse_norm="norm" in fuse, fuse_rope="rope" in fuse
+        model,
+        fuse_router="router" in fuse,
+        fuse_norm="norm" in fuse,
+        fuse_rope="rope" in fuse,
+        fused_lora_add="lora_add" in fuse,  # the expert LoRA's B projection added in one pass
+        consume_gate_up="consume" in fuse,  # the experts' d h written over h
     )
 
 
@@ -422,8 +425,8 @@ def main():
         "--moe8-fuse",
         default="router,norm,rope,consume",
         help="what moe8 fuses besides the experts, comma-separated from router, norm, rope, consume "
-        "(moe8.layer.CONSUME_GATE_UP) (default: these four, as `moe8 finetune`) and lora_add "
-        "(moe8.layer.FUSED_LORA_ADD), or none",
+        "(moe8.Config.consume_gate_up) (default: these four, as `moe8 finetune`) and lora_add "
+        "(moe8.Config.fused_lora_add), or none",
     )
     ap.add_argument(
         "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"

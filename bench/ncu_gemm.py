@@ -58,7 +58,6 @@ def main() -> int:
     args = ap.parse_args()
     if not (torch.cuda.is_available() and moe8.cuda_available()):
         raise SystemExit("ncu_gemm: needs a CUDA GPU and moe8 built with CUDA")
-    ops.set_index_validation(False)  # as in training: offsets come from moe8's own plan
     fns = calls(args.case, torch.device("cuda"))
     for f in fns:
         for _ in range(3):

@@ -47,7 +47,7 @@ class Float8Recipe:
     the backward's GEMMs run in bf16 (default) or FP8 too: dgrad="fp8" (the output gradient quantised like an
     activation, the weight like a weight, transposed), wgrad="fp8" (both operands quantised 1x128 along the
     rows, grouped_gemm_fp8_wgrad; on a GPU it needs the Hopper kernel and expert row offsets that are
-    multiples of 16, which experts_forward_fp8 plans for, and falls back to bf16 without the kernel)."""
+    multiples of 16, which the experts pipeline plans for, and falls back to bf16 without the kernel)."""
 
     name: str = "blockwise"
     dgrad: str = "bf16"

@@ -725,3 +725,38 @@ def test_fp8_option_runs_the_expert_gemms_in_fp8(calls):
         b = hf.accelerate(bf16)(input_ids=ids).logits.float()
     err = rel(a, b)
     assert 1e-4 < err < 0.1, err
+
+
+def test_two_models_in_one_process_keep_their_own_config():
+    """Each accelerated model carries its own moe8.Config: one model in FP8 blockwise, its twin in bf16; the
+    FP8 model's outputs differ from bf16's, the bf16 twin's do not, and the FP8 setting did not leak."""
+    model = build("qwen3_moe").to(torch.bfloat16)
+    ids = tokens()
+    ref = model(input_ids=ids).logits
+    fp8_model = hf.accelerate(twin(model, accelerate=False), fp8="blockwise", fuse_norm=True)
+    bf16_model = hf.accelerate(twin(model, accelerate=False))
+    assert hf.config_of(fp8_model).fp8.name == "blockwise" and hf.config_of(fp8_model).fuse_norm
+    assert hf.config_of(bf16_model) == moe8.Config()
+    y8, y16 = fp8_model(input_ids=ids).logits, bf16_model(input_ids=ids).logits
+    assert not torch.equal(y8, y16)
+    assert rel(y16, ref) < 2e-2 and rel(y8, ref) < 0.2
+    # accelerate's fields change the model's current config; a config replaces it
+    hf.accelerate(fp8_model, fuse_norm=False)
+    assert hf.config_of(fp8_model) == moe8.Config(fp8="blockwise")
+    hf.accelerate(fp8_model, config=moe8.Config(routed_down=False))
+    assert hf.config_of(fp8_model) == moe8.Config(routed_down=False)
+
+
+def test_enable_gives_new_models_its_config_and_checks_fields():
+    hf.enable(families="qwen3_moe", fp8="blockwise", consume_gate_up=False)
+    model = build("qwen3_moe")
+    assert hf.is_accelerated(model)
+    assert hf.config_of(model) == moe8.Config(fp8="blockwise", consume_gate_up=False)
+    with pytest.raises(TypeError, match="no field"):
+        hf.enable(fuse_everything=True)
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        hf.accelerate(model, fp8="fp4")
+    with pytest.raises(ValueError, match="transport: expected one of"):
+        moe8.Config(transport="carrier-pigeon")
+    hf.disable()
+    assert hf.config_of(model) is None

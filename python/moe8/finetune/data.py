@@ -5,12 +5,12 @@ loader whose order is a pure function of (seed, micro-batch index), so a resumed
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import torch
 
+from .._env import ENV
 from .config import Config, FinetuneError
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout root (python/moe8/finetune/data.py)
@@ -21,7 +21,7 @@ AUTO_DOCUMENTS = 20000  # documents read from the shared sample text when data =
 def shared(*parts: str) -> Path | None:
     """A file under the shared data folder: $MOE8_SHARED_DATA when set, else ../shared/data relative to the
     working directory or to the checkout; None if absent."""
-    env = os.environ.get("MOE8_SHARED_DATA")
+    env = ENV["shared_data"]
     roots = [Path(env)] if env else []
     roots += [root.parent / "shared" / "data" for root in (Path.cwd(), REPO)]
     for root in roots:
