@@ -26,6 +26,15 @@ HAS_LORA = importlib.util.find_spec("moe8.lora") is not None
 QWEN3 = shared("tokenizers", "qwen3")
 
 
+@pytest.fixture(autouse=True)
+def _undo_moe8():
+    """A run patches transformers (fused RoPE is process-wide): undone after each test, as a user's disable()."""
+    yield
+    from moe8 import hf
+
+    hf.disable()
+
+
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     rng = random.Random(0)
