@@ -91,7 +91,7 @@ int64_t count_out_of_range(const int32_t* data, int64_t n, int64_t lo, int64_t h
 void check_launch(const char* what);
 
 // ---- FP8 e4m3 (uint8 storage); semantics as in cpu/ops.h, bit-exact with the CPU reference except where
-// noted (quant.cu, grouped_gemm_fp8.cu) ----------------------------------------------------------------
+// noted (quant.cuh, grouped_gemm_fp8.cu) ---------------------------------------------------------------
 
 // slot_to_row (row_to_slot's inverse, optional): reads each token once (k <= 8) instead of once per row.
 void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
