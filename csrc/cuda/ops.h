@@ -81,6 +81,16 @@ void cross_entropy_rows(const TensorView& logits, const TensorView& target, int6
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
           void* stream);
 
+// ---- the backend itself (util.cu; csrc/cuda_stub/ answers all of this header in a build without CUDA)
+// Whether this build has the CUDA backend: false only from the stub.
+bool backend_built();
+// CUDA devices visible, 0 when the query fails.
+int device_count();
+// The current device, or -1 when the query fails.
+int current_device_or_none();
+// Copies `bytes` from device memory to host memory in stream order and waits for it; false if that failed.
+bool copy_to_host(void* dst, const void* src, size_t bytes, void* stream);
+
 // int32 workspace elements build_dispatch_plan needs for num_slots = T*K slots.
 size_t plan_workspace_elems(int64_t num_slots, int num_experts);
 
