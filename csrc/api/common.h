@@ -1,6 +1,7 @@
 // api/common.h — what the API's translation units share (internal, not part of the public API): the
 // stream cast, the "built without CUDA" error, backend choice, and the checks of index arrays that need
-// their values (on a CUDA tensor these synchronise the stream).
+// their values (on a CUDA tensor these synchronise the stream). Without the CUDA backend, cuda/ops.h is
+// answered by csrc/cuda_stub/, so nothing here depends on how moe8 was built.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -9,30 +10,23 @@
 #include "core/check.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#ifdef MOE8_WITH_CUDA
-#include <cuda_runtime.h>
-
 #include "cuda/ops.h"
-#endif
 
 namespace moe8::api {
 
 inline void* as_ptr(intptr_t s) { return reinterpret_cast<void*>(s); }
 
-[[noreturn]] inline void no_cuda(const char* op) {
-  fail(op, ": tensors are on a CUDA device but moe8 was built without CUDA (no nvcc at build time)");
+// True for a CUDA tensor, which a build without the CUDA backend refuses, naming op.
+inline bool on_cuda(const TensorView& t, const char* op) {
+  if (t.is_cuda() && !cuda::backend_built()) fail_without_cuda(op);
+  return t.is_cuda();
 }
 
 // Values of an int32 index array must lie in [lo, hi).
 inline void check_range(const char* name, const TensorView& t, int64_t lo, int64_t hi, intptr_t stream) {
   int64_t bad = 0;
-  if (t.is_cuda()) {
-#ifdef MOE8_WITH_CUDA
+  if (on_cuda(t, name)) {
     bad = cuda::count_out_of_range(t.ptr<int32_t>(), t.numel(), lo, hi, as_ptr(stream));
-#else
-    (void)stream;
-    no_cuda(name);
-#endif
   } else {
     const int32_t* p = t.ptr<int32_t>();
     for (int64_t i = 0; i < t.numel(); ++i) bad += (p[i] < lo || p[i] >= hi);
@@ -56,16 +50,10 @@ inline void check_slot_to_row(const TensorView& slot_to_row, const TensorView& r
 
 // The int32 offsets on the host (a synchronising copy when they live on a GPU).
 inline std::vector<int32_t> host_offsets(const TensorView& offsets, intptr_t stream) {
-  (void)stream;
   std::vector<int32_t> off(offsets.numel());
-  if (offsets.is_cuda()) {
-#ifdef MOE8_WITH_CUDA
-    cudaStream_t s = static_cast<cudaStream_t>(as_ptr(stream));
-    cudaMemcpyAsync(off.data(), offsets.data, off.size() * 4, cudaMemcpyDeviceToHost, s);
-    if (cudaStreamSynchronize(s) != cudaSuccess) throw CudaError("offsets: copy to host failed");
-#else
-    no_cuda("offsets");
-#endif
+  if (on_cuda(offsets, "offsets")) {
+    if (!cuda::copy_to_host(off.data(), offsets.data, off.size() * 4, as_ptr(stream)))
+      throw CudaError("offsets: copy to host failed");
   } else {
     std::copy(offsets.ptr<int32_t>(), offsets.ptr<int32_t>() + off.size(), off.begin());
   }
@@ -84,15 +72,6 @@ inline void check_offsets(const TensorView& offsets, int64_t rows, intptr_t stre
 
 inline void check_optional(const char* name, const TensorView& t, const char* ref_name, const TensorView& ref) {
   if (t.present) check_tensor(name, t, ref_name, ref);
-}
-
-inline bool on_cuda(const TensorView& t, const char* op) {
-#ifndef MOE8_WITH_CUDA
-  if (t.is_cuda()) no_cuda(op);
-#else
-  (void)op;
-#endif
-  return t.is_cuda();
 }
 
 }  // namespace moe8::api

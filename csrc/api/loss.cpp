@@ -5,9 +5,7 @@
 #include "api/ops.h"
 #include "core/check.h"
 #include "cpu/ops.h"
-#ifdef MOE8_WITH_CUDA
 #include "cuda/ops.h"
-#endif
 
 namespace moe8::api {
 
@@ -22,11 +20,7 @@ void cross_entropy_rows(const TensorView& logits, const TensorView& target, int6
   check_dtype("loss", loss, {DType::kF32});
   check_shape("loss", loss, {n});
   if (on_cuda(logits, "cross_entropy_rows")) {
-#ifdef MOE8_WITH_CUDA
     cuda::cross_entropy_rows(logits, target, ignore_index, loss, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::cross_entropy_rows(logits, target, ignore_index, loss);
   }

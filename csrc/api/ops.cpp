@@ -8,12 +8,8 @@
 #include "api/common.h"
 #include "core/check.h"
 #include "cpu/ops.h"
-#ifdef MOE8_WITH_CUDA
-#include <cuda_runtime.h>
-
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
-#endif
 
 namespace moe8::api {
 namespace {
@@ -47,19 +43,11 @@ void check_route_common(const TensorView& logits, const TensorView& bias, const 
 
 }  // namespace
 
-bool cuda_available() {
-#ifdef MOE8_WITH_CUDA
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-#else
-  return false;
-#endif
-}
+bool cuda_available() { return cuda::device_count() > 0; }
 
 void route_forward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
                    const TensorView& weights, const TensorView& prob_mean, const TensorView& token_frac,
                    const TensorView& lse, intptr_t stream) {
-  (void)stream;
   check_route_common(logits, bias, p);
   const int64_t T = logits.size(0), E = logits.size(1);
   check_tensor("ids", ids, "logits", logits);
@@ -78,9 +66,7 @@ void route_forward(const TensorView& logits, const TensorView& bias, const Route
   check_dtype("lse", lse, {DType::kF32});
   check_shape("lse", lse, {T});
   if (on_cuda(logits, "route_forward")) {
-#ifdef MOE8_WITH_CUDA
     cuda::route_forward(logits, bias, p, ids, weights, prob_mean, token_frac, lse, as_ptr(stream));
-#endif
   } else {
     cpu::route_forward(logits, bias, p, ids, weights, prob_mean, token_frac, lse);
   }
@@ -112,23 +98,14 @@ void route_backward(const TensorView& logits, const TensorView& bias, const Rout
   check_shape("grad_logits", grad_logits, {T, E});
   if (check_indices) check_range("ids", ids, 0, E, stream);
   if (on_cuda(logits, "route_backward")) {
-#ifdef MOE8_WITH_CUDA
     cuda::route_backward(logits, bias, p, ids, grad_weights, grad_prob_mean, grad_lse, grad_logits, as_ptr(stream));
-#endif
   } else {
     cpu::route_backward(logits, bias, p, ids, grad_weights, grad_prob_mean, grad_lse, grad_logits);
   }
 }
 
 int64_t plan_workspace_elems(int64_t num_slots, int num_experts, bool cuda) {
-#ifdef MOE8_WITH_CUDA
-  if (cuda) return static_cast<int64_t>(cuda::plan_workspace_elems(num_slots, num_experts));
-#else
-  (void)num_slots;
-  (void)num_experts;
-  (void)cuda;
-#endif
-  return 0;
+  return cuda ? static_cast<int64_t>(cuda::plan_workspace_elems(num_slots, num_experts)) : 0;
 }
 
 int64_t plan_max_rows(int64_t num_slots, int num_experts, int pad_multiple) {
@@ -139,7 +116,6 @@ int64_t plan_max_rows(int64_t num_slots, int num_experts, int pad_multiple) {
 void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multiple, const TensorView& counts,
                          const TensorView& offsets, const TensorView& row_to_slot, const TensorView& slot_to_row,
                          const TensorView& workspace, intptr_t stream, bool check_indices) {
-  (void)workspace;
   check_present("ids", ids);
   check_ndim("ids", ids, 2);
   check_dtype("ids", ids, {DType::kI32});
@@ -165,7 +141,6 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
              " rows (T*K + E*(pad_multiple-1), rounded up to a multiple of pad_multiple), got ", row_to_slot.size(0));
   if (check_indices) check_range("ids", ids, 0, num_experts, stream);
   if (on_cuda(ids, "build_dispatch_plan")) {
-#ifdef MOE8_WITH_CUDA
     const int64_t ws = plan_workspace_elems(slots, num_experts, true);
     check_tensor("workspace", workspace, "ids", ids);
     check_dtype("workspace", workspace, {DType::kI32});
@@ -173,7 +148,6 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
                workspace.numel());
     cuda::build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row, workspace,
                               as_ptr(stream));
-#endif
   } else {
     cpu::build_dispatch_plan(ids, num_experts, pad_multiple, counts, offsets, row_to_slot, slot_to_row);
   }
@@ -199,9 +173,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
   if (check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
   check_slot_to_row(slot_to_row, row_to_slot, "src", src, T, k, R, stream, check_indices);
   if (on_cuda(src, "gather_rows")) {
-#ifdef MOE8_WITH_CUDA
     cuda::gather_rows(src, row_to_slot, slot_to_row, k, scale, dst, as_ptr(stream));
-#endif
   } else {
     cpu::gather_rows(src, row_to_slot, k, scale, dst);
   }
@@ -224,9 +196,7 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
   check_shape("out", out, {T, rows.size(1)});
   if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
   if (on_cuda(rows, "combine_rows")) {
-#ifdef MOE8_WITH_CUDA
     cuda::combine_rows(rows, slot_to_row, weights, out, as_ptr(stream));
-#endif
   } else {
     cpu::combine_rows(rows, slot_to_row, weights, out);
   }
@@ -246,30 +216,23 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
   check_shape("d_weights", d_weights, {dy.size(0), slot_to_row.size(1)});
   if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
   if (on_cuda(dy, "combine_weights_grad")) {
-#ifdef MOE8_WITH_CUDA
     cuda::combine_weights_grad(dy, rows, slot_to_row, d_weights, as_ptr(stream));
-#endif
   } else {
     cpu::combine_weights_grad(dy, rows, slot_to_row, d_weights);
   }
 }
 
 int64_t grouped_gemm_workspace_bytes(int num_experts, bool on_cuda) {
-#ifdef MOE8_WITH_CUDA
   if (on_cuda && num_experts >= 1) {
     // Whether the path exists at all on the current device: a probe with aligned (never dereferenced) pointers.
     TensorView probe = make_view(reinterpret_cast<void*>(256), DType::kBF16, {8, 8}, DeviceType::kCUDA);
     TensorView probe_b = make_view(reinterpret_cast<void*>(256), DType::kBF16, {1, 8, 8}, DeviceType::kCUDA);
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    const int device = cuda::current_device_or_none();
+    if (device < 0) return 0;
     probe.device_index = probe_b.device_index = device;
     if (cuda::grouped_gemm_sm90_supported(probe, probe_b, WeightLayout::kNK, 8))
       return static_cast<int64_t>(cuda::grouped_gemm_sm90_workspace_bytes(num_experts, 0, 0, 0));
   }
-#else
-  (void)num_experts;
-  (void)on_cuda;
-#endif
   return 0;
 }
 
@@ -322,12 +285,10 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   check_shape("c", c, {R, N});
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm")) {
-#ifdef MOE8_WITH_CUDA
     if (!bias.present && usable_workspace(workspace, a, E) && cuda::grouped_gemm_sm90_supported(a, b, layout, N))
       cuda::grouped_gemm_sm90(a, b, offsets, layout, c, workspace.data, workspace.numel(), as_ptr(stream));
     else
       cuda::grouped_gemm(a, b, offsets, layout, bias, c, as_ptr(stream));
-#endif
   } else {
     cpu::grouped_gemm(a, b, offsets, layout, bias, c);
   }
@@ -351,7 +312,6 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   }
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm_wgrad")) {
-#ifdef MOE8_WITH_CUDA
     // The sm_90a wgrad writes db in the inputs' dtype and has no bias term; kKN is kNK with a and dc swapped.
     const bool kn = layout == WeightLayout::kKN;
     const TensorView& lhs = kn ? dc : a;
@@ -361,7 +321,6 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
       cuda::grouped_gemm_wgrad_sm90(lhs, rhs, offsets, db, workspace.data, workspace.numel(), as_ptr(stream));
     else
       cuda::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias, as_ptr(stream));
-#endif
   } else {
     cpu::grouped_gemm_wgrad(a, dc, offsets, layout, db, dbias);
   }
@@ -403,9 +362,7 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
   check_shape("out", out, {R, N});
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(h, "grouped_lowrank_add")) {
-#ifdef MOE8_WITH_CUDA
     cuda::grouped_lowrank_add(h, t, b, offsets, layout, out, as_ptr(stream));
-#endif
   } else {
     cpu::grouped_lowrank_add(h, t, b, offsets, layout, out);
   }
@@ -414,11 +371,7 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
 void activation_forward(const TensorView& h, const ActParams& p, const TensorView& out, intptr_t stream) {
   check_activation(h, p, out, "out");
   if (on_cuda(h, "activation_forward")) {
-#ifdef MOE8_WITH_CUDA
     cuda::activation_forward(h, p, out, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::activation_forward(h, p, out);
   }
@@ -431,11 +384,7 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
   check_same_dtype("dh", dh, "h", h);
   check_shape("dh", dh, {h.size(0), h.size(1)});
   if (on_cuda(h, "activation_backward")) {
-#ifdef MOE8_WITH_CUDA
     cuda::activation_backward(h, dout, p, dh, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::activation_backward(h, dout, p, dh);
   }
@@ -463,9 +412,7 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
   check_shape("row_to_slot", row_to_slot, {h.size(0)});
   if (check_indices) check_range("row_to_slot", row_to_slot, -1, weights.size(0), stream);
   if (on_cuda(h, "activation_backward_routed")) {
-#ifdef MOE8_WITH_CUDA
     cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream));
-#endif
   } else {
     cpu::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights);
   }

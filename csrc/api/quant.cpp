@@ -7,10 +7,8 @@
 #include "core/check.h"
 #include "core/fp8.h"
 #include "cpu/ops.h"
-#ifdef MOE8_WITH_CUDA
 #include "cuda/grouped_gemm_fp8_sm90.h"
 #include "cuda/ops.h"
-#endif
 
 namespace moe8::api {
 namespace {
@@ -58,9 +56,7 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   if (row_to_slot.present && check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
   check_slot_to_row(slot_to_row, row_to_slot, "x", x, T, k, R, stream, check_indices);
   if (on_cuda(x, "quantize_rows_1x128")) {
-#ifdef MOE8_WITH_CUDA
     cuda::quantize_rows_1x128(x, row_to_slot, slot_to_row, k, q, scale, as_ptr(stream));
-#endif
   } else {
     cpu::quantize_rows_1x128(x, row_to_slot, k, q, scale);
   }
@@ -79,11 +75,7 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
     check_scale("scale_t", scale_t, "w", w, {E, quant_blocks(K), quant_blocks(N)});
   }
   if (on_cuda(w, "quantize_weight_128x128")) {
-#ifdef MOE8_WITH_CUDA
     cuda::quantize_weight_128x128(w, q, scale, q_t, scale_t, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::quantize_weight_128x128(w, q, scale, q_t, scale_t);
   }
@@ -104,9 +96,7 @@ void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const T
   check_scale("scale", scale, "x", x, {moe8::col_scale_blocks(R, E), K});
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(x, "quantize_cols_1x128")) {
-#ifdef MOE8_WITH_CUDA
     cuda::quantize_cols_1x128(x, offsets, q_t, scale, as_ptr(stream));
-#endif
   } else {
     cpu::quantize_cols_1x128(x, offsets, q_t, scale);
   }
@@ -129,11 +119,7 @@ void swiglu_quant(const TensorView& h, const ActParams& p, const TensorView& q, 
     MOE8_CHECK(h.size(1) == I, "h: an ungated activation expects h.shape[1] == q.shape[1] = ", I, ", got ", h.size(1));
   check_scale("scale", scale, "h", h, {R, quant_blocks(I)});
   if (on_cuda(h, "swiglu_quant")) {
-#ifdef MOE8_WITH_CUDA
     cuda::swiglu_quant(h, p, q, scale, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::swiglu_quant(h, p, q, scale);
   }
@@ -155,11 +141,7 @@ void quantize_rowwise(const TensorView& x, const TensorView& q, const TensorView
   for (int d = 0; same && d < x.ndim - 1; ++d) same = scale.shape[d] == x.shape[d];
   MOE8_CHECK(same, "scale: expected shape x.shape[:-1] (x is ", x.shape_str(), "), got ", scale.shape_str());
   if (on_cuda(x, "quantize_rowwise")) {
-#ifdef MOE8_WITH_CUDA
     cuda::quantize_rowwise(x, q, scale, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::quantize_rowwise(x, q, scale);
   }
@@ -176,11 +158,7 @@ void quantize_tensorwise(const TensorView& x, const TensorView& q, const TensorV
   MOE8_CHECK(same, "q: expected shape ", x.shape_str(), " (same as x), got ", q.shape_str());
   check_scale("scale", scale, "x", x, {1});
   if (on_cuda(x, "quantize_tensorwise")) {
-#ifdef MOE8_WITH_CUDA
     cuda::quantize_tensorwise(x, q, scale, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::quantize_tensorwise(x, q, scale);
   }
@@ -206,34 +184,25 @@ void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows
   for (int d = 0; same && d < q.ndim; ++d) same = out.shape[d] == q.shape[d];
   MOE8_CHECK(same, "out: expected shape ", q.shape_str(), " (same as q), got ", out.shape_str());
   if (on_cuda(q, "dequantize")) {
-#ifdef MOE8_WITH_CUDA
     cuda::dequantize(q, scale, block_rows, block_cols, out, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::dequantize(q, scale, block_rows, block_cols, out);
   }
 }
 
 int64_t grouped_gemm_fp8_workspace_bytes(int num_experts, bool on_cuda) {
-#ifdef MOE8_WITH_CUDA
   if (on_cuda && num_experts >= 1) {
     // Whether the path exists at all on the current device: a probe with aligned (never dereferenced) pointers.
     void* p = reinterpret_cast<void*>(256);
     TensorView a = make_view(p, DType::kU8, {16, 16}, DeviceType::kCUDA);
     TensorView b = make_view(p, DType::kU8, {1, 16, 16}, DeviceType::kCUDA);
     TensorView c = make_view(p, DType::kBF16, {16, 16}, DeviceType::kCUDA);
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    const int device = cuda::current_device_or_none();
+    if (device < 0) return 0;
     a.device_index = b.device_index = c.device_index = device;
     if (cuda::grouped_gemm_fp8_sm90_supported(a, b, c))
       return static_cast<int64_t>(cuda::grouped_gemm_fp8_sm90_workspace_bytes(num_experts));
   }
-#else
-  (void)num_experts;
-  (void)on_cuda;
-#endif
   return 0;
 }
 
@@ -261,7 +230,6 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   check_shape("c", c, {R, N});
   if (check_indices) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm_fp8")) {
-#ifdef MOE8_WITH_CUDA
     bool fast = false;
     if (workspace.present) {
       check_tensor("workspace", workspace, "a", a);
@@ -275,25 +243,18 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
                                   static_cast<size_t>(workspace.numel()), as_ptr(stream));
     else
       cuda::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, as_ptr(stream));
-#endif
   } else {
-    (void)workspace;
     cpu::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c);
   }
 }
 
 int64_t grouped_gemm_fp8_wgrad_workspace_bytes(int num_experts, bool on_cuda) {
-#ifdef MOE8_WITH_CUDA
   if (on_cuda && num_experts >= 1) {
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    const int device = cuda::current_device_or_none();
+    if (device < 0) return 0;
     if (cuda::grouped_gemm_fp8_wgrad_sm90_available(device))
       return static_cast<int64_t>(cuda::grouped_gemm_fp8_wgrad_sm90_workspace_bytes(num_experts));
   }
-#else
-  (void)num_experts;
-  (void)on_cuda;
-#endif
   return 0;
 }
 
@@ -330,7 +291,6 @@ void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, 
                  "offsets[", e, "] = ", off[e]);
   }
   if (cuda) {
-#ifdef MOE8_WITH_CUDA
     const int64_t need = grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true);
     MOE8_CHECK(need > 0, "grouped_gemm_fp8_wgrad: on a GPU only the sm_90a (CUTLASS) kernel exists, and it is not ",
                "available here; use the bf16 grouped_gemm_wgrad");
@@ -343,9 +303,7 @@ void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, 
                "of 16, got N = ", N, ", K = ", K, ", R = ", R);
     cuda::grouped_gemm_fp8_wgrad_sm90(dc_t, dc_scale, a_t, a_scale, offsets, db, workspace.data,
                                       static_cast<size_t>(workspace.numel()), as_ptr(stream));
-#endif
   } else {
-    (void)workspace;
     cpu::grouped_gemm_fp8_wgrad(dc_t, dc_scale, a_t, a_scale, offsets, db);
   }
 }

@@ -8,9 +8,7 @@
 #include "api/ops.h"
 #include "core/check.h"
 #include "cpu/ops.h"
-#ifdef MOE8_WITH_CUDA
 #include "cuda/ops.h"
-#endif
 
 namespace moe8::api {
 namespace {
@@ -66,11 +64,7 @@ void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, con
   check_last_dim_contiguous("out", out);
   check_no_overlap("out", out);
   if (on_cuda(x, "rope")) {
-#ifdef MOE8_WITH_CUDA
     cuda::rope(x, cos, sin, out, backward, as_ptr(stream));
-#else
-    (void)stream;
-#endif
   } else {
     cpu::rope(x, cos, sin, out, backward);
   }

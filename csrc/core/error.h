@@ -44,6 +44,11 @@ template <typename... A>
   throw Error(str_cat(parts...));
 }
 
+// What an op given CUDA tensors raises in a build without the CUDA backend (api/ and cuda_stub/ both).
+[[noreturn]] inline void fail_without_cuda(const char* op) {
+  fail(op, ": tensors are on a CUDA device but moe8 was built without CUDA (no nvcc at build time)");
+}
+
 }  // namespace moe8
 
 #define MOE8_CHECK(cond, ...)               \

@@ -1,5 +1,5 @@
 // activation.cuh — the forward formula of every expert activation, shared by the activation kernels
-// (activation.cu) and the fused activation + FP8 quantisation (quant.cu), so that both compute the same
+// (activation.cu) and the fused activation + FP8 quantisation (swiglu_quant.cu), so that both compute the same
 // float for the same input. Written in the CPU reference's order of operations.
 #pragma once
 #include <cuda_runtime.h>

@@ -30,7 +30,6 @@
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
 #include <type_traits>
-#include <utility>
 
 #include "core/fp8.h"
 #include "cuda/common.cuh"
@@ -87,10 +86,6 @@ using TileSmall = TileConfig<Shape<_64, _128, _128>, Shape<_1, _2, _1>,
                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
-// Average rows per expert under which the small tile is used. Taken over from the bf16 kernel's H200
-// measurements (grouped_gemm_sm90.cu); to be re-measured for FP8.
-constexpr int64_t kSmallRowsPerGroup = 128;
-
 // D[g] (M x N, row-major, bf16) = A[g] (M x K, row-major) · B[g] (N x K, row-major)^T with block scales.
 // NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0.
 template <class Config, class Scales = ScaleConfig>
@@ -130,7 +125,7 @@ struct Fp8Gemm {
   static_assert(sizeof(LayoutSFA) <= 32 && sizeof(LayoutSFB) <= 32, "scale layout slot");
 };
 
-// The configurations MOE8_SM90_FP8_TILE can force (see launch_forced), for either scale layout.
+// The configurations MOE8_SM90_FP8_TILE can force (see launch_tile), for either scale layout.
 using TileM2 = CooperativeTile<Shape<_128, _128, _128>, Shape<_2, _1, _1>>;  // CTAs paired along M
 template <class Scales>
 struct Fp8Tiles {
@@ -144,33 +139,27 @@ using FwdLarge = Fp8Tiles<ScaleConfig>::Large;
 using FwdLargeSolo = Fp8Tiles<ScaleConfig>::Solo;
 using FwdSmall = Fp8Tiles<ScaleConfig>::Small;
 // Weight gradient: M = N_out and N = K_in are model widths, K = the group's rows. CTAs paired along N (the
-// 1x2 cluster shares the A tile): on the H200 (bench_gemm.py --fp8-tiles, session 6) 8-24% faster than
-// no cluster under Zipf-skewed routing on all four issue shapes, 1-5% slower with perfectly balanced
-// groups at the few-expert shapes, faster at Qwen3's; the robust default.
+// 1x2 cluster shares the A tile) at every shape: robust under skewed routing (docs/kernels.md).
 using Wgrad = Fp8Tiles<ScaleConfigWgrad>::Large;
 
-// MOE8_SM90_FP8_TILE=large|solo|m2|small forces one configuration on every FP8 forward and weight-gradient
-// GEMM (for tile sweeps: bench/bench_gemm.py --fp8-tiles); a bad name raises. Read at each call. Returns
-// whether it launched one; unset: false (the caller's shape rules pick).
+namespace heuristics = sm90_heuristics;
+
+// The configuration `tile` names (heuristics::fp8_forward_tile / fp8_wgrad_tile chose it), for either scale
+// layout, handed to launch.
 template <class Scales, class Launch>
-bool launch_forced(Launch&& launch) {
-  enum class Forced { kNone, kLarge, kSolo, kM2, kSmall };
-  constexpr std::pair<const char*, Forced> kNames[] = {
-      {"large", Forced::kLarge}, {"solo", Forced::kSolo}, {"m2", Forced::kM2}, {"small", Forced::kSmall}};
+void launch_tile(heuristics::Fp8Tile tile, Launch&& launch) {
   using C = Fp8Tiles<Scales>;
-  switch (sm90_util::env_choice("MOE8_SM90_FP8_TILE", kNames, Forced::kNone)) {
-    case Forced::kLarge:
-      return launch(typename C::Large{}), true;
-    case Forced::kSolo:
-      return launch(typename C::Solo{}), true;
-    case Forced::kM2:
-      return launch(typename C::M2{}), true;
-    case Forced::kSmall:
-      return launch(typename C::Small{}), true;
-    case Forced::kNone:
+  switch (tile) {
+    case heuristics::Fp8Tile::kSolo:
+      return launch(typename C::Solo{});
+    case heuristics::Fp8Tile::kM2:
+      return launch(typename C::M2{});
+    case heuristics::Fp8Tile::kSmall:
+      return launch(typename C::Small{});
+    case heuristics::Fp8Tile::kLarge:
       break;
   }
-  return false;
+  launch(typename C::Large{});
 }
 
 // What the scale pointers of the prep kernels assume.
@@ -344,8 +333,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): on the H200 no other order moved the
-  // FP8 GEMMs by more than the noise on every lease (bench_gemm.py --schedules, session 7)
+  // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): no other order measured faster
   sm90_util::apply_schedule(args, {});
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
@@ -412,13 +400,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  if (launch_forced<ScaleConfig>(launch)) return;
-  if (groups > 0 && rows <= kSmallRowsPerGroup * groups)
-    launch(FwdSmall{});
-  else if (((n + 127) / 128) % 2 == 1)
-    launch(FwdLargeSolo{});
-  else
-    launch(FwdLarge{});
+  launch_tile<ScaleConfig>(heuristics::fp8_forward_tile(n, rows, groups, heuristics::sm90_overrides()), launch);
 }
 
 bool grouped_gemm_fp8_wgrad_sm90_available(int device) {
@@ -459,7 +441,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  if (!launch_forced<ScaleConfigWgrad>(launch)) launch(Wgrad{});
+  launch_tile<ScaleConfigWgrad>(heuristics::fp8_wgrad_tile(heuristics::sm90_overrides()), launch);
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs

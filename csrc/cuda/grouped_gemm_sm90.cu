@@ -21,13 +21,7 @@
 
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
-#include <array>
-#include <atomic>
-#include <cstdlib>
-#include <mutex>
-#include <optional>
 #include <type_traits>
-#include <utility>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
@@ -56,40 +50,32 @@ using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// Tile configurations. Large: two consumer warpgroups share a 128x256 tile (cooperative); small: each
-// consumer warpgroup owns a 64x128 tile and the two alternate mainloop and epilogue (ping-pong), for
-// experts with few rows. Both pair CTAs along N in a cluster, so the A tile (activation rows) is
-// multicast to both; N is a fixed model width, so the cluster rounding rarely wastes a tile, while
-// pairing along the ragged M would.
+// Tile configurations (sm90_heuristics::Tile names them and says which GEMM takes which; why: docs/kernels.md).
+// Large: two consumer warpgroups share a 128x256 tile (cooperative); small: each consumer warpgroup owns a
+// 64x128 tile and the two alternate mainloop and epilogue (ping-pong), for experts with few rows. Both pair
+// CTAs along N in a cluster, so the A tile (activation rows) is multicast to both; N is a fixed model
+// width, so the cluster rounding rarely wastes a tile, while pairing along the ragged M would.
 using sm90_util::TileConfig;
 template <class Tile, class Cluster>
 using CooperativeTile = TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                                    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
 using TileLarge = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _2, _1>>;
-// TileLarge without the cluster, for an odd number of 256-wide tiles along N: the scheduler rounds each
-// group's tile grid up to whole clusters, so a 1x2 cluster would leave one tile in four idle at N = 768
-// (Qwen3-30B-A3B's down-projection dgrad and wgrad, which ran at 0.66x torch._grouped_mm with the cluster).
+// For an odd number of 256-wide tiles along N: the scheduler rounds each group's tile grid up to whole
+// clusters, so a 1x2 cluster would leave a tile idle.
 using TileLargeSolo = CooperativeTile<Shape<_128, _256, _64>, Shape<_1, _1, _1>>;
-// TileLarge with the CTAs paired along M instead (torch._grouped_mm's choice): the pair shares the weight
-// tile, 20% fewer operand bytes per k-step than pairing along N, at the cost of rounding each group's
-// M-tiles up to even. Opt-in (MOE8_SM90_CLUSTER=2x1 or auto, bf16): 7.6% less GEMM time at the Qwen3 shapes
-// on the H200 but no faster a whole layer (gemm_h200.md, layer_h200_tiles.json).
+// CTAs paired along M: the pair shares the weight tile (fewer operand bytes per k-step), each group's
+// M-tiles rounded up to even. Opt-in (MOE8_SM90_CLUSTER).
 using TileLargeM2 = CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
-// For a GEMM with a rank-sized N (the expert LoRA's A projection x·A[e] and its input gradient dt·A[e],
-// N = r <= 32): a 256-wide tile would compute 16 columns for each one kept, so these memory-bound GEMMs
-// ran at ~1/3 of their bytes' time at the Qwen3-30B LoRA shapes. bf16 only.
+// For a rank-sized N (the expert LoRA's x·A[e] and dt·A[e], N = r <= 32). bf16 only.
 using TileThin = CooperativeTile<Shape<_128, _32, _128>, Shape<_1, _1, _1>>;
-constexpr int64_t kThinN = 32;
 template <class Tile, class Cluster>
 using PingpongTile = TileConfig<Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
-// Two more bf16 configurations (MOE8_SM90_TILE forces any, see large_tile): each consumer warpgroup owns a
-// whole 128x128 tile and the two alternate mainloop and epilogue (ping-pong, the epilogue hidden behind the
-// other's mainloop), CTAs paired along M: the weight gradient's default for experts with small weights
-// (pong_wgrad); and a 256x128 cooperative tile (each warpgroup 128x128, twice the rows per weight tile of
-// TileLarge), CTAs paired along N: a sweep candidate, nowhere faster on the H200 (gemm_h200.md).
+// bf16 only: each consumer warpgroup owns a whole 128x128 tile, the epilogue hidden behind the other's
+// mainloop, CTAs paired along M (the weight gradient's default for experts with small weights); and a
+// 256x128 cooperative tile, CTAs paired along N (a sweep candidate, MOE8_SM90_TILE=tall).
 using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
 using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 
@@ -130,54 +116,26 @@ template <class T, class Config>  // a [M, K] row-major · (b[e] [N, K] row-majo
 using FwdGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config>;
 template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
 using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
-// M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Large tile only: on the H200
-// the ping-pong tile was slower for every shape measured (e.g. 88 vs 142 TFLOP/s at 64 rows per expert).
+// M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Never the 64x128 small tile
+// (slower at every shape measured, docs/kernels.md).
 template <class T, class Config = TileLarge>
 using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
 
-// Whether the GEMM's N spans an odd number of large tiles (then TileLargeSolo, see there).
-inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
+namespace heuristics = sm90_heuristics;
+using heuristics::Tile;
 
-// The configuration of a bf16/f16 GEMM that takes neither the small nor the thin tile.
-enum class LargeTile { kLarge, kSolo, kM2, kPong128, kTall };
-
-// MOE8_SM90_CLUSTER=2x1: the large bf16 tile pairs CTAs along M (TileLargeM2); =1x2: along N (TileLarge /
-// TileLargeSolo, no ping-pong weight gradient); =auto: 2x1 only where every side
-// of the weight (the GEMM's N and the other weight dimension) is <= kAutoM2Width, where 2x1 measured faster
-// on the H200 (Qwen3-30B-A3B shapes: 7.6% less time, median of 12 GEMMs; GPT-OSS-20B's 2880 / 5760: 4.5%
-// more, gemm_h200.md). MOE8_SM90_TILE=large|solo|m2|pong128|tall forces one configuration for every such
-// bf16 GEMM (for tile sweeps: bench/bench_gemm.py --tiles); it wins over MOE8_SM90_CLUSTER. Both are read at
-// each call; unset: TilePong128 where pong is true (bf16), else the 1x2 cluster (TileLarge, or
-// TileLargeSolo for an odd number of 256-wide tiles).
-constexpr int64_t kAutoM2Width = 2048;
-
-template <class T>
-LargeTile large_tile(int64_t n, int64_t k, bool pong = false) {
-  const LargeTile plain = odd_large_tiles(n) ? LargeTile::kSolo : LargeTile::kLarge;
-  if constexpr (!std::is_same_v<T, cutlass::bfloat16_t>) {
-    return plain;
-  } else {
-    constexpr std::pair<const char*, std::optional<LargeTile>> kNames[] = {{"large", LargeTile::kLarge},
-                                                                           {"solo", LargeTile::kSolo},
-                                                                           {"m2", LargeTile::kM2},
-                                                                           {"pong128", LargeTile::kPong128},
-                                                                           {"tall", LargeTile::kTall}};
-    if (const auto forced = sm90_util::env_choice("MOE8_SM90_TILE", kNames, std::optional<LargeTile>{})) return *forced;
-    enum class Cluster { kUnset, k1x2, k2x1, kAuto };
-    constexpr std::pair<const char*, Cluster> kClusters[] = {
-        {"1x2", Cluster::k1x2}, {"2x1", Cluster::k2x1}, {"auto", Cluster::kAuto}};
-    switch (sm90_util::env_choice("MOE8_SM90_CLUSTER", kClusters, Cluster::kUnset)) {
-      case Cluster::kUnset:
-        return pong ? LargeTile::kPong128 : plain;
-      case Cluster::k1x2:
-        return plain;
-      case Cluster::k2x1:
-        return LargeTile::kM2;
-      case Cluster::kAuto:
-        break;
-    }
-    return n <= kAutoM2Width && k <= kAutoM2Width ? LargeTile::kM2 : plain;
+// The configuration `tile` names (heuristics::rows_tile / wgrad_tile chose it) as Gemm<T, config>, handed to
+// launch. f16 has only the small, large and solo tiles.
+template <template <class, class> class Gemm, class T, class Launch>
+void launch_tile(Tile tile, Launch&& launch) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    if (tile == Tile::kThin) return launch(Gemm<T, TileThin>{});
+    if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
+    if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
+    if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
   }
+  if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
+  tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
 }
 
 using sm90_util::stride_with_ld;
@@ -241,7 +199,7 @@ size_t cutlass_workspace_bytes(int groups, int sms) {
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
 template <class G>
-void run_cutlass(const GroupArrays& w, int groups, int device, int sms, sm90_util::Schedule schedule,
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Schedule schedule,
                  cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
@@ -349,11 +307,6 @@ void dispatch_dtype(DType d, const char* what, F&& f) {
     fail(what, ": the sm90 grouped GEMM takes bfloat16 or float16, got ", dtype_name(d));
 }
 
-// Average rows per expert under which the 64x128 ping-pong tile beats the 128x256 cooperative one.
-// H200, bf16: small 223 TFLOP/s at 64 rows per expert (torch._grouped_mm 165); large 570 vs small 388
-// at 256 rows, 740 vs 420 at 1024.
-constexpr int64_t kSmallRowsPerGroup = 128;
-
 struct Checked {
   int device, sms;
   GroupArrays w;
@@ -415,78 +368,6 @@ bool grouped_gemm_sm90_supported(const TensorView& a, const TensorView& b, Weigh
   return f.major == 9 && f.minor == 0;
 }
 
-namespace sm90 {
-
-// Whether the weight gradient (db [E, n, kd]) takes the 128x128 ping-pong tile by default: for at least
-// kPongWgradMinGroups experts whose 128x128 output tiles number <= kPongWgradMaxTiles in all. H200 sweep
-// (bench_gemm.py --tiles, gemm_h200.md, session 5), time against the 128x256 tiles: Qwen3-30B-A3B (12k,
-// 25k tiles) -9% to -25% with balanced and Zipf routing; GPT-OSS-20B (17k, 33k) -13% / -1% balanced, -5% /
-// +3% Zipf; DeepSeek-V3 (229k, 458k) -6% / -14% balanced but +16% / +17% Zipf; Mixtral-8x7B's 8 experts
-// +26% to +31% at gate_up (the 128x256 tile moves fewer operand bytes per FLOP, which wins once the tiles
-// are many or the groups few and large).
-constexpr int64_t kPongWgradMaxTiles = 40000;
-constexpr int kPongWgradMinGroups = 16;
-
-inline bool pong_wgrad(int groups, int64_t n, int64_t kd) {
-  return groups >= kPongWgradMinGroups && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
-}
-
-// With balanced routing (sm90_util::routing_balanced) the ping-pong tile also wins for the weight gradient
-// of many experts past kPongWgradMaxTiles: DeepSeek-V3 balanced -22% / -16% (gate_up / down; session 6, a
-// second lease -11% / -1%), while under Zipf routing it loses 10-12%. The forward and dgrad are left out:
-// their isolated GEMMs gained 1-8% balanced at DeepSeek-V3 / GPT-OSS-20B widths, but the GPT-OSS-20B layer
-// with them on took 19.1-19.3 ms against 18.5-18.7 (three runs each way, gemm_h200.md).
-
-// The tile configuration of a GEMM (Gemm: FwdGemm, DgradGemm or WgradGemm) whose N (the GEMM's, i.e. kd
-// for wgrad) is n, handed to launch; small: the ping-pong 64x128 tile (forward and dgrad with few rows per
-// group), else large's choice.
-template <template <class, class> class Gemm, class T, class Launch>
-void launch_by_tile(int64_t n, bool small, LargeTile large, Launch&& launch) {
-  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-    if (n <= kThinN) return launch(Gemm<T, TileThin>{});
-    if (!small && large == LargeTile::kM2) return launch(Gemm<T, TileLargeM2>{});
-    if (!small && large == LargeTile::kPong128) return launch(Gemm<T, TilePong128>{});
-    if (!small && large == LargeTile::kTall) return launch(Gemm<T, TileTall>{});
-  }
-  if (small) return launch(Gemm<T, TileSmall>{});
-  large == LargeTile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
-}
-
-// The tile order (sm90_util::Schedule) by shape, from the H200 sweep of every issue shape and routing
-// (bench_gemm.py --schedules, session 7, gemm_schedules_h200_session7.json), where the order moved most GEMMs
-// by less than the ~2-3% run-to-run noise:
-// - forward and dgrad with N >= kSwizzleMinN (Mixtral-8x7B's gate_up forward, N = 28672): bands of 8 clusters
-//   down M: 12.59 / 12.69 ms vs 13.20 / 13.42 (balanced / Zipf routing; swizzle 4 about halfway), on a second
-//   lease 11.48 / 11.92 vs 11.58 / 12.12, where the default order sweeps each expert's whole activation
-//   block (32 MB) for every pair of column tiles;
-// - the ping-pong weight gradient (TilePong128) of a weight whose output side n (the GEMM's M) is
-//   >= kPongAlongNMinM: along N first: GPT-OSS-20B gate_up 3.73 vs 4.00 ms and down 2.28 vs 2.36 (Zipf), down
-//   1.93 vs 1.99 (balanced), DeepSeek-V3 gate_up 13.74 vs 14.11 (balanced); second lease, GPT-OSS-20B Zipf
-//   3.59 vs 4.10 and 2.00 vs 2.21; at Qwen3-30B-A3B's n = 1536 / 2048 it was 1-3.5% slower, so not there.
-// Layers (bench_layer.py, two runs each way): Mixtral-8x7B 56.18 / 56.05 vs 56.51 / 56.39 ms, GPT-OSS-20B
-// 18.65 / 18.85 vs 18.83 / 18.95.
-// A third lease timed m8 at 11.85 vs 11.77 ms there (+0.7%): the gain is real on two leases of three, small.
-// NOTES: CUTLASS's group scheduler rounds each group's tile grid up to whole swizzle bands (padding tiles in
-// its count), which cost 2-3% at the Qwen3 shapes with swizzle 2 and 1.7% with m8 at 384 rows per expert
-// (Mixtral width, 1536 tokens: 1.130 vs 1.111 ms). So the wide swizzle needs at least
-// kSwizzleMinRowsPerGroup rows per expert on average (measured at 4096, Zipf-skewed groups included).
-constexpr int64_t kSwizzleMinN = 16384;
-constexpr int64_t kSwizzleMinRowsPerGroup = 2048;
-constexpr int kWideSwizzle = 8;
-constexpr int64_t kPongAlongNMinM = 2560;
-
-inline sm90_util::Schedule rows_schedule(int64_t n, int64_t rows, int groups) {
-  const bool wide = n >= kSwizzleMinN && rows >= kSwizzleMinRowsPerGroup * groups;
-  return {false, wide ? kWideSwizzle : 1};
-}
-
-template <class G>
-sm90_util::Schedule wgrad_schedule(int64_t n) {
-  return {std::is_same_v<typename G::Tiles, TilePong128> && n >= kPongAlongNMinM, 1};
-}
-
-}  // namespace sm90
-
 void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                        const TensorView& c, void* workspace, size_t workspace_bytes, void* stream) {
   using namespace sm90;
@@ -496,7 +377,6 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   MOE8_CHECK(reinterpret_cast<uintptr_t>(c.data) % 16 == 0, what, ": c must be 16-byte aligned");
   const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
-  const bool small = groups > 0 && rows <= kSmallRowsPerGroup * groups;
   const int64_t ldb = layout == WeightLayout::kNK ? kd : n;
   dispatch_dtype(a.dtype, what, [&](auto t) {
     using T = decltype(t);
@@ -505,13 +385,15 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, rows_schedule(n, rows, groups), s);
+      if (groups > 0 && rows > 0)
+        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s);
     };
-    const LargeTile large = large_tile<T>(n, kd);
+    const heuristics::Tile tile = heuristics::rows_tile(std::is_same_v<T, cutlass::bfloat16_t>, n, kd, rows, groups,
+                                                        heuristics::sm90_overrides());
     if (layout == WeightLayout::kNK)
-      launch_by_tile<FwdGemm, T>(n, small, large, launch);
+      launch_tile<FwdGemm, T>(tile, launch);
     else
-      launch_by_tile<DgradGemm, T>(n, small, large, launch);
+      launch_tile<DgradGemm, T>(tile, launch);
   });
 }
 
@@ -535,21 +417,22 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
   const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
   dispatch_dtype(a.dtype, what, [&](auto t) {
+    using T = decltype(t);
+    constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
+    // only bf16 reads pong: f16 hands no offsets to the balance hint
+    const bool pong = bf16 && (heuristics::wgrad_pong(groups, n, kd) ||
+                               (heuristics::wgrad_pong_if_balanced(groups) &&
+                                sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
+    const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, heuristics::sm90_overrides());
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
       check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
-      if (groups > 0 && rows > 0) run_cutlass<G>(ck.w, groups, ck.device, ck.sms, wgrad_schedule<G>(n), s);
+      if (groups > 0 && rows > 0)
+        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s);
     };
-    using T = decltype(t);
-    // the GEMM's N is kd, its M the weight's other side n (2x1 pairs along it)
-    // (only bf16 reads pong: f16 hands no offsets to the balance hint)
-    const bool pong =
-        std::is_same_v<T, cutlass::bfloat16_t> &&
-        (pong_wgrad(groups, n, kd) ||
-         (groups >= kPongWgradMinGroups && sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
-    launch_by_tile<WgradGemm, T>(kd, false, large_tile<T>(kd, n, pong), launch);
+    launch_tile<WgradGemm, T>(tile, launch);
   });
 }
 

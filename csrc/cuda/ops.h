@@ -81,6 +81,16 @@ void cross_entropy_rows(const TensorView& logits, const TensorView& target, int6
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
           void* stream);
 
+// ---- the backend itself (util.cu; csrc/cuda_stub/ answers all of this header in a build without CUDA)
+// Whether this build has the CUDA backend: false only from the stub.
+bool backend_built();
+// CUDA devices visible, 0 when the query fails.
+int device_count();
+// The current device, or -1 when the query fails.
+int current_device_or_none();
+// Copies `bytes` from device memory to host memory in stream order and waits for it; false if that failed.
+bool copy_to_host(void* dst, const void* src, size_t bytes, void* stream);
+
 // int32 workspace elements build_dispatch_plan needs for num_slots = T*K slots.
 size_t plan_workspace_elems(int64_t num_slots, int num_experts);
 
@@ -91,7 +101,7 @@ int64_t count_out_of_range(const int32_t* data, int64_t n, int64_t lo, int64_t h
 void check_launch(const char* what);
 
 // ---- FP8 e4m3 (uint8 storage); semantics as in cpu/ops.h, bit-exact with the CPU reference except where
-// noted (quant.cu, grouped_gemm_fp8.cu) ----------------------------------------------------------------
+// noted (quant.cuh, grouped_gemm_fp8.cu) ---------------------------------------------------------------
 
 // slot_to_row (row_to_slot's inverse, optional): reads each token once (k <= 8) instead of once per row.
 void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,

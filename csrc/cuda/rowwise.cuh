@@ -55,7 +55,7 @@ __device__ __forceinline__ int group_of_row(const int32_t* __restrict__ offsets,
   return lo;
 }
 
-// The token-major kernels (permute.cu's scatter_rows, quant.cu's quantize_scatter) take a token's rows from
+// The token-major kernels (permute.cu's scatter_rows, quant_rows.cu's quantize_scatter) take a token's rows from
 // the plan's slot_to_row and keep them in registers: k <= kScatterMaxK (their launchers fall back to the
 // row-by-row kernels past it). r[j] = slot_to_row[t k + j] for j < k, -1 after.
 constexpr int kScatterMaxK = 8;

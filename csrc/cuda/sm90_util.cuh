@@ -1,7 +1,8 @@
 // sm90_util.cuh — host-side plumbing every CUTLASS sm90a ptr-array grouped GEMM needs: per-device facts
 // (SM count, compute capability), the persistent grid size of a kernel (clusters that fit at once), the
-// layout of the per-group arrays a device-side prep kernel writes into the caller's workspace, the
-// environment overrides of the tile choice, and the routing-balance hint (routing_balanced).
+// layout of the per-group arrays a device-side prep kernel writes into the caller's workspace, the tile
+// order's arguments, and the routing-balance hint (routing_balanced). The shape rules themselves are in
+// sm90_heuristics.h.
 // Include only from translation units compiled with CUTLASS (MOE8_WITH_CUTLASS); used by the bf16 and the FP8
 // grouped GEMMs.
 #pragma once
@@ -12,15 +13,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
-#include <string>
 #include <type_traits>
-#include <utility>
 
 #include "core/error.h"
 #include "cuda/common.cuh"
+#include "cuda/sm90_heuristics.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
@@ -140,45 +138,12 @@ struct Carver {
   }
 };
 
-// The value named by environment variable `var` among `names` (value_unset when unset); any other name
-// raises, listing the expected ones. For the tile overrides read at each call (MOE8_SM90_TILE,
-// MOE8_SM90_FP8_TILE).
-template <class E, size_t N>
-E env_choice(const char* var, const std::pair<const char*, E> (&names)[N], E value_unset) {
-  const char* v = std::getenv(var);
-  if (v == nullptr) return value_unset;
-  std::string expected;
-  for (const auto& [name, value] : names) {
-    if (std::strcmp(v, name) == 0) return value;
-    expected += (expected.empty() ? "" : ", ") + std::string(name);
-  }
-  fail(var, ": expected one of ", expected, ", got '", v, "'");
-}
+// The tile order of a grouped GEMM (sm90_heuristics::Schedule), after the environment's overrides.
+using sm90_heuristics::Schedule;
 
-// The order in which the persistent group scheduler hands out each group's output tiles (CUTLASS's
-// PersistentTileSchedulerSm90Group arguments): along_n false walks down a band of `swizzle` cluster columns
-// along M first (CUTLASS's grouped default, AlongM with swizzle 1: one column of N tiles at a time), true
-// walks along N first. Only which tiles are in flight together changes (what shares L2), never any element's
-// arithmetic. MOE8_SM90_RASTER=m|n and MOE8_SM90_SWIZZLE=1|2|4|8 override the caller's choice (for sweeps:
-// bench/bench_gemm.py --schedules); a bad value raises. Read at each call.
-struct Schedule {
-  bool along_n = false;
-  int swizzle = 1;
-};
-
-inline Schedule schedule_from_env(Schedule s) {
-  constexpr std::pair<const char*, int> kRaster[] = {{"m", 0}, {"n", 1}};
-  constexpr std::pair<const char*, int> kSwizzle[] = {{"1", 1}, {"2", 2}, {"4", 4}, {"8", 8}};
-  const int raster = env_choice("MOE8_SM90_RASTER", kRaster, -1);
-  if (raster >= 0) s.along_n = raster == 1;
-  s.swizzle = env_choice("MOE8_SM90_SWIZZLE", kSwizzle, s.swizzle);
-  return s;
-}
-
-// Sets a grouped GEMM's scheduler arguments to `s` (after the environment's overrides).
 template <class Arguments>
 void apply_schedule(Arguments& args, Schedule s) {
-  s = schedule_from_env(s);
+  s = sm90_heuristics::with_overrides(s, sm90_heuristics::sm90_overrides());
   using Raster = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = s.along_n ? Raster::AlongN : Raster::AlongM;
   args.scheduler.max_swizzle_size = s.swizzle;
@@ -196,11 +161,9 @@ constexpr int kBalanceMaxGroups = 1024;
 constexpr int kBalanceEvery = 8;
 
 inline bool routing_balanced(const int32_t* offsets, int groups, int device, cudaStream_t stream) {
-  enum class Mode { kAuto, kBalanced, kSkewed };
-  constexpr std::pair<const char*, Mode> kNames[] = {
-      {"auto", Mode::kAuto}, {"balanced", Mode::kBalanced}, {"skewed", Mode::kSkewed}};
-  const Mode mode = env_choice("MOE8_SM90_BALANCE", kNames, Mode::kAuto);
-  if (mode != Mode::kAuto) return mode == Mode::kBalanced;
+  using sm90_heuristics::Balance;
+  const Balance mode = sm90_heuristics::sm90_overrides().balance.get().value_or(Balance::kAuto);
+  if (mode != Balance::kAuto) return mode == Balance::kBalanced;
   struct State {
     std::mutex mu;
     int32_t* host = nullptr;  // pinned, kBalanceMaxGroups + 1 offsets

@@ -1,10 +1,29 @@
-// util.cu — launch checking and the synchronous index-range check the API uses for validation.
+// util.cu — launch checking, the device queries and host copy the API needs, and the synchronous
+// index-range check it uses for validation.
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
 namespace moe8::cuda {
 
 void check_launch(const char* what) { cuda_check(cudaGetLastError(), what); }
+
+bool backend_built() { return true; }
+
+int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+int current_device_or_none() {
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess ? device : -1;
+}
+
+bool copy_to_host(void* dst, const void* src, size_t bytes, void* stream) {
+  cudaStream_t s = as_stream(stream);
+  cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);  // a failure shows in the synchronisation
+  return cudaStreamSynchronize(s) == cudaSuccess;
+}
 
 __global__ void count_out_of_range_kernel(const int32_t* data, int64_t n, int64_t lo, int64_t hi,
                                           unsigned long long* bad) {

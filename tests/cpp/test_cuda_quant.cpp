@@ -566,11 +566,11 @@ TEST_F(Sm90Fp8Test, ForcedTilesMatchReference) {
     fp8_forward_matches_reference(seed);
     fp8_wgrad_matches_cpu_reference(seed + 50);
   });
-  setenv("MOE8_SM90_FP8_TILE", "wide", 1);
+  set_override("MOE8_SM90_FP8_TILE", "wide");
   Fp8Problem p({64, 200}, 0, 256, 256, 1);
   DeviceFp8 d(p);
   EXPECT_THROW(d.run(), Error);
-  unsetenv("MOE8_SM90_FP8_TILE");
+  set_override("MOE8_SM90_FP8_TILE", nullptr);
 }
 
 // The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE) gives the default's bits, forward and
@@ -599,15 +599,15 @@ TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
   for (const auto& [raster, swizzle] :
        {std::pair<const char*, const char*>{"n", "1"}, {"m", "8"}, {"n", "4"}, {"m", "2"}}) {
     SCOPED_TRACE(std::string("raster ") + raster + ", swizzle " + swizzle);
-    setenv("MOE8_SM90_RASTER", raster, 1);
-    setenv("MOE8_SM90_SWIZZLE", swizzle, 1);
+    set_override("MOE8_SM90_RASTER", raster);
+    set_override("MOE8_SM90_SWIZZLE", swizzle);
     EXPECT_TRUE(fwd0.bitwise_equal(d.run()));
     EXPECT_TRUE(wgrad0.bitwise_equal(wgrad()));
   }
-  setenv("MOE8_SM90_SWIZZLE", "16", 1);
+  set_override("MOE8_SM90_SWIZZLE", "16");
   EXPECT_THROW(d.run(), Error);
-  unsetenv("MOE8_SM90_RASTER");
-  unsetenv("MOE8_SM90_SWIZZLE");
+  set_override("MOE8_SM90_RASTER", nullptr);
+  set_override("MOE8_SM90_SWIZZLE", nullptr);
 }
 
 TEST_F(Sm90Fp8Test, AllGroupsEmpty) {

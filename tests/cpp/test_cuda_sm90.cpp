@@ -313,13 +313,13 @@ TEST_F(Sm90Test, WgradMatchesReference) { wgrad_matches_reference(91000); }
 // MOE8_SM90_CLUSTER=2x1 (and =auto: 2x1 where the weight's sides are <= 2048, 1x2 elsewhere): the bf16
 // large tile with CTAs paired along M, every case again.
 TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
-  setenv("MOE8_SM90_CLUSTER", "2x1", 1);
+  set_override("MOE8_SM90_CLUSTER", "2x1");
   forward_and_dgrad_match_reference(92000);
   wgrad_matches_reference(93000);
-  setenv("MOE8_SM90_CLUSTER", "auto", 1);
+  set_override("MOE8_SM90_CLUSTER", "auto");
   forward_and_dgrad_match_reference(94000);
   wgrad_matches_reference(95000);
-  unsetenv("MOE8_SM90_CLUSTER");
+  set_override("MOE8_SM90_CLUSTER", nullptr);
 }
 
 // Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
@@ -328,11 +328,11 @@ TEST_F(Sm90Test, ForcedTilesMatchReference) {
     forward_and_dgrad_match_reference(seed);
     wgrad_matches_reference(seed + 50);
   });
-  setenv("MOE8_SM90_TILE", "wide", 1);
+  set_override("MOE8_SM90_TILE", "wide");
   Problem p({64, 200}, 0, 256, 256, 1);
   DeviceProblem d(p);
   EXPECT_THROW(d.forward(WeightLayout::kNK), Error);
-  unsetenv("MOE8_SM90_TILE");
+  set_override("MOE8_SM90_TILE", nullptr);
 }
 
 TEST_F(Sm90Test, Float16MatchesReference) {
@@ -425,14 +425,14 @@ TEST_F(Sm90Test, SchedulesGiveTheSameBits) {
   for_each_forced("MOE8_SM90_TILE", {"large", "pong128"}, 0, [&](uint64_t) {
     std::vector<Bits> runs;
     for (const auto& [raster, swizzle] : orders) {
-      setenv("MOE8_SM90_RASTER", raster, 1);
-      setenv("MOE8_SM90_SWIZZLE", swizzle, 1);
+      set_override("MOE8_SM90_RASTER", raster);
+      set_override("MOE8_SM90_SWIZZLE", swizzle);
       runs.push_back(d.forward(WeightLayout::kNK));
       runs.push_back(d.forward(WeightLayout::kKN));
       runs.push_back(d.wgrad(false));
     }
-    unsetenv("MOE8_SM90_RASTER");
-    unsetenv("MOE8_SM90_SWIZZLE");
+    set_override("MOE8_SM90_RASTER", nullptr);
+    set_override("MOE8_SM90_SWIZZLE", nullptr);
     EXPECT_TRUE(check_forward(p, WeightLayout::kNK, runs[0], 0));
     for (size_t i = 3; i < runs.size(); ++i) EXPECT_TRUE(runs[i] == runs[i % 3]) << "result " << i << " differs";
   });
@@ -440,9 +440,9 @@ TEST_F(Sm90Test, SchedulesGiveTheSameBits) {
                                  {"MOE8_SM90_SWIZZLE", "3"},
                                  {"MOE8_SM90_CLUSTER", "3x3"}}) {
     SCOPED_TRACE(std::string(var) + "=" + bad);
-    setenv(var, bad, 1);
+    set_override(var, bad);
     EXPECT_THROW(d.forward(WeightLayout::kNK), Error);
-    unsetenv(var);
+    set_override(var, nullptr);
   }
 }
 
@@ -466,13 +466,13 @@ TEST_F(Sm90Test, RoutingBalanceHint) {
   EXPECT_TRUE(hint_after(std::vector<int>(16, 144), true));
   EXPECT_TRUE(hint_after(skewed, false));
   EXPECT_TRUE(hint_after(std::vector<int>(16, 144), true));
-  setenv("MOE8_SM90_BALANCE", "skewed", 1);
+  set_override("MOE8_SM90_BALANCE", "skewed");
   EXPECT_TRUE(hint_after(std::vector<int>(16, 144), false));
-  setenv("MOE8_SM90_BALANCE", "balanced", 1);
+  set_override("MOE8_SM90_BALANCE", "balanced");
   EXPECT_TRUE(hint_after(skewed, true));
-  setenv("MOE8_SM90_BALANCE", "maybe", 1);
+  set_override("MOE8_SM90_BALANCE", "maybe");
   EXPECT_THROW(hint_after(skewed, true), Error);
-  unsetenv("MOE8_SM90_BALANCE");
+  set_override("MOE8_SM90_BALANCE", nullptr);
 
   const std::vector<int> off = prefix(skewed);
   auto d = upload(off.data(), off.size() * 4);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/sm90_heuristics.h"
 #include "test_ref.h"
 
 namespace moe8::test {
@@ -141,17 +142,27 @@ double median_ms(Fn&& fn) {
   return static_cast<double>(ms[ms.size() / 2]);
 }
 
-// Runs check(seed) with the environment variable `var` set to each of `values` in turn (a fresh seed
-// each, under a SCOPED_TRACE naming the value), then unsets it: the kernels that read `var` at each call
-// (MOE8_SM90_TILE, MOE8_SM90_FP8_TILE) run every forced configuration.
+// Sets the MOE8_SM90_* override `var` to `value` (null: unsets it) and has the next GEMM see it: the kernels
+// read these variables once per process, so this re-reads them (sm90_heuristics::reload_sm90_overrides).
+inline void set_override(const char* var, const char* value) {
+  if (value != nullptr)
+    setenv(var, value, 1);
+  else
+    unsetenv(var);
+  cuda::sm90_heuristics::reload_sm90_overrides();
+}
+
+// Runs check(seed) with the override `var` set to each of `values` in turn (a fresh seed each, under a
+// SCOPED_TRACE naming the value), then unsets it: every configuration MOE8_SM90_TILE or MOE8_SM90_FP8_TILE
+// can force.
 template <class Check>
 void for_each_forced(const char* var, std::initializer_list<const char*> values, uint64_t seed, Check&& check) {
   for (const char* v : values) {
     SCOPED_TRACE(std::string(var) + "=" + v);
-    setenv(var, v, 1);
+    set_override(var, v);
     check(seed += 100);
   }
-  unsetenv(var);
+  set_override(var, nullptr);
 }
 
 }  // namespace moe8::test

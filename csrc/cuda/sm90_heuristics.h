@@ -1,0 +1,254 @@
+// sm90_heuristics.h — the shape rules of the sm_90a grouped GEMMs (grouped_gemm_sm90.cu: bf16 / f16,
+// grouped_gemm_fp8_sm90.cu: FP8 blockwise) as small pure functions, shape in, choice out: the tile
+// configuration, its cluster, and the order in which the persistent scheduler hands out tiles; plus the
+// MOE8_SM90_* environment overrides of those choices, parsed once per process (sm90_overrides()).
+// Plain C++ (no CUDA, no CUTLASS): tests/cpp/test_sm90_heuristics.cpp checks the choices on the CPU.
+// The measurements behind every threshold are in docs/kernels.md.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+
+namespace moe8::cuda::sm90_heuristics {
+
+// The bf16 / f16 tile configurations (grouped_gemm_sm90.cu defines them): CTA tile, cluster, kernel.
+//   kLarge   128x256 cooperative, 1x2 cluster (CTAs paired along N: the A tile is multicast)
+//   kSolo    kLarge without the cluster
+//   kM2      kLarge with the CTAs paired along M (2x1: the weight tile is shared)        bf16 only
+//   kPong128 128x128 ping-pong, 2x1 cluster                                               bf16 only
+//   kTall    256x128 cooperative, 1x2 cluster                                             bf16 only
+//   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
+//   kThin    128x32 cooperative, no cluster (an N of a LoRA rank)                         bf16 only
+enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kSmall, kThin };
+
+// The FP8 configurations (grouped_gemm_fp8_sm90.cu): 128x128x128 cooperative with a 1x2 cluster (kLarge),
+// without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
+enum class Fp8Tile { kLarge, kSolo, kM2, kSmall };
+
+enum class Cluster { k1x2, k2x1, kAuto };
+enum class Balance { kAuto, kBalanced, kSkewed };
+
+// ------------------------------------------------------------------------------------ overrides
+
+// One environment override: unset, a value, or the error a bad value raises. The error is raised where the
+// override is consulted (get()), so a bad value fails exactly the calls that would have read the variable.
+template <class E>
+class Override {
+ public:
+  Override() = default;
+  explicit Override(E value) : value_(value) {}
+  static Override bad(std::string message) {
+    Override o;
+    o.error_ = std::move(message);
+    return o;
+  }
+  std::optional<E> get() const {
+    if (!error_.empty()) fail(error_);
+    return value_;
+  }
+
+ private:
+  std::optional<E> value_;
+  std::string error_;
+};
+
+// For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
+struct Sm90Overrides {
+  Override<Tile> tile;         // MOE8_SM90_TILE=large|solo|m2|pong128|tall: every bf16 GEMM's large tile
+  Override<Fp8Tile> fp8_tile;  // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
+  Override<Cluster> cluster;   // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
+  Override<bool> along_n;      // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
+  Override<int> swizzle;       // MOE8_SM90_SWIZZLE=1|2|4|8: cluster columns per band of that order
+  Override<Balance> balance;   // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
+};
+
+// The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
+// the error naming the variable and the expected names.
+template <class E, size_t N>
+Override<E> parse_choice(const char* var, const char* v, const std::pair<const char*, E> (&names)[N]) {
+  if (v == nullptr) return {};
+  std::string expected;
+  for (const auto& [name, value] : names) {
+    if (std::strcmp(v, name) == 0) return Override<E>(value);
+    expected += (expected.empty() ? "" : ", ") + std::string(name);
+  }
+  return Override<E>::bad(str_cat(var, ": expected one of ", expected, ", got '", v, "'"));
+}
+
+// getenv: const char* (const char* name), null when unset.
+template <class Getenv>
+Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
+  constexpr std::pair<const char*, Tile> kTiles[] = {{"large", Tile::kLarge},
+                                                     {"solo", Tile::kSolo},
+                                                     {"m2", Tile::kM2},
+                                                     {"pong128", Tile::kPong128},
+                                                     {"tall", Tile::kTall}};
+  constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
+      {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
+  constexpr std::pair<const char*, Cluster> kClusters[] = {
+      {"1x2", Cluster::k1x2}, {"2x1", Cluster::k2x1}, {"auto", Cluster::kAuto}};
+  constexpr std::pair<const char*, bool> kRaster[] = {{"m", false}, {"n", true}};
+  constexpr std::pair<const char*, int> kSwizzle[] = {{"1", 1}, {"2", 2}, {"4", 4}, {"8", 8}};
+  constexpr std::pair<const char*, Balance> kBalance[] = {
+      {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
+  auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
+  Sm90Overrides o;
+  o.tile = read("MOE8_SM90_TILE", kTiles);
+  o.fp8_tile = read("MOE8_SM90_FP8_TILE", kFp8Tiles);
+  o.cluster = read("MOE8_SM90_CLUSTER", kClusters);
+  o.along_n = read("MOE8_SM90_RASTER", kRaster);
+  o.swizzle = read("MOE8_SM90_SWIZZLE", kSwizzle);
+  o.balance = read("MOE8_SM90_BALANCE", kBalance);
+  return o;
+}
+
+namespace detail {
+struct OverrideStore {
+  std::mutex mu;
+  std::deque<Sm90Overrides> parsed;  // every parse is kept, so a reference handed out stays valid
+  std::atomic<const Sm90Overrides*> current{nullptr};
+  OverrideStore() { reload(); }
+  void reload() {
+    std::lock_guard<std::mutex> lock(mu);
+    parsed.push_back(parse_sm90_overrides([](const char* var) { return std::getenv(var); }));
+    current.store(&parsed.back(), std::memory_order_release);
+  }
+};
+inline OverrideStore& override_store() {
+  static OverrideStore store;  // parsed on first use; thread-safe initialisation
+  return store;
+}
+}  // namespace detail
+
+// The process's overrides, read from the environment once, on first use.
+inline const Sm90Overrides& sm90_overrides() {
+  return *detail::override_store().current.load(std::memory_order_acquire);
+}
+
+// Reads the environment again. For tests that change the overrides between calls; nothing else calls it.
+inline void reload_sm90_overrides() { detail::override_store().reload(); }
+
+// ------------------------------------------------------------------------------- bf16 / f16 tiles
+
+// Average rows per expert up to which the forward and dgrad take the 64x128 ping-pong tile.
+constexpr int64_t kSmallRowsPerGroup = 128;
+// The GEMM's N up to which bf16 takes the 128x32 tile: a 256-wide tile would compute 16 columns per one kept.
+constexpr int64_t kThinN = 32;
+// MOE8_SM90_CLUSTER=auto pairs along M where both sides of the weight are at most this wide.
+constexpr int64_t kAutoM2Width = 2048;
+// The weight gradient's ping-pong default: at least this many experts, at most this many 128x128 tiles.
+constexpr int kPongWgradMinGroups = 16;
+constexpr int64_t kPongWgradMaxTiles = 40000;
+
+inline bool small_rows(int64_t rows, int groups) { return groups > 0 && rows <= kSmallRowsPerGroup * groups; }
+
+// An odd number of 256-wide tiles along N: a 1x2 cluster would leave a tile of each group's grid idle.
+inline bool odd_large_tiles(int64_t n) { return ((n + 255) / 256) % 2 == 1; }
+
+// The tile of a GEMM that takes neither the small nor the thin tile. n: the GEMM's N; k: the weight's other
+// side; pong: the ping-pong default of the weight gradient (wgrad_pong).
+inline Tile large_tile(bool bf16, int64_t n, int64_t k, bool pong, const Sm90Overrides& env) {
+  const Tile plain = odd_large_tiles(n) ? Tile::kSolo : Tile::kLarge;
+  if (!bf16) return plain;
+  if (const std::optional<Tile> forced = env.tile.get()) return *forced;
+  const std::optional<Cluster> cluster = env.cluster.get();
+  if (!cluster) return pong ? Tile::kPong128 : plain;
+  switch (*cluster) {
+    case Cluster::k1x2:
+      return plain;
+    case Cluster::k2x1:
+      return Tile::kM2;
+    case Cluster::kAuto:
+      break;
+  }
+  return n <= kAutoM2Width && k <= kAutoM2Width ? Tile::kM2 : plain;
+}
+
+// The tile a GEMM of N = n launches, given whether it has few rows per expert (small) and large_tile's choice.
+inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
+  if (bf16) {
+    if (n <= kThinN) return Tile::kThin;
+    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall)) return large;
+  }
+  if (small) return Tile::kSmall;
+  return large == Tile::kSolo ? Tile::kSolo : Tile::kLarge;
+}
+
+// Forward (c = a · b^T) and dgrad (c = a · b): rows ragged, c [rows, n], kd the reduction.
+inline Tile rows_tile(bool bf16, int64_t n, int64_t kd, int64_t rows, int groups, const Sm90Overrides& env) {
+  return pick_tile(bf16, n, small_rows(rows, groups), large_tile(bf16, n, kd, false, env));
+}
+
+// Whether the weight gradient db [groups, n, kd] takes the 128x128 ping-pong tile by default by its shape
+// alone; with balanced routing it also does past kPongWgradMaxTiles (wgrad_pong_if_balanced).
+inline bool wgrad_pong(int groups, int64_t n, int64_t kd) {
+  return groups >= kPongWgradMinGroups && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
+}
+// Whether the routing-balance hint is worth consulting (then a balanced answer means ping-pong).
+inline bool wgrad_pong_if_balanced(int groups) { return groups >= kPongWgradMinGroups; }
+
+// The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n.
+inline Tile wgrad_tile(bool bf16, int64_t n, int64_t kd, bool pong, const Sm90Overrides& env) {
+  return pick_tile(bf16, kd, false, large_tile(bf16, kd, n, pong, env));
+}
+
+// ------------------------------------------------------------------------------------- FP8 tiles
+
+// Average rows per expert up to which the FP8 forward takes the small tile (the bf16 rule, carried over).
+constexpr int64_t kFp8SmallRowsPerGroup = 128;
+
+inline Fp8Tile fp8_forward_tile(int64_t n, int64_t rows, int groups, const Sm90Overrides& env) {
+  if (const std::optional<Fp8Tile> forced = env.fp8_tile.get()) return *forced;
+  if (groups > 0 && rows <= kFp8SmallRowsPerGroup * groups) return Fp8Tile::kSmall;
+  return ((n + 127) / 128) % 2 == 1 ? Fp8Tile::kSolo : Fp8Tile::kLarge;  // odd 128-wide tiles: no cluster
+}
+
+// The FP8 weight gradient keeps the 1x2 cluster at every shape (robust under skewed routing).
+inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.get().value_or(Fp8Tile::kLarge); }
+
+// ------------------------------------------------------------------------------------ tile order
+
+// The order in which the persistent group scheduler hands out each group's output tiles (CUTLASS's
+// PersistentTileSchedulerSm90Group): along_n false walks down a band of `swizzle` cluster columns along M
+// first (CUTLASS's grouped default, AlongM with swizzle 1), true walks along N first. Only which tiles are in
+// flight together changes (what shares L2), never any element's arithmetic.
+struct Schedule {
+  bool along_n = false;
+  int swizzle = 1;
+};
+
+// Forward and dgrad: bands of kWideSwizzle clusters down M for a very wide N with many rows per expert
+// (the scheduler pads each group's grid to whole bands, so few rows would lose it again).
+constexpr int64_t kSwizzleMinN = 16384;
+constexpr int64_t kSwizzleMinRowsPerGroup = 2048;
+constexpr int kWideSwizzle = 8;
+// Weight gradient on the ping-pong tile: along N first where the weight's output side is this wide.
+constexpr int64_t kPongAlongNMinM = 2560;
+
+inline Schedule rows_schedule(int64_t n, int64_t rows, int groups) {
+  const bool wide = n >= kSwizzleMinN && rows >= kSwizzleMinRowsPerGroup * groups;
+  return {false, wide ? kWideSwizzle : 1};
+}
+
+// tile: the one wgrad_tile chose; n: the weight's output side (the GEMM's M).
+inline Schedule wgrad_schedule(Tile tile, int64_t n) { return {tile == Tile::kPong128 && n >= kPongAlongNMinM, 1}; }
+
+// The FP8 GEMMs keep CUTLASS's order: Schedule{}.
+
+// s after MOE8_SM90_RASTER and MOE8_SM90_SWIZZLE.
+inline Schedule with_overrides(Schedule s, const Sm90Overrides& env) {
+  if (const std::optional<bool> along_n = env.along_n.get()) s.along_n = *along_n;
+  if (const std::optional<int> swizzle = env.swizzle.get()) s.swizzle = *swizzle;
+  return s;
+}
+
+}  // namespace moe8::cuda::sm90_heuristics

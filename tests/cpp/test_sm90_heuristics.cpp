@@ -1,0 +1,179 @@
+// test_sm90_heuristics.cpp — the sm_90a grouped GEMMs' shape rules (cuda/sm90_heuristics.h) at the shapes
+// of real MoE models, and the parsing of their environment overrides. Plain C++: runs in the CPU build too.
+// Model widths: Qwen3-30B-A3B (E 128, H 2048, I 768), GPT-OSS-20B (E 32, H 2880, I 2880), DeepSeek-V3
+// (E 256, H 7168, I 2048), Mixtral-8x7B (E 8, H 4096, I 14336).
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "cuda/sm90_heuristics.h"
+#include "test_util.h"
+
+namespace moe8::test {
+namespace {
+
+namespace h = cuda::sm90_heuristics;
+using h::Fp8Tile;
+using h::Tile;
+
+// Overrides from a fixed environment (the process's own is not touched).
+h::Sm90Overrides overrides(const std::map<std::string, std::string>& env) {
+  return h::parse_sm90_overrides([&](const char* var) -> const char* {
+    const auto it = env.find(var);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+const h::Sm90Overrides kNone = overrides({});
+
+TEST(Sm90Heuristics, ForwardAndDgradTiles) {
+  // Qwen3 at 4096 tokens, top-8: 256 rows per expert.
+  const int64_t rows = 4096 * 8;
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, kNone), Tile::kLarge);  // gate_up forward: 6 tiles of N
+  EXPECT_EQ(h::rows_tile(true, 2048, 768, rows, 128, kNone), Tile::kLarge);   // down forward: 8
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, kNone), Tile::kSolo);    // down dgrad: 3, odd
+  EXPECT_EQ(h::rows_tile(false, 768, 2048, rows, 128, kNone), Tile::kSolo);   // f16 alike
+  // 128 rows per expert or fewer: the small tile, bf16 or f16; a rank-sized N: the thin tile, bf16 only.
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 128 * 128, 128, kNone), Tile::kSmall);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 128 * 128 + 1, 128, kNone), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, 64, 128, kNone), Tile::kSmall);
+  EXPECT_EQ(h::rows_tile(true, 16, 2048, rows, 128, kNone), Tile::kThin);
+  EXPECT_EQ(h::rows_tile(true, 32, 2048, 64, 128, kNone), Tile::kThin);
+  EXPECT_EQ(h::rows_tile(false, 16, 2048, rows, 128, kNone), Tile::kSolo);  // f16: no thin tile; one 256-wide tile
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 0, 0, kNone), Tile::kLarge);     // no groups: never small
+}
+
+TEST(Sm90Heuristics, ClusterAndForcedTiles) {
+  const int64_t rows = 4096 * 8;
+  const h::Sm90Overrides m2 = overrides({{"MOE8_SM90_CLUSTER", "2x1"}});
+  const h::Sm90Overrides autom = overrides({{"MOE8_SM90_CLUSTER", "auto"}});
+  const h::Sm90Overrides n2 = overrides({{"MOE8_SM90_CLUSTER", "1x2"}});
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, m2), Tile::kM2);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, autom), Tile::kM2);         // Qwen3: both sides <= 2048
+  EXPECT_EQ(h::rows_tile(true, 5760, 2880, rows, 32, autom), Tile::kSolo);        // GPT-OSS: 23 tiles of N, odd
+  EXPECT_EQ(h::rows_tile(true, 2048, 7168, 2 * rows, 256, autom), Tile::kLarge);  // DeepSeek-V3 down
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, m2), Tile::kSmall);           // small and thin come first
+  EXPECT_EQ(h::rows_tile(true, 32, 2048, rows, 128, m2), Tile::kThin);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, m2), Tile::kLarge);  // f16 reads neither variable
+  // MOE8_SM90_TILE wins over MOE8_SM90_CLUSTER.
+  const h::Sm90Overrides tall = overrides({{"MOE8_SM90_TILE", "tall"}, {"MOE8_SM90_CLUSTER", "2x1"}});
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, tall), Tile::kTall);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "solo"}})), Tile::kSolo);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "pong128"}})), Tile::kPong128);
+  // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
+}
+
+TEST(Sm90Heuristics, WgradTiles) {
+  // Ping-pong by shape: Qwen3 (25k and 12k 128x128 tiles), GPT-OSS (33k, 17k); not DeepSeek-V3 (458k) nor
+  // Mixtral (8 experts).
+  EXPECT_TRUE(h::wgrad_pong(128, 1536, 2048));
+  EXPECT_TRUE(h::wgrad_pong(128, 2048, 768));
+  EXPECT_TRUE(h::wgrad_pong(32, 5760, 2880));
+  EXPECT_TRUE(h::wgrad_pong(32, 2880, 2880));
+  EXPECT_FALSE(h::wgrad_pong(256, 4096, 7168));
+  EXPECT_FALSE(h::wgrad_pong(8, 28672, 4096));
+  EXPECT_TRUE(h::wgrad_pong_if_balanced(256));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(8));
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, kNone), Tile::kPong128);
+  EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kLarge);  // 28 tiles of the GEMM's N (kd)
+  EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kSolo);    // kd 768: 3 tiles
+  EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);  // f16: no ping-pong tile
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);     // the LoRA A gradient's kd = r
+}
+
+TEST(Sm90Heuristics, Fp8Tiles) {
+  const int64_t rows = 4096 * 8;
+  EXPECT_EQ(h::fp8_forward_tile(1536, rows, 128, kNone), Fp8Tile::kLarge);  // 12 tiles of N
+  EXPECT_EQ(h::fp8_forward_tile(5760, rows, 32, kNone), Fp8Tile::kSolo);    // 45, odd
+  EXPECT_EQ(h::fp8_forward_tile(2880, rows, 32, kNone), Fp8Tile::kSolo);    // 23
+  EXPECT_EQ(h::fp8_forward_tile(1536, 64 * 128, 128, kNone), Fp8Tile::kSmall);
+  EXPECT_EQ(h::fp8_wgrad_tile(kNone), Fp8Tile::kLarge);
+  const h::Sm90Overrides m2 = overrides({{"MOE8_SM90_FP8_TILE", "m2"}});
+  EXPECT_EQ(h::fp8_forward_tile(1536, 64, 128, m2), Fp8Tile::kM2);
+  EXPECT_EQ(h::fp8_wgrad_tile(m2), Fp8Tile::kM2);
+  EXPECT_EQ(h::fp8_wgrad_tile(overrides({{"MOE8_SM90_FP8_TILE", "small"}})), Fp8Tile::kSmall);
+  // The bf16 variables do not reach the FP8 GEMMs.
+  EXPECT_EQ(h::fp8_forward_tile(1536, rows, 128, overrides({{"MOE8_SM90_TILE", "wide"}})), Fp8Tile::kLarge);
+}
+
+TEST(Sm90Heuristics, Schedules) {
+  // Mixtral's gate_up forward (N 28672): bands of 8 clusters once an expert has >= 2048 rows on average.
+  h::Schedule s = h::rows_schedule(28672, 8 * 4096, 8);
+  EXPECT_FALSE(s.along_n);
+  EXPECT_EQ(s.swizzle, 8);
+  EXPECT_EQ(h::rows_schedule(28672, 8 * 1024, 8).swizzle, 1);
+  EXPECT_EQ(h::rows_schedule(14336, 8 * 4096, 8).swizzle, 1);
+  // The ping-pong weight gradient walks along N first where the weight's output side is >= 2560.
+  EXPECT_TRUE(h::wgrad_schedule(Tile::kPong128, 5760).along_n);
+  EXPECT_TRUE(h::wgrad_schedule(Tile::kPong128, 2880).along_n);
+  EXPECT_FALSE(h::wgrad_schedule(Tile::kPong128, 2048).along_n);
+  EXPECT_FALSE(h::wgrad_schedule(Tile::kLarge, 5760).along_n);
+  EXPECT_EQ(h::wgrad_schedule(Tile::kPong128, 5760).swizzle, 1);
+  // MOE8_SM90_RASTER / _SWIZZLE replace what they name.
+  s = h::with_overrides(h::rows_schedule(28672, 8 * 4096, 8), overrides({{"MOE8_SM90_RASTER", "n"}}));
+  EXPECT_TRUE(s.along_n);
+  EXPECT_EQ(s.swizzle, 8);
+  s = h::with_overrides(h::Schedule{true, 1}, overrides({{"MOE8_SM90_RASTER", "m"}, {"MOE8_SM90_SWIZZLE", "4"}}));
+  EXPECT_FALSE(s.along_n);
+  EXPECT_EQ(s.swizzle, 4);
+}
+
+TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(nothing raised)";
+  };
+  const h::Sm90Overrides bad = overrides({{"MOE8_SM90_TILE", "wide"},
+                                          {"MOE8_SM90_FP8_TILE", "huge"},
+                                          {"MOE8_SM90_RASTER", "k"},
+                                          {"MOE8_SM90_SWIZZLE", "3"},
+                                          {"MOE8_SM90_BALANCE", "maybe"}});
+  EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got 'wide'");
+  EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
+            "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
+  EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
+  EXPECT_EQ(message([&] {
+              h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
+            }),
+            "MOE8_SM90_SWIZZLE: expected one of 1, 2, 4, 8, got '3'");
+  EXPECT_EQ(message([&] { bad.balance.get(); }),
+            "MOE8_SM90_BALANCE: expected one of auto, balanced, skewed, got 'maybe'");
+  EXPECT_EQ(message([&] {
+              h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_CLUSTER", "3x3"}}));
+            }),
+            "MOE8_SM90_CLUSTER: expected one of 1x2, 2x1, auto, got '3x3'");
+  // Not read, so not raised: f16 never reads the bf16 tile; a forced tile hides the cluster.
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, 1 << 15, 128, bad), Tile::kLarge);
+  EXPECT_EQ(
+      h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_TILE", "m2"}, {"MOE8_SM90_CLUSTER", "3x3"}})),
+      Tile::kM2);
+}
+
+// The process's overrides are read once; reload_sm90_overrides (for tests) reads the environment again.
+TEST(Sm90Heuristics, ReadOncePerProcess) {
+  const char* old = std::getenv("MOE8_SM90_FP8_TILE");
+  const std::string saved = old ? old : "";
+  unsetenv("MOE8_SM90_FP8_TILE");
+  h::reload_sm90_overrides();
+  const h::Sm90Overrides& before = h::sm90_overrides();
+  EXPECT_FALSE(before.fp8_tile.get().has_value());
+  setenv("MOE8_SM90_FP8_TILE", "solo", 1);
+  EXPECT_FALSE(h::sm90_overrides().fp8_tile.get().has_value());  // not seen until reloaded
+  h::reload_sm90_overrides();
+  EXPECT_EQ(h::sm90_overrides().fp8_tile.get(), Fp8Tile::kSolo);
+  EXPECT_FALSE(before.fp8_tile.get().has_value());  // an earlier reference stays valid
+  if (old)
+    setenv("MOE8_SM90_FP8_TILE", saved.c_str(), 1);
+  else
+    unsetenv("MOE8_SM90_FP8_TILE");
+  h::reload_sm90_overrides();
+}
+
+}  // namespace
+}  // namespace moe8::test
