@@ -180,11 +180,13 @@ def schedule_env(order: str) -> dict:
 
 
 def with_env(fn, env: dict):
-    """fn with the environment variables env (read by the kernels at each launch) set for each call."""
+    """fn with the environment variables env set for each call (the kernels read them once per process:
+    moe8._C.reload_sm90_overrides() makes them read them again, before and after the call)."""
 
     def call():
         old = {var: os.environ.get(var) for var in env}
         os.environ.update(env)
+        ops._C.reload_sm90_overrides()
         try:
             return fn()
         finally:
@@ -193,6 +195,7 @@ def with_env(fn, env: dict):
                     os.environ.pop(var, None)
                 else:
                     os.environ[var] = value
+            ops._C.reload_sm90_overrides()
 
     return call
 

@@ -10,6 +10,7 @@
 #include "cpu/ops.h"
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
+#include "cuda/sm90_heuristics.h"
 
 namespace moe8::api {
 namespace {
@@ -44,6 +45,8 @@ void check_route_common(const TensorView& logits, const TensorView& bias, const 
 }  // namespace
 
 bool cuda_available() { return cuda::device_count() > 0; }
+
+void reload_sm90_overrides() { cuda::sm90_heuristics::reload_sm90_overrides(); }
 
 void route_forward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
                    const TensorView& weights, const TensorView& prob_mean, const TensorView& token_frac,

@@ -11,6 +11,9 @@
 namespace moe8::api {
 
 bool cuda_available();  // built with CUDA and a device is visible
+// Reads the MOE8_SM90_* tuning overrides from the environment again (they are read once per process
+// otherwise): for benchmark sweeps that change them between calls.
+void reload_sm90_overrides();
 
 void route_forward(const TensorView& logits, const TensorView& bias, const RouteParams& p, const TensorView& ids,
                    const TensorView& weights, const TensorView& prob_mean, const TensorView& token_frac,

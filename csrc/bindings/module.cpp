@@ -101,6 +101,7 @@ NB_MODULE(_C, m) {
     }
   });
   m.def("cuda_available", &moe8::api::cuda_available);
+  m.def("reload_sm90_overrides", &moe8::api::reload_sm90_overrides);
   m.def(
       "route_forward",
       [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group, float scaling,
