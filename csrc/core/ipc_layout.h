@@ -80,6 +80,17 @@ inline IpcLayout make_ipc_layout(int world, int num_local_experts, int64_t capac
   return L;
 }
 
+// The owner reads its received rows as blocks b of (source s, local expert e) rows, in source-major order
+// (b = s * E_local + e: the interface's (source, expert, token, slot) order) or expert-major (b = e * world +
+// s: each expert's rows contiguous). Both orders are bijections of [0, world * E_local).
+MOE8_HD int ipc_block(int s, int e, int world, int num_local_experts, bool expert_major) {
+  return expert_major ? e * world + s : s * num_local_experts + e;
+}
+MOE8_HD void ipc_block_source_expert(int b, int world, int num_local_experts, bool expert_major, int& s, int& e) {
+  s = expert_major ? b % world : b / num_local_experts;
+  e = expert_major ? b / world : b % num_local_experts;
+}
+
 // Barrier phases (what a timeout error names) and the error word a failed wait leaves for the host:
 // bits 56..63 kind, 48..55 phase, 32..47 peer rank, 0..31 the epoch's low bits.
 enum class IpcPhase : int { kDispatchReady = 0, kDispatchDone = 1, kCombineReady = 2, kCombineDone = 3 };

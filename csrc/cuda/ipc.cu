@@ -151,7 +151,7 @@ __global__ void recv_plan_kernel(const uint8_t* __restrict__ mine, IpcLayout L, 
     for (int e = 0; e < El; ++e) {
       const int32_t n = counts[s * C + e];
       good = good && n >= 0;
-      recv_base[expert_major ? e * W + s : s * El + e] = static_cast<int32_t>(at);
+      recv_base[ipc_block(s, e, W, El, expert_major)] = static_cast<int32_t>(at);
       at += n;
     }
     good = good && at <= L.capacity;
@@ -162,16 +162,12 @@ __global__ void recv_plan_kernel(const uint8_t* __restrict__ mine, IpcLayout L, 
   if (threadIdx.x != 0) return;
   int32_t at = 0;
   for (int b = 0; b < W * El; ++b) {
-    const int s = expert_major ? b % W : b / El, e = expert_major ? b / W : b % El;
+    int s, e;
+    ipc_block_source_expert(b, W, El, expert_major, s, e);
     recv_offsets[b] = at;
     if (ok[s]) at += counts[s * C + e];
   }
   recv_offsets[W * El] = at;
-}
-
-__device__ __forceinline__ void block_source_expert(int b, int W, int El, bool expert_major, int& s, int& e) {
-  s = expert_major ? b % W : b / El;
-  e = expert_major ? b / W : b % El;
 }
 
 template <int kVec>
@@ -186,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
   const int W = L.world, El = L.num_local_experts;
   const int b = group_of_row(recv_offsets, W * El, i);
   int s, e;
-  block_source_expert(b, W, El, expert_major, s, e);
+  ipc_block_source_expert(b, W, El, expert_major, s, e);
   const int64_t place = recv_base[b] + (i - recv_offsets[b]);
   warp_copy<kVec>(rows + i * L.row_bytes, mine + L.row_at(s, place), L.row_bytes, lane);
   if (rows_scale != nullptr)

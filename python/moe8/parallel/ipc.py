@@ -126,6 +126,7 @@ class IpcTransport(Transport):
         """Dispatch of tokens: -> rows [R, H], local_ids [R], ret [R], recv tables, send/recv splits."""
         n, el = self.size, self.num_local
         buf = self.buffer(x.shape[1], x.dtype, x.device, x.shape[0] * k, k)
+        _check(buf)  # an earlier failed wait raises here, before anything moves
         stream = _stream(x)
         i32 = dict(dtype=torch.int32, device=x.device)
         bad = bad.view(1) if bad is not None else None
@@ -153,6 +154,7 @@ class IpcTransport(Transport):
         forward dispatch placed their rows."""
         g = g.contiguous()
         buf = self.buffer(g.shape[1], g.dtype, g.device)
+        _check(buf)
         stream = _stream(g)
         buf.dispatch_send(g, None, None, offsets, None, None, 1, False, self.timeout_s, stream)
         out = g.new_empty(num_rows, g.shape[1])
@@ -164,6 +166,7 @@ class IpcTransport(Transport):
         """Combine direction: rows [R, H] at the owners -> [T * K, H] at their sources, in send order."""
         rows = rows.contiguous()
         buf = self.buffer(rows.shape[1], rows.dtype, rows.device)
+        _check(buf)
         stream = _stream(rows)
         buf.combine_send(rows, None, ret, self.timeout_s, stream)
         out = rows.new_empty(num_slots, rows.shape[1])
