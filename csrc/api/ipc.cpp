@@ -15,6 +15,7 @@ constexpr int64_t kMaxBufferRows = int64_t(1) << 31;  // ret packs source * capa
 
 int64_t elem_bytes(DType d) { return dtype_size(d); }
 
+#ifdef MOE8_WITH_CUDA
 std::string error_message(uint64_t code, int rank, int world) {
   const IpcErrorInfo e = ipc_decode_error(code);
   if (e.kind == IpcFault::kBadCounts)
@@ -26,6 +27,7 @@ std::string error_message(uint64_t code, int rank, int world) {
                  " never arrived (it exited, hung, or is not making the same sequence of dispatch/combine calls); "
                  "the transport is unusable: recreate it on every rank");
 }
+#endif
 
 }  // namespace
 
@@ -190,6 +192,8 @@ void IpcBuffer::dispatch_plan(const TensorView& recv_counts, const TensorView& r
   check_ints("recv_base", recv_base, "recv_counts", recv_counts, {W * El});
 #ifdef MOE8_WITH_CUDA
   impl_->recv_plan(recv_counts, recv_offsets, recv_base, expert_major, as_ptr(stream));
+#else
+  (void)expert_major;
 #endif
 }
 
