@@ -53,14 +53,17 @@ def inputs(world: int, seed: int, sizes, H: int, E: int, K: int, dtype, skew_to:
     return xs, ids, ws
 
 
-def owner_reference(xs, ids, owner: int, el: int):
-    """The rows owner `owner` receives in (source rank, expert, token, slot) order, and their local ids."""
+def owner_reference(xs, ids, owner: int, el: int, expert_major: bool = False):
+    """The rows owner `owner` receives in (source rank, expert, token, slot) order (expert_major: (expert,
+    source rank, token, slot)), and their local ids."""
     rows, lids = [], []
-    for s in range(len(xs)):
-        for e in range(el):
-            tj = (ids[s] == owner * el + e).nonzero()  # row-major: (token, slot) ascending
-            rows.append(xs[s][tj[:, 0]])
-            lids.append(torch.full((tj.shape[0],), e, dtype=torch.int32))
+    pairs = [(s, e) for s in range(len(xs)) for e in range(el)]
+    if expert_major:
+        pairs.sort(key=lambda se: (se[1], se[0]))
+    for s, e in pairs:
+        tj = (ids[s] == owner * el + e).nonzero()  # row-major: (token, slot) ascending
+        rows.append(xs[s][tj[:, 0]])
+        lids.append(torch.full((tj.shape[0],), e, dtype=torch.int32))
     H = xs[0].shape[1]
     return torch.cat(rows) if rows else torch.empty(0, H), torch.cat(lids)
 
@@ -92,7 +95,20 @@ def _same(name: str, a, b) -> None:
 
 # -------------------------------------------------------------------------------------------- scenarios
 def roundtrip(
-    rank, world, *, E, K, H, dtype, rounds, seed, max_tokens, skew_to=-1, check=True, timeout_s=60.0
+    rank,
+    world,
+    *,
+    E,
+    K,
+    H,
+    dtype,
+    rounds,
+    seed,
+    max_tokens,
+    skew_to=-1,
+    check=True,
+    expert_major=False,
+    timeout_s=60.0,
 ):
     """dispatch -> row * scale[expert] at the owner -> combine -> weighted sum, forward and backward, for
     several rounds of different sizes on one transport: rows, ids, outputs and gradients bitwise equal to
@@ -102,7 +118,14 @@ def roundtrip(
 
     dtype = getattr(torch, dtype)
     el = E // world
-    t = IpcTransport(dist.group.WORLD, E, max_tokens=max_tokens, timeout_s=timeout_s, check=check)
+    t = IpcTransport(
+        dist.group.WORLD,
+        E,
+        max_tokens=max_tokens,
+        timeout_s=timeout_s,
+        check=check,
+        expert_major=expert_major,
+    )
     scale = torch.linspace(0.5, 2.0, E, device="cuda")
     for i, sizes in enumerate(rounds):
         xs, ids, ws = inputs(world, seed + i, sizes, H, E, K, dtype, skew_to)
@@ -110,7 +133,7 @@ def roundtrip(
         w = ws[rank].cuda().requires_grad_()
         idr = ids[rank].cuda()
         rows, local_ids, meta = t.dispatch(x, idr, w)
-        ref_rows, ref_lids = owner_reference(xs, ids, rank, el)
+        ref_rows, ref_lids = owner_reference(xs, ids, rank, el, expert_major)
         _same(f"round {i}: received rows", rows, ref_rows)
         _same(f"round {i}: local ids", local_ids, ref_lids)
         out = rows * scale[rank * el + local_ids.long()].to(dtype)[:, None]
@@ -164,9 +187,11 @@ def interleaved(rank, world, *, E, K, H, seed):
     return "ok"
 
 
-def missing_peer(rank, world, *, missing, timeout_s):
-    """Rank `missing` creates its buffer but never dispatches: every other rank's dispatch raises
-    TransportError naming that peer and the phase after about timeout_s, and its next call raises at once."""
+def missing_peer(rank, world, *, missing, timeout_s, phase="dispatch"):
+    """Rank `missing` stops before `phase`: it creates its buffer but never dispatches ("dispatch"), or
+    dispatches but never combines ("combine"). Every other rank raises TransportError naming that peer and
+    the phase after about timeout_s: at the dispatch (its device-to-host read of the counts), or, for the
+    combine, with check off, at the start of the next call. A call after that raises at once."""
     from moe8 import ops
     from moe8.parallel.ipc import IpcTransport
     from moe8.parallel.transport import TransportError
@@ -180,25 +205,31 @@ def missing_peer(rank, world, *, missing, timeout_s):
     t = IpcTransport(dist.group.WORLD, E, max_tokens=16, timeout_s=timeout_s)
     t.buffer(H, torch.bfloat16, torch.device("cuda", 0), 16 * K, K)  # collective: every rank
     result = "absent"
+    if phase == "combine":
+        rows, _, meta = t.dispatch(x, ids, w)
     if rank != missing:
         start = time.monotonic()
         try:
-            t.dispatch(x, ids, w)
-            raise AssertionError("dispatch returned although a peer never arrived")
+            if phase == "combine":
+                t.combine(rows, meta)  # returns: check is off, nothing waits for the GPU
+                t.dispatch(x, ids, w)
+            else:
+                t.dispatch(x, ids, w)
+            raise AssertionError(f"the {phase} returned although a peer never arrived")
         except TransportError as e:
             elapsed = time.monotonic() - start
             msg = str(e)
-        want = [f"peer rank {missing}", "timed out", "dispatch (ready"]
+        want = [f"peer rank {missing}", "timed out", f"{phase} (ready"]
         if not all(s in msg for s in want) or not timeout_s * 0.9 <= elapsed <= timeout_s + 30:
             raise AssertionError(f"after {elapsed:.1f} s: {msg!r}; expected {want} after ~{timeout_s} s")
         start = time.monotonic()
         try:
             t.dispatch(x, ids, w)
-            raise AssertionError("a second dispatch after the timeout returned")
+            raise AssertionError("a call after the timeout returned")
         except TransportError as e:
             if f"peer rank {missing}" not in str(e) or time.monotonic() - start > 5:
                 raise AssertionError(
-                    f"the second call: {e!r} after {time.monotonic() - start:.1f} s"
+                    f"the call after: {e!r} after {time.monotonic() - start:.1f} s"
                 ) from None
         result = msg
     dist.barrier()  # the absent rank stays alive (its buffer mapped) until the others are done

@@ -129,12 +129,29 @@ def test_two_layers_in_flight():
     _launch(2, "interleaved", E=8, K=2, H=128, seed=6)
 
 
-@pytest.mark.parametrize("world,missing", [(2, 1), (4, 3)])
-def test_missing_peer_times_out_naming_it(world, missing):
-    out = _launch(world, "missing_peer", missing=missing, timeout_s=2.0)
+def test_roundtrip_expert_major():
+    # the owner's rows in (expert, source, token, slot) order: each local expert's rows contiguous
+    rounds = [[13, 7, 0, 30], [5, 5, 5, 5]]
+    _launch(
+        4,
+        "roundtrip",
+        E=8,
+        K=2,
+        H=64,
+        dtype="bfloat16",
+        rounds=rounds,
+        seed=8,
+        max_tokens=32,
+        expert_major=True,
+    )
+
+
+@pytest.mark.parametrize("world,missing,phase", [(2, 1, "dispatch"), (4, 3, "dispatch"), (2, 0, "combine")])
+def test_missing_peer_times_out_naming_it(world, missing, phase):
+    out = _launch(world, "missing_peer", missing=missing, timeout_s=2.0, phase=phase)
     for r, msg in enumerate(out):
         if r != missing:
-            assert f"peer rank {missing}" in msg and "dispatch (ready" in msg, msg
+            assert f"peer rank {missing}" in msg and f"{phase} (ready" in msg, msg
 
 
 def test_bad_inputs_name_the_argument_and_sizes():
