@@ -1,9 +1,11 @@
 // test_ipc.cpp — the host-side logic of the `ipc` transport that needs no GPU: the buffer layout (sections
 // in order, aligned, disjoint; every row, scale, metadata and count place inside its section and distinct;
 // the total exact), the (source, expert) block orders, the error codes, and the validation of a buffer's
-// configuration (named arguments and sizes). The data path runs in tests/python/test_parallel_ipc.py.
+// configuration (named arguments and sizes); with a GPU, one rank's whole data path (both directions, both
+// vector widths, FP8 scales) against the plan. Several ranks: tests/python/test_parallel_ipc.py.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <set>
 #include <string>
 #include <vector>
@@ -11,6 +13,10 @@
 #include "api/ipc.h"
 #include "core/error.h"
 #include "core/ipc_layout.h"
+#include "test_ref.h"
+#ifdef MOE8_WITH_CUDA
+#include "test_cuda_util.h"
+#endif
 
 namespace moe8::test {
 namespace {
@@ -89,7 +95,9 @@ TEST(IpcLayout, EveryPlaceIsInsideItsSectionAndDistinct) {
     }
     // rows of one region are consecutive, regions follow each other
     EXPECT_EQ(L.row_at(0, 1) - L.row_at(0, 0), L.stride);
-    if (c.world > 1) EXPECT_EQ(L.row_at(1, 0), L.row_at(0, c.capacity - 1) + L.stride);
+    if (c.world > 1) {
+      EXPECT_EQ(L.row_at(1, 0), L.row_at(0, c.capacity - 1) + L.stride);
+    }
     for (int64_t i = 0; i < c.capacity; ++i) {
       EXPECT_GE(L.ret_at(i), L.ret);
       EXPECT_LE(L.ret_at(i) + L.stride, L.total);
@@ -173,6 +181,121 @@ TEST(IpcLayout, ConfigurationIsValidated) {
   EXPECT_EQ(L.scale_bytes, 8);
   EXPECT_EQ(L.stride, 272);
 }
+
+#ifdef MOE8_WITH_CUDA
+struct RoundTripCase {
+  const char* name;
+  int T, K, E;
+  int64_t H;
+  DType dtype;
+  int64_t scale_cols;
+  bool misaligned;  // tensors 4 bytes past a 16-byte boundary: the 4-byte copy path
+};
+
+class IpcCudaTest : public CudaTest {};
+
+bool rows_equal(const HostTensor& a, int64_t ra, const HostTensor& b, int64_t rb, int64_t row_bytes) {
+  return std::memcmp(static_cast<const uint8_t*>(a.data()) + ra * row_bytes,
+                     static_cast<const uint8_t*>(b.data()) + rb * row_bytes, row_bytes) == 0;
+}
+
+// A device copy of t placed `shift` bytes past a 16-byte boundary.
+TensorView upload_at(std::vector<std::unique_ptr<DeviceBuffer>>& keep, const HostTensor& t, size_t shift) {
+  keep.push_back(std::make_unique<DeviceBuffer>(t.nbytes() + 16));
+  uint8_t* p = static_cast<uint8_t*>(keep.back()->get()) + shift;
+  cuda_ok(cudaMemcpy(p, t.data(), t.nbytes(), cudaMemcpyHostToDevice), "upload");
+  return view_of(p, t.dtype(), t.shape(), DeviceType::kCUDA);
+}
+
+void download(HostTensor& t, const TensorView& v) {
+  cuda_ok(cudaDeviceSynchronize(), "synchronize");
+  cuda_ok(cudaMemcpy(t.data(), v.data, t.nbytes(), cudaMemcpyDeviceToHost), "download");
+}
+
+TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
+  const std::vector<RoundTripCase> cases = {
+      {"bf16", 37, 2, 8, 136, DType::kBF16, 0, false},     {"bf16_one_token", 1, 4, 6, 64, DType::kBF16, 0, false},
+      {"no_tokens", 0, 2, 4, 64, DType::kBF16, 0, false},  {"f32_misaligned", 23, 3, 5, 36, DType::kF32, 0, true},
+      {"fp8_scales", 19, 2, 4, 256, DType::kU8, 2, false},
+  };
+  Rng rng(7);
+  for (const RoundTripCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t slots = int64_t(c.T) * c.K, row_bytes = c.H * dtype_size(c.dtype), S = c.scale_cols;
+    const std::vector<int> ids = random_ids(c.T, c.K, c.E, rng);
+    const PlanRef plan = plan_ref(ids, c.E, 1, slots);
+    const auto random_rows = [&](int64_t n) {
+      if (c.dtype != DType::kU8) return random_tensor(c.dtype, {n, c.H}, rng, -4, 4);
+      HostTensor q(DType::kU8, {n, c.H});
+      for (int64_t i = 0; i < q.numel(); ++i) q.set(i, rng.randint(0, 256));
+      return q;
+    };
+    HostTensor x = random_rows(c.T), g = random_rows(slots), xs = random_tensor(DType::kF32, {c.T, S}, rng);
+    HostTensor counts = ints({c.E}, plan.counts), offsets = ints({c.E + 1}, plan.offsets),
+               r2s = ints({slots}, plan.row_to_slot);
+    HostTensor rows(x.dtype(), {slots, c.H}), rows_s(DType::kF32, {slots, S}), lids(DType::kI32, {slots}),
+        ret(DType::kI32, {slots}), rc(DType::kI32, {1, c.E + 1}), ro(DType::kI32, {c.E + 1}), rb(DType::kI32, {c.E}),
+        back(x.dtype(), {slots, c.H}), back_s(DType::kF32, {slots, S}), grows(x.dtype(), {slots, c.H});
+    std::vector<std::unique_ptr<DeviceBuffer>> keep;
+    const size_t shift = c.misaligned ? 4 : 0;
+    const auto dev = [&](HostTensor& t) {
+      t.poison();
+      return upload_at(keep, t, shift);
+    };
+    const auto opt_dev = [&](HostTensor& t) { return S > 0 ? dev(t) : absent(); };
+    TensorView dx = upload_at(keep, x, shift), dxs = S > 0 ? upload_at(keep, xs, shift) : absent(),
+               dg = upload_at(keep, g, shift), dcounts = upload_at(keep, counts, 0), doff = upload_at(keep, offsets, 0),
+               dr2s = upload_at(keep, r2s, 0);
+    TensorView drows = dev(rows), drows_s = opt_dev(rows_s), dlids = dev(lids), dret = dev(ret), drc = dev(rc),
+               dro = dev(ro), drb = dev(rb), dback = dev(back), dback_s = opt_dev(back_s), dgrows = dev(grows);
+
+    api::IpcBuffer buf(0, 1, c.E, slots + 3, c.H, c.dtype, S, 0);
+    buf.open({buf.handle()});
+    buf.dispatch_send(dx, dxs, dr2s, doff, dcounts, absent(), c.K, true, 10.0, 0, true);
+    buf.dispatch_plan(drc, dro, drb, false, 0);
+    buf.dispatch_recv(dro, drb, false, drows, drows_s, dlids, dret, 0);
+    buf.combine_send(drows, drows_s, dret, 10.0, 0, true);  // results = the rows themselves, back
+    buf.combine_recv(dback, dback_s, 0);
+    buf.dispatch_send(dg, absent(), absent(), doff, absent(), absent(), 1, false, 10.0, 0);  // gradients
+    buf.dispatch_recv(dro, drb, false, dgrows, absent(), absent(), absent(), 0);
+    buf.check(true, 0);
+    for (auto [t, v] : {std::pair<HostTensor*, TensorView>{&rows, drows},
+                        {&lids, dlids},
+                        {&ret, dret},
+                        {&rc, drc},
+                        {&ro, dro},
+                        {&rb, drb},
+                        {&back, dback},
+                        {&grows, dgrows}})
+      download(*t, v);
+    if (S > 0) {
+      download(rows_s, drows_s);
+      download(back_s, dback_s);
+    }
+    for (int e = 0; e < c.E; ++e) {
+      EXPECT_EQ(rc.i32()[e], plan.counts[e]);
+      EXPECT_EQ(ro.i32()[e], plan.offsets[e]);
+      EXPECT_EQ(rb.i32()[e], plan.offsets[e]);  // one source: its region is the send order
+    }
+    EXPECT_EQ(rc.i32()[c.E], 0);  // bad ids
+    EXPECT_EQ(ro.i32()[c.E], slots);
+    for (int64_t i = 0; i < slots; ++i) {
+      const int slot = plan.row_to_slot[i], t = slot / c.K;
+      EXPECT_TRUE(rows_equal(rows, i, x, t, row_bytes)) << "row " << i;
+      if (S > 0) {
+        EXPECT_TRUE(rows_equal(rows_s, i, xs, t, 4 * S)) << "scales of row " << i;
+      }
+      EXPECT_EQ(lids.i32()[i], ids[slot]);
+      EXPECT_EQ(ret.i32()[i], i);
+      EXPECT_TRUE(rows_equal(back, i, rows, i, row_bytes)) << "returned row " << i;
+      if (S > 0) {
+        EXPECT_TRUE(rows_equal(back_s, i, rows_s, i, 4 * S)) << "returned scales of row " << i;
+      }
+      EXPECT_TRUE(rows_equal(grows, i, g, i, row_bytes)) << "gradient row " << i;
+    }
+  }
+}
+#endif
 
 #ifndef MOE8_WITH_CUDA
 TEST(IpcBuffer, RaisesWithoutCuda) {
