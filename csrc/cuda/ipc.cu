@@ -247,7 +247,10 @@ class DeviceGuard {
 
 IpcBuffer::IpcBuffer(int rank, const IpcLayout& layout, int device) : rank_(rank), device_(device), layout_(layout) {
   DeviceGuard guard(device);
-  cuda_check(cudaMalloc(&base_, layout_.total), "ipc: cudaMalloc of the receive buffer");
+  const std::string what =
+      str_cat("ipc: cudaMalloc of the receive buffer (", layout_.total, " bytes: ", layout_.world, " sources x ",
+              layout_.capacity, " rows x ", layout_.stride, " bytes, and the return region)");
+  cuda_check(cudaMalloc(&base_, layout_.total), what.c_str());
   try {
     cuda_check(cudaMemset(base_, 0, layout_.total), "ipc: zeroing the receive buffer");
     cuda_check(cudaHostAlloc(&host_error_, sizeof(uint64_t), cudaHostAllocMapped), "ipc: cudaHostAlloc");

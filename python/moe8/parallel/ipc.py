@@ -98,12 +98,29 @@ class IpcTransport(Transport):
                 sizes = [None] * self.size
                 dist.all_gather_object(sizes, int(slots), group=self.group)
                 self.capacity = max(1, *sizes)
-        with torch.cuda.device(device):
-            buf = _ext.IpcBuffer(
-                self.rank, self.size, self.num_local, self.capacity, int(hidden), str(dtype), 0, device.index
-            )
+        try:  # every rank learns whether every rank has its buffer, so none waits for a failed peer
+            with torch.cuda.device(device):
+                buf = _ext.IpcBuffer(
+                    self.rank,
+                    self.size,
+                    self.num_local,
+                    self.capacity,
+                    int(hidden),
+                    str(dtype),
+                    0,
+                    device.index,
+                )
+            mine = buf.handle()
+        except (RuntimeError, ValueError) as e:
+            buf, mine = None, (type(e) is ValueError, f"rank {self.rank}: {e}")
         handles = [None] * self.size
-        dist.all_gather_object(handles, buf.handle(), group=self.group)
+        dist.all_gather_object(handles, mine, group=self.group)
+        failed = [h for h in handles if isinstance(h, tuple)]
+        if failed:
+            kind = ValueError if all(bad_input for bad_input, _ in failed) else TransportError
+            raise kind(
+                f"ipc transport: creating the receive buffers failed: {'; '.join(m for _, m in failed)}"
+            )
         buf.open(handles)
         self._buffers[key] = buf
         return buf
@@ -124,6 +141,7 @@ class IpcTransport(Transport):
     # ------------------------------------------------------------------------------------------ moves
     def _send_tokens(self, x: Tensor, k: int, counts, offsets, row_to_slot, bad):
         """Dispatch of tokens: -> rows [R, H], local_ids [R], ret [R], recv tables, send/recv splits."""
+        x = x.detach()  # DLPack refuses tensors that require grad (autograd.Function inputs still do)
         n, el = self.size, self.num_local
         buf = self.buffer(x.shape[1], x.dtype, x.device, x.shape[0] * k, k)
         _check(buf)  # an earlier failed wait raises here, before anything moves
@@ -152,7 +170,7 @@ class IpcTransport(Transport):
     def _send_grads(self, g: Tensor, offsets: Tensor, tables, num_rows: int) -> Tensor:
         """Dispatch direction for gradients in send order [T * K, H] -> [R, H] at the owners, placed as the
         forward dispatch placed their rows."""
-        g = g.contiguous()
+        g = g.detach().contiguous()
         buf = self.buffer(g.shape[1], g.dtype, g.device)
         _check(buf)
         stream = _stream(g)
@@ -164,7 +182,7 @@ class IpcTransport(Transport):
 
     def _send_back(self, rows: Tensor, ret: Tensor, num_slots: int) -> Tensor:
         """Combine direction: rows [R, H] at the owners -> [T * K, H] at their sources, in send order."""
-        rows = rows.contiguous()
+        rows = rows.detach().contiguous()
         buf = self.buffer(rows.shape[1], rows.dtype, rows.device)
         _check(buf)
         stream = _stream(rows)
