@@ -38,11 +38,28 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+class _Buffer:
+    """A moe8._C.IpcBuffer whose RuntimeErrors (a failed wait, seen by a call's own check; a failed launch)
+    are TransportErrors; ValueErrors (bad arguments) pass as they are."""
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def __getattr__(self, name):
+        fn = getattr(self._buf, name)
+
+        def call(*args):
+            try:
+                return fn(*args)
+            except RuntimeError as e:
+                raise TransportError(str(e)) from None
+
+        setattr(self, name, call)
+        return call
+
+
 def _check(buf, sync: bool = False, stream: int = 0) -> None:
-    try:
-        buf.check(sync, stream)
-    except RuntimeError as e:
-        raise TransportError(str(e)) from None
+    buf.check(sync, stream)
 
 
 class IpcTransport(Transport):
@@ -121,6 +138,7 @@ class IpcTransport(Transport):
             raise kind(
                 f"ipc transport: creating the receive buffers failed: {'; '.join(m for _, m in failed)}"
             )
+        buf = _Buffer(buf)
         buf.open(handles)
         self._buffers[key] = buf
         return buf
