@@ -12,6 +12,8 @@
 namespace nb = nanobind;
 using moe8::TensorView;
 
+void bind_ipc(nb::module_& m);  // bindings/ipc.cpp
+
 namespace {
 
 using Array = nb::ndarray<nb::ro>;  // any dtype, device, shape; outputs are written through data()
@@ -102,6 +104,7 @@ NB_MODULE(_C, m) {
   });
   m.def("cuda_available", &moe8::api::cuda_available);
   m.def("reload_sm90_overrides", &moe8::api::reload_sm90_overrides);
+  bind_ipc(m);
   m.def(
       "route_forward",
       [](Array logits, OptArray bias, int scheme, int k, bool renormalize, int n_group, int topk_group, float scaling,

@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "cuda/grouped_gemm_fp8_sm90.h"
 #include "cuda/grouped_gemm_sm90.h"
+#include "cuda/ipc.h"
 #include "cuda/ops.h"
 
 namespace moe8::cuda {
@@ -123,5 +124,22 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView&, const TensorView&, const Ten
                                  const TensorView&, const TensorView&, void*, size_t, void*) {
   fail_without_cuda("grouped_gemm_fp8_wgrad_sm90");
 }
+
+// cuda/ipc.h: api/ipc.cpp refuses to make a buffer without CUDA, so only the constructor is reachable
+IpcBuffer::IpcBuffer(int, const IpcLayout&, int) { fail_without_cuda("IpcBuffer"); }
+IpcBuffer::~IpcBuffer() = default;
+std::string IpcBuffer::handle() const { return handle_; }
+void IpcBuffer::open(const std::vector<std::string>&) {}
+void IpcBuffer::close_peers() {}
+uint64_t IpcBuffer::error_code() const { return 0; }
+void IpcBuffer::synchronize(void*) const {}
+void IpcBuffer::barrier(IpcPhase, double, void*) {}
+void IpcBuffer::send_rows(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                          const TensorView&, int, bool, void*) {}
+void IpcBuffer::recv_plan(const TensorView&, const TensorView&, const TensorView&, bool, void*) {}
+void IpcBuffer::recv_rows(const TensorView&, const TensorView&, bool, const TensorView&, const TensorView&,
+                          const TensorView&, const TensorView&, void*) {}
+void IpcBuffer::send_back(const TensorView&, const TensorView&, const TensorView&, void*) {}
+void IpcBuffer::recv_back(const TensorView&, const TensorView&, void*) {}
 
 }  // namespace moe8::cuda

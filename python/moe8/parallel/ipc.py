@@ -1,0 +1,276 @@
+"""moe8.parallel.ipc — the `ipc` transport: token rows moved between the GPUs (or processes) of one node by
+CUDA IPC, with no NCCL call on the hot path.
+
+Each rank allocates one receive buffer (moe8._C.IpcBuffer, layout in csrc/core/ipc_layout.h) per row dtype
+and width, once, and shares it with its peers: the CUDA IPC handles travel once over the group
+(all_gather_object; gloo works, also for several ranks on one GPU). Then:
+
+  dispatch  the source's plan puts its rows in (expert, token, slot) order; a warp per row stores it (and
+            its metadata: local expert, token, slot, send row) straight into the owner's buffer, in the
+            region reserved for this source, at its place among the rows for that owner. A region holds
+            `capacity` rows (max tokens x K), so no row is dropped and no offsets are exchanged first. The
+            owner reads its regions in (source rank, expert, token, slot) order (the interface's order) after
+            one device-to-host read of the counts that came with the rows.
+  combine   the owner stores each result row straight into its source's return region at the row's place
+            in the source's send order; the source copies that region out: [T * K, H] in send order.
+
+Each direction is barrier (ready) -> stores -> barrier (done) on every rank's current stream; a barrier spins
+on GPU flags and gives up after `timeout_s`, and the host then raises TransportError naming the peer and
+the phase (the transport is unusable after that: recreate it on every rank). Placement is a pure function
+of (source rank, send row), so results are deterministic and equal to the `nccl` transport's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import ops
+from ..ops import _ext
+from .transport import Meta, Transport, TransportError, raise_bad_ids, source_plan
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+class _Buffer:
+    """A moe8._C.IpcBuffer whose RuntimeErrors (a failed wait, seen by a call's own check; a failed launch)
+    are TransportErrors; ValueErrors (bad arguments) pass as they are."""
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def __getattr__(self, name):
+        fn = getattr(self._buf, name)
+
+        def call(*args):
+            try:
+                return fn(*args)
+            except RuntimeError as e:
+                raise TransportError(str(e)) from None
+
+        setattr(self, name, call)
+        return call
+
+
+def _check(buf, sync: bool = False, stream: int = 0) -> None:
+    buf.check(sync, stream)
+
+
+class IpcTransport(Transport):
+    """The `ipc` transport over `group` (the ranks of one node; several may share a GPU).
+
+    max_tokens: the most tokens a rank dispatches in one call; buffers hold max_tokens * K rows per source.
+        None: the largest T over the group at the first dispatch (pass it when batches vary: a larger call
+        later raises ValueError, naming the sizes, and its peers then time out).
+    timeout_s: how long a barrier waits for a peer before the call raises TransportError.
+    check: synchronise and check for a failed wait after every call (otherwise a failure surfaces at the
+        dispatch's device-to-host read of the counts or at the start of the next call).
+    expert_major: deliver the owner's rows in (expert, source rank, token, slot) order, each local expert's
+        rows contiguous, instead of the interface's (source rank, expert, token, slot).
+    """
+
+    name = "ipc"
+
+    def __init__(
+        self,
+        group,
+        num_experts: int,
+        max_tokens: Optional[int] = None,
+        timeout_s: float = 10.0,
+        check: bool = False,
+        expert_major: bool = False,
+    ):
+        super().__init__(group, num_experts)
+        if not hasattr(_ext, "IpcBuffer"):
+            raise ValueError("transport 'ipc': this moe8._C has no IpcBuffer (rebuild moe8)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected > 0 seconds, got {timeout_s}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.timeout_s = float(timeout_s)
+        self.check = bool(check)
+        self.expert_major = bool(expert_major)
+        self.capacity: Optional[int] = None  # rows per source region, fixed by the first buffer
+        self._buffers: dict = {}  # (H, dtype, device index) -> moe8._C.IpcBuffer
+
+    # ------------------------------------------------------------------------------------------ buffers
+    def buffer(self, hidden: int, dtype: torch.dtype, device: torch.device, slots: int = 0, k: int = 1):
+        """The buffer for rows of `hidden` elements of `dtype`, created (collectively) on first use; its
+        capacity comes from max_tokens * k, or the group's largest `slots` at the first creation."""
+        key = (int(hidden), dtype, device.index)
+        buf = self._buffers.get(key)
+        if buf is not None:
+            return buf
+        if self.capacity is None:
+            if self.max_tokens is not None:
+                self.capacity = self.max_tokens * k
+            else:
+                sizes = [None] * self.size
+                dist.all_gather_object(sizes, int(slots), group=self.group)
+                self.capacity = max(1, *sizes)
+        try:  # every rank learns whether every rank has its buffer, so none waits for a failed peer
+            with torch.cuda.device(device):
+                buf = _ext.IpcBuffer(
+                    self.rank,
+                    self.size,
+                    self.num_local,
+                    self.capacity,
+                    int(hidden),
+                    str(dtype),
+                    0,
+                    device.index,
+                )
+            mine = buf.handle()
+        except (RuntimeError, ValueError) as e:
+            buf, mine = None, (type(e) is ValueError, f"rank {self.rank}: {e}")
+        handles = [None] * self.size
+        dist.all_gather_object(handles, mine, group=self.group)
+        failed = [h for h in handles if isinstance(h, tuple)]
+        if failed:
+            kind = ValueError if all(bad_input for bad_input, _ in failed) else TransportError
+            raise kind(
+                f"ipc transport: creating the receive buffers failed: {'; '.join(m for _, m in failed)}"
+            )
+        buf = _Buffer(buf)
+        buf.open(handles)
+        self._buffers[key] = buf
+        return buf
+
+    def close(self) -> None:
+        """Frees the buffers (collective): every rank unmaps its peers' buffers, then, after a group
+        barrier, drops its own."""
+        for buf in self._buffers.values():
+            buf.close_peers()
+        if self._buffers:
+            dist.barrier(group=self.group)
+        self._buffers.clear()
+
+    def _after(self, buf, stream: int) -> None:
+        if self.check:
+            _check(buf, True, stream)
+
+    # ------------------------------------------------------------------------------------------ moves
+    def _send_tokens(self, x: Tensor, k: int, counts, offsets, row_to_slot, bad):
+        """Dispatch of tokens: -> rows [R, H], local_ids [R], ret [R], recv tables, send/recv splits."""
+        x = x.detach()  # DLPack refuses tensors that require grad (autograd.Function inputs still do)
+        n, el = self.size, self.num_local
+        buf = self.buffer(x.shape[1], x.dtype, x.device, x.shape[0] * k, k)
+        _check(buf)  # an earlier failed wait raises here, before anything moves
+        stream = _stream(x)
+        i32 = dict(dtype=torch.int32, device=x.device)
+        bad = bad.view(1) if bad is not None else None
+        buf.dispatch_send(x, None, row_to_slot, offsets, counts, bad, k, True, self.timeout_s, stream)
+        recv_counts = torch.empty(n, el + 1, **i32)  # [source, local expert | bad ids]
+        recv_offsets = torch.empty(n * el + 1, **i32)
+        recv_base = torch.empty(n * el, **i32)
+        buf.dispatch_plan(recv_counts, recv_offsets, recv_base, self.expert_major, stream)
+        host = torch.cat([counts, recv_counts.view(-1)]).tolist()  # the one device-to-host read
+        _check(buf)  # the stream is done: a failed wait shows now, before any size is trusted
+        sent, got = host[: n * el], host[n * el :]
+        raise_bad_ids([got[s * (el + 1) + el] for s in range(n)], self.num_experts)
+        recv_splits = [sum(got[s * (el + 1) : s * (el + 1) + el]) for s in range(n)]
+        send_splits = [sum(sent[d * el : (d + 1) * el]) for d in range(n)]
+        R = sum(recv_splits)
+        rows = x.new_empty(R, x.shape[1])
+        local_ids = torch.empty(R, **i32)
+        ret = torch.empty(R, **i32)
+        buf.dispatch_recv(recv_offsets, recv_base, self.expert_major, rows, None, local_ids, ret, stream)
+        self._after(buf, stream)
+        return rows, local_ids, ret, (recv_offsets, recv_base), send_splits, recv_splits
+
+    def _send_grads(self, g: Tensor, offsets: Tensor, tables, num_rows: int) -> Tensor:
+        """Dispatch direction for gradients in send order [T * K, H] -> [R, H] at the owners, placed as the
+        forward dispatch placed their rows."""
+        g = g.detach().contiguous()
+        buf = self.buffer(g.shape[1], g.dtype, g.device)
+        _check(buf)
+        stream = _stream(g)
+        buf.dispatch_send(g, None, None, offsets, None, None, 1, False, self.timeout_s, stream)
+        out = g.new_empty(num_rows, g.shape[1])
+        buf.dispatch_recv(tables[0], tables[1], self.expert_major, out, None, None, None, stream)
+        self._after(buf, stream)
+        return out
+
+    def _send_back(self, rows: Tensor, ret: Tensor, num_slots: int) -> Tensor:
+        """Combine direction: rows [R, H] at the owners -> [T * K, H] at their sources, in send order."""
+        rows = rows.detach().contiguous()
+        buf = self.buffer(rows.shape[1], rows.dtype, rows.device)
+        _check(buf)
+        stream = _stream(rows)
+        buf.combine_send(rows, None, ret, self.timeout_s, stream)
+        out = rows.new_empty(num_slots, rows.shape[1])
+        buf.combine_recv(out, None, stream)
+        self._after(buf, stream)
+        return out
+
+    # ------------------------------------------------------------------------------------------ interface
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True):
+        if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+            raise ValueError(
+                f"x, ids, weights: expected [T, H], [T, K], [T, K], got {tuple(x.shape)}, {tuple(ids.shape)}, "
+                f"{tuple(weights.shape)}"
+            )
+        if not x.is_cuda or not ids.is_cuda:
+            raise ValueError(f"x, ids: the ipc transport moves CUDA tensors, got {x.device} and {ids.device}")
+        k = ids.shape[1]
+        counts, row_to_slot, slot_to_row, bad = source_plan(ids, self.num_experts, check_ids)
+        offsets = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))  # [E + 1]: the plan has no padding
+        meta = Meta(weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, [], [])
+        meta.extra.update(transport=self, offsets=offsets, counts=counts, bad=bad, k=k)
+        rows, local_ids = _Dispatch.apply(x.contiguous(), meta)
+        return rows, local_ids, meta
+
+    def combine(self, rows: Tensor, meta: Meta) -> Tensor:
+        return _Combine.apply(rows, meta)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [T, H] -> (rows [R, H], local_ids [R]) at the owners; fills meta with what combine needs. Backward:
+    the row gradients go back to their sources (combine direction) and each token sums its K slots in slot
+    order, in fp32 (ops.combine_rows, as the single-process permute's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, meta):
+        t, e = meta.extra["transport"], meta.extra
+        rows, local_ids, ret, tables, send_splits, recv_splits = t._send_tokens(
+            x, e["k"], e["counts"], e["offsets"], meta.row_to_slot, e["bad"]
+        )
+        meta.send_splits, meta.recv_splits = send_splits, recv_splits
+        e.update(ret=ret, tables=tables)
+        ctx.meta = meta
+        ctx.mark_non_differentiable(local_ids)
+        return rows, local_ids
+
+    @staticmethod
+    def backward(ctx, g, _):
+        meta = ctx.meta
+        t = meta.extra["transport"]
+        back = t._send_back(g, meta.extra["ret"], meta.row_to_slot.numel())  # [T * K, H] in send order
+        return ops.combine_rows(back, meta.slot_to_row, None), None
+
+
+class _Combine(torch.autograd.Function):
+    """rows [R, H] at the owners -> [T * K, H] at the sources in send order. Backward: the gradients of the
+    send rows travel the dispatch direction to the places their rows came from."""
+
+    @staticmethod
+    def forward(ctx, rows, meta):
+        ctx.meta = meta
+        t = meta.extra["transport"]
+        return t._send_back(rows, meta.extra["ret"], meta.row_to_slot.numel())
+
+    @staticmethod
+    def backward(ctx, g):
+        meta = ctx.meta
+        t = meta.extra["transport"]
+        return t._send_grads(g, meta.extra["offsets"], meta.extra["tables"], meta.extra["ret"].numel()), None
+
+
+__all__ = ["IpcTransport"]
