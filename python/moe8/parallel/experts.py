@@ -83,7 +83,9 @@ def ep_experts_forward(
         size = dist.get_world_size(group)
         transport = make_transport(transport or "nccl", group, num_experts or gate_up_local.shape[0] * size)
     if num_experts is not None and num_experts != transport.num_experts:
-        raise ValueError(f"num_experts: {num_experts} given, the transport was built for {transport.num_experts}")
+        raise ValueError(
+            f"num_experts: {num_experts} given, the transport was built for {transport.num_experts}"
+        )
     for name, w in (("gate_up_local", gate_up_local), ("down_local", down_local)):
         if w.dim() != 3 or w.shape[0] != transport.num_local:
             raise ValueError(

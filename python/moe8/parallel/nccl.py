@@ -46,7 +46,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.what + " backward"), None, None, None, None
+        return (
+            _all_to_all(g, in_splits, out_splits, ctx.group, ctx.what + " backward"),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class NcclTransport(Transport):
@@ -67,7 +73,9 @@ class NcclTransport(Transport):
         recv = _all_to_all(send, [1] * n, [1] * n, self.group, "counts")  # [source, local expert | bad ids]
         host = torch.cat([send.view(-1), recv.view(-1)]).tolist()  # the one device-to-host read
         sent, got = host[: n * (el + 1)], host[n * (el + 1) :]
-        rows_of = [[row[e] for e in range(el)] for row in (got[s * (el + 1) : (s + 1) * (el + 1)] for s in range(n))]
+        rows_of = [
+            [row[e] for e in range(el)] for row in (got[s * (el + 1) : (s + 1) * (el + 1)] for s in range(n))
+        ]
         raise_bad_ids([got[s * (el + 1) + el] for s in range(n)], self.num_experts)
         send_splits = [sum(sent[d * (el + 1) : d * (el + 1) + el]) for d in range(n)]
         recv_splits = [sum(r) for r in rows_of]
@@ -75,7 +83,9 @@ class NcclTransport(Transport):
         rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group, "dispatch")  # [R_recv, H]
         per_row = torch.tensor([c for r in rows_of for c in r], dtype=torch.int64)
         local_ids = torch.arange(el, dtype=torch.int32).repeat(n).repeat_interleave(per_row).to(x.device)
-        meta = Meta(weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, send_splits, recv_splits)
+        meta = Meta(
+            weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, send_splits, recv_splits
+        )
         return rows, local_ids, meta
 
     def combine(self, rows: Tensor, meta: Meta) -> Tensor:

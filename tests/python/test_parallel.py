@@ -1,0 +1,306 @@
+"""moe8.parallel on CPU: gloo process groups of 2 and 4 processes (torch.multiprocessing spawn, a FileStore)
+against one process on the ranks' concatenated batch. Expert parallelism must not change the numbers: expert
+outputs and (with the unfused combine) every gradient bitwise, the rest of an HF model within fp32 rounding.
+
+Each group of workers is started once per module and runs one test function at a time; every wait is bounded
+(process-group timeout, result timeout, join timeout, then kill)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moe8
+from moe8 import layer
+from moe8.parallel import (
+    ep_experts_forward,
+    make_transport,
+)
+
+PG_TIMEOUT_S = 60
+RESULT_TIMEOUT_S = 150
+TOL = 1e-6
+
+
+# ------------------------------------------------------------------------------------------ workers
+def _serve(rank, world, store, tasks, results, pg_timeout_s):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    while True:
+        msg = tasks.get()
+        if msg is None:
+            break
+        tid, fn, args = pickle.loads(msg)
+        try:
+            out = ("ok", fn(rank, world, *args))
+        except BaseException as e:  # pytest.raises' failures too
+            out = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+        results.put(pickle.dumps((tid, rank, out)))  # plain bytes: no shared-memory handles to outlive us
+    dist.destroy_process_group()
+
+
+class Workers:
+    """`world` spawned processes in one gloo group, each running the functions sent to it."""
+
+    def __init__(self, world: int, store: str, pg_timeout_s: int = PG_TIMEOUT_S):
+        ctx = mp.get_context("spawn")
+        self.world, self.tid = world, 0
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, store, self.tasks[r], self.results, pg_timeout_s))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.daemon = True
+            p.start()
+
+    def run(self, fn, *args, errors=False, ranks=None, timeout=RESULT_TIMEOUT_S):
+        """fn(rank, world, *args) on every rank -> its results by rank (ranks: the ranks expected to answer).
+        errors=False: a rank that raised fails the test with its traceback; True: ("ok", value) or
+        ("error", message, traceback) per rank."""
+        self.tid += 1
+        msg = pickle.dumps((self.tid, fn, args))
+        for t in self.tasks:
+            t.put(msg)
+        ranks = list(range(self.world)) if ranks is None else ranks
+        got = {}
+        try:
+            while len(got) < len(ranks):
+                tid, rank, out = pickle.loads(self.results.get(timeout=timeout))
+                if tid == self.tid:
+                    got[rank] = out
+        except queue.Empty:
+            self.close()
+            raise TimeoutError(
+                f"{fn.__name__}: ranks {sorted(set(ranks) - set(got))} gave no result"
+            ) from None
+        outs = [got[r] for r in ranks]
+        if errors:
+            return outs
+        failed = [f"rank {r}: {o[2]}" for r, o in zip(ranks, outs) if o[0] != "ok"]
+        assert not failed, "\n".join(failed)
+        return [o[1] for o in outs]
+
+    def close(self):
+        for t in self.tasks:
+            try:
+                t.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=15)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """workers(world): the module's group of `world` processes (started on first use)."""
+    started = {}
+
+    def get(world):
+        if world not in started or not all(p.is_alive() for p in started[world].procs):
+            store = str(tmp_path_factory.mktemp(f"store{world}") / "store")
+            started[world] = Workers(world, store)
+        return started[world]
+
+    yield get
+    for w in started.values():
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------ inputs
+E, H, I = 8, 24, 20
+
+
+def batch(T, K, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K].to(torch.int32)  # distinct top-k experts
+    w = torch.rand(T, K, generator=g)
+    dy = torch.randn(T, H, generator=g).to(dtype)
+    return x, ids, w, dy
+
+
+def expert_weights(spec, dtype):
+    g = torch.Generator().manual_seed(1234)
+    kn = spec.get("layout") == "kn"
+    gu = torch.randn(*((E, H, 2 * I) if kn else (E, 2 * I, H)), generator=g) * H**-0.5
+    dn = torch.randn(*((E, I, H) if kn else (E, H, I)), generator=g) * I**-0.5
+    out = dict(gate_up=gu.to(dtype), down=dn.to(dtype))
+    if spec.pop("bias", False):
+        out.update(
+            gate_up_bias=(torch.randn(E, 2 * I, generator=g) * 0.1).to(dtype),
+            down_bias=(torch.randn(E, H, generator=g) * 0.1).to(dtype),
+        )
+    return out
+
+
+def _run_experts(fn, x, ids, w, dy, params, spec, **kw):
+    """y and the gradients of x, weights and every expert tensor for the upstream gradient dy."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    gu, dn = params.pop("gate_up"), params.pop("down")
+    y = fn(x, ids, w, gu, dn, **params, **spec, **kw)
+    y.backward(dy)
+    grads = {"x": x.grad, "weights": w.grad, "gate_up": gu.grad, "down": dn.grad}
+    grads.update({k: v.grad for k, v in params.items()})
+    return y.detach(), grads
+
+
+def _ep_case(rank, world, Ts, K, dtype, spec, routed):
+    """This rank's slice of the experts and its batch; two runs (they must agree bitwise)."""
+    layer.ROUTED_DOWN, saved = routed, layer.ROUTED_DOWN
+    try:
+        spec = dict(spec)
+        params = expert_weights(spec, dtype)
+        el = E // world
+        local = {k: v[rank * el : (rank + 1) * el] for k, v in params.items()}
+        x, ids, w, dy = batch(Ts[rank], K, rank, dtype)
+        runs = [_run_experts(ep_experts_forward, x, ids, w, dy, local, spec, num_experts=E) for _ in range(2)]
+    finally:
+        layer.ROUTED_DOWN = saved
+    (y, grads), (y2, grads2) = runs
+    same = torch.equal(y, y2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
+    return y, grads, same
+
+
+EP_CASES = [  # world, tokens per rank, K, dtype, experts spec, ROUTED_DOWN
+    (2, (5, 7), 2, torch.float32, dict(layout="nk", activation="swiglu"), False),
+    (2, (0, 9), 3, torch.bfloat16, dict(layout="nk", activation="swiglu"), False),
+    (
+        4,
+        (3, 0, 6, 5),
+        2,
+        torch.float32,
+        dict(layout="kn", activation="swiglu_clamped", interleaved=True, bias=True),
+        False,
+    ),
+    (4, (6, 2, 1, 4), 2, torch.float32, dict(layout="nk", activation="swiglu"), True),
+    (4, (6, 2, 0, 4), 1, torch.bfloat16, dict(layout="nk", activation="swiglu"), True),
+]
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("world, Ts, K, dtype, spec, routed", EP_CASES)
+def test_ep_experts_match_single_process(workers, monkeypatch, world, Ts, K, dtype, spec, routed):
+    """ep_experts_forward on `world` ranks == moe8.experts_forward on the concatenated batch with all experts:
+    the outputs bitwise; with the unfused combine (ROUTED_DOWN off) every gradient bitwise too, with the
+    fused one (its backward weights the rows after the down projection's dgrad, which EP can't: the weights
+    stay at the source) within rounding. Two EP runs agree bitwise. A rank with 0 tokens takes part."""
+    out = workers(world).run(_ep_case, Ts, K, dtype, spec, routed)
+    monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
+    spec = dict(spec)
+    params = expert_weights(spec, dtype)
+    parts = [batch(T, K, r, dtype) for r, T in enumerate(Ts)]
+    x, ids, w, dy = (torch.cat(t) for t in zip(*parts))
+    y, grads = _run_experts(moe8.experts_forward, x, ids, w, dy, params, spec)
+    assert all(same for *_, same in out), "two EP runs differ"
+    y_ep = torch.cat([o[0] for o in out])
+    assert y_ep.dtype == y.dtype and torch.equal(y_ep, y)
+    token_grads = ("x", "weights")
+    for name, g in grads.items():
+        g_ep = torch.cat([o[1][name] for o in out])  # tokens: concatenated; experts: the ranks' shards
+        assert g_ep.shape == g.shape, name
+        if not routed:
+            assert torch.equal(g_ep, g), name
+        else:
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert rel(g_ep, g) < tol, name
+            if name not in token_grads:
+                assert not torch.equal(g_ep, torch.zeros_like(g_ep)), name
+
+
+def _bad_ids(rank, world, bad):
+    x, ids, w, _ = batch(4, 2, rank, torch.float32)
+    if rank == world - 1:
+        ids[2, 1] = bad
+    params = expert_weights({}, torch.float32)
+    el = E // world
+    try:
+        ep_experts_forward(
+            x,
+            ids,
+            w,
+            params["gate_up"][rank * el : (rank + 1) * el],
+            params["down"][rank * el : (rank + 1) * el],
+        )
+    except ValueError as e:
+        msg = str(e)
+    else:
+        msg = None
+    # the group is still usable afterwards
+    x, ids, w, _ = batch(3, 2, rank, torch.float32)
+    y = ep_experts_forward(
+        x, ids, w, params["gate_up"][rank * el : (rank + 1) * el], params["down"][rank * el : (rank + 1) * el]
+    )
+    return msg, y.shape
+
+
+@pytest.mark.parametrize("bad", [E, -1])
+def test_bad_expert_id_raises_on_every_rank(workers, bad):
+    out = workers(2).run(_bad_ids, bad)
+    for msg, shape in out:
+        assert msg is not None and "ids: expected expert ids in [0, 8)" in msg and "rank 1: 1" in msg, msg
+        assert shape == (3, H)
+
+
+def _not_divisible(rank, world):
+    with pytest.raises(ValueError, match=r"num_experts 6 is not divisible by the expert-parallel size 4"):
+        make_transport("nccl", None, 6)
+    with pytest.raises(ValueError, match=r"gate_up_local: expected \[2, \.\.\.\]"):
+        ep_experts_forward(
+            torch.zeros(1, H),
+            torch.zeros(1, 1),
+            torch.ones(1, 1),
+            torch.zeros(3, 4, H),
+            torch.zeros(3, H, 2),
+            num_experts=E,
+        )
+    return True
+
+
+def test_experts_not_divisible(workers):
+    assert all(workers(4).run(_not_divisible))
+
+
+def _dies(rank, world):
+    if rank == 1:
+        os._exit(3)
+    x, ids, w, _ = batch(4, 2, rank, torch.float32)
+    params = expert_weights({}, torch.float32)
+    ep_experts_forward(x, ids, w, params["gate_up"][:4], params["down"][:4])
+
+
+def test_dead_peer_raises(tmp_path):
+    """A rank that exits mid-step: the other raises TransportError (gloo sees the closed connection, or its
+    timeout passes), it does not hang."""
+    group = Workers(2, str(tmp_path / "store"), pg_timeout_s=10)
+    try:
+        out = group.run(_dies, errors=True, ranks=[0], timeout=60)
+    finally:
+        group.close()
+    assert out[0][0] == "error" and out[0][1].startswith("TransportError: moe8.parallel nccl: the counts"), (
+        out
+    )
