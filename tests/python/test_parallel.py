@@ -522,3 +522,47 @@ def test_parallelize_config_errors(workers):
         divisible
         == "parallelize: model.layers.0.mlp.experts has 6 experts, not divisible by the expert-parallel size 4"
     )
+
+
+def _save(rank, world, family, path, max_shard_bytes):
+    from moe8.parallel.checkpoint import save_pretrained
+
+    model = parallelize(hf_build(family), _mesh(world))
+    save_pretrained(model, path, max_shard_bytes=max_shard_bytes)
+    return sorted(os.listdir(path)) if rank == 0 else None
+
+
+@pytest.mark.parametrize("family, max_shard_bytes", [("mixtral", 40_000), ("gpt_oss", 5 * 2**30)])
+def test_save_pretrained_loads_on_one_process(workers, tmp_path, family, max_shard_bytes):
+    """Saved from 2 expert-parallel ranks (several shard files + index, or one file): from_pretrained on one
+    process gives the original model's state_dict and logits bitwise, with the keys save_pretrained writes."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "ckpt")
+    files = workers(2).run(_save, family, path, max_shard_bytes)[0]
+    ref = hf_build(family)
+    ref.save_pretrained(str(tmp_path / "ref"))
+    from safetensors import safe_open
+
+    def keys(d):
+        out = set()
+        for f in os.listdir(d):
+            if f.endswith(".safetensors"):
+                out |= set(safe_open(os.path.join(d, f), "pt").keys())
+        return out
+
+    assert keys(path) == keys(str(tmp_path / "ref"))
+    if max_shard_bytes < 2**20:
+        assert (
+            "model.safetensors.index.json" in files
+            and len([f for f in files if f.endswith("safetensors")]) > 1
+        )
+    else:
+        assert "model.safetensors" in files
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    loaded.config._attn_implementation = "eager"
+    sd, sd_ref = loaded.state_dict(), ref.state_dict()
+    assert sd.keys() == sd_ref.keys() and all(torch.equal(sd[k], sd_ref[k]) for k in sd)
+    ids = hf_tokens(1)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
