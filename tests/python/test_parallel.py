@@ -566,3 +566,46 @@ def test_save_pretrained_loads_on_one_process(workers, tmp_path, family, max_sha
     ids = hf_tokens(1)
     with torch.no_grad():
         assert torch.equal(loaded.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
+
+
+def _fsdp_case(rank, world, ep, param_dtype):
+    from moe8.parallel.fsdp import apply_fsdp
+
+    mesh = _mesh(world, ep)
+    model = apply_fsdp(parallelize(hf_build("mixtral"), mesh), mesh, param_dtype=param_dtype)
+    ids = hf_tokens(world).chunk(world)[rank]
+    logits, loss, grads = hf_step(model, ids)
+    full = {}
+    for n, g in grads.items():
+        full[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    # gradients are already averaged by FSDP (dense: over all ranks; experts: over dp, scaled by 1 / ep)
+    # experts: gather the ep shards of this dp replica
+    from moe8.parallel.hf import EXPERT_PARAMS
+
+    ep_mods = {n for n, _ in experts_modules(model)}
+    for n in list(full):
+        module, _, leaf = n.rpartition(".")
+        if module in ep_mods and leaf in EXPERT_PARAMS:
+            group = mesh["ep"].get_group()
+            parts = [torch.empty_like(full[n]) for _ in range(ep)]
+            dist.all_gather(parts, full[n].contiguous(), group=group)
+            full[n] = torch.cat(parts)
+    return logits.float(), loss.float(), full
+
+
+@pytest.mark.parametrize("world, ep, param_dtype", [(2, 2, None), (4, 2, None), (2, 2, torch.bfloat16)])
+def test_fsdp2(workers, world, ep, param_dtype):
+    """FSDP2 on gloo: dense parameters sharded over all ranks, experts over dp when dp > 1, fp32 reduce. fp32
+    params: logits, loss and the reduced gradients equal the one-process model's on the concatenated batch;
+    bf16 params (MixedPrecisionPolicy): within bf16 rounding."""
+    out = workers(world).run(_fsdp_case, ep, param_dtype)
+    ref = hf_build("mixtral").to(param_dtype or torch.float32)  # bf16: the same model in bf16, one process
+    logits, loss, grads = hf_step(ref, hf_tokens(world))
+    logits, loss, grads = logits.float(), loss.float(), {n: g.float() for n, g in grads.items()}
+    tol = 1e-5 if param_dtype is None else 2e-2
+    assert rel(torch.cat([o[0] for o in out]), logits) < tol
+    assert abs(sum(o[1].item() for o in out) / world - loss.item()) < tol * abs(loss.item())
+    for o in out:
+        assert o[2].keys() == grads.keys()
+        for n, g in grads.items():
+            assert rel(o[2][n].float(), g) < tol, n
