@@ -609,3 +609,29 @@ def test_fsdp2(workers, world, ep, param_dtype):
         assert o[2].keys() == grads.keys()
         for n, g in grads.items():
             assert rel(o[2][n].float(), g) < tol, n
+
+
+def _route_loss(rank, world, Ts):
+    from moe8.parallel.aux import global_route_loss
+
+    logits = torch.randn(sum(Ts), E, generator=torch.Generator().manual_seed(5))
+    mine = logits[sum(Ts[:rank]) : sum(Ts[: rank + 1])].clone().requires_grad_()
+    loss = global_route_loss(moe8.route(mine, 2))
+    loss.backward()
+    return loss.detach(), mine.grad
+
+
+def test_global_route_loss(workers):
+    """moe8.route's load-balancing loss over the group == moe8.load_balancing_loss on the concatenated batch;
+    each rank's logits gradient is the world size times its rows of the one-process gradient (every rank
+    backpropagates the same loss; a data-parallel mean divides it again)."""
+    Ts = (5, 11)
+    out = workers(2).run(_route_loss, Ts)
+    logits = torch.randn(sum(Ts), E, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    loss = moe8.load_balancing_loss(moe8.route(logits, 2))
+    loss.backward()
+    for o in out:
+        assert abs(o[0].item() - loss.item()) < TOL * loss.item()
+    assert rel(torch.cat([o[1] for o in out]) / 2, logits.grad) < TOL
+    local = moe8.load_balancing_loss(moe8.route(logits[:5].detach(), 2))
+    assert abs(local.item() - loss.item()) > 1e-3  # the rank's own loss would differ
