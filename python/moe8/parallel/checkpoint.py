@@ -106,3 +106,66 @@ def save_pretrained(
         if generation is not None:
             generation.save_pretrained(path)
     dist.barrier()
+
+
+# ---------------------------------------------------------------------------------- training state
+def _ep_key(key: str, ep_modules: dict) -> Optional[str]:
+    """The per-shard name of an expert parameter's key (None for other keys): the ep ranks hold different
+    tensors under the same name, which torch.distributed.checkpoint would take for one replicated tensor."""
+    module, _, leaf = key.rpartition(".")
+    m = ep_modules.get(module)
+    if m is None or leaf not in EXPERT_PARAMS:
+        return None
+    return f"{key}.ep{dist.get_rank(m._moe8_ep['group'])}of{dist.get_world_size(m._moe8_ep['group'])}"
+
+
+def _renamed(state: dict, model: nn.Module) -> dict:
+    """{"model": ..., "optim": ...} of get_state_dict with expert keys made per shard (see _ep_key)."""
+    ep = {name: m for name, m in experts_modules(model) if hasattr(m, "_moe8_ep")}
+
+    def name(k):
+        return _ep_key(k, ep) or k
+
+    out = {"model": {name(k): v for k, v in state["model"].items()}}
+    if "optim" in state:
+        optim = dict(state["optim"])
+        optim["state"] = {name(k): v for k, v in optim["state"].items()}
+        optim["param_groups"] = [
+            dict(g, params=[name(k) for k in g["params"]]) for g in optim.get("param_groups", [])
+        ]
+        out["optim"] = optim
+    return out
+
+
+def _get(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_state(model: nn.Module, optimizer, path: str) -> None:
+    """Model and optimizer state of every rank with torch.distributed.checkpoint (each rank writes its own
+    shards; FSDP2 DTensors as DTensors, each expert shard under its own key). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_renamed(_get(model, optimizer), model), checkpoint_id=path)
+
+
+def load_state(model: nn.Module, optimizer, path: str) -> None:
+    """Load what save_state wrote into a model (and optimizer) built and parallelized the same way (the same
+    mesh: expert shards are keyed by ep rank). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _get(model, optimizer)
+    renamed = _renamed(state, model)
+    dcp.load(renamed, checkpoint_id=path)  # in place into the tensors, which state and renamed share
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -54,3 +54,16 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def average_dense_grads(model: nn.Module, group=None) -> None:
+    """Without FSDP: average the gradients of every parameter except the expert shards over `group` (default:
+    all ranks), as a data-parallel step must (every rank saw its own tokens). One all_reduce per parameter."""
+    import torch.distributed as dist
+
+    experts = {id(p) for _, m in experts_modules(model) if hasattr(m, "_moe8_ep") for p in m.parameters()}
+    size = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None and id(p) not in experts:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
