@@ -72,16 +72,14 @@ class NcclTransport(Transport):
             send[:, el] = bad
         recv = _all_to_all(send, [1] * n, [1] * n, self.group, "counts")  # [source, local expert | bad ids]
         host = torch.cat([send.view(-1), recv.view(-1)]).tolist()  # the one device-to-host read
-        sent, got = host[: n * (el + 1)], host[n * (el + 1) :]
-        rows_of = [
-            [row[e] for e in range(el)] for row in (got[s * (el + 1) : (s + 1) * (el + 1)] for s in range(n))
-        ]
-        raise_bad_ids([got[s * (el + 1) + el] for s in range(n)], self.num_experts)
-        send_splits = [sum(sent[d * (el + 1) : d * (el + 1) + el]) for d in range(n)]
-        recv_splits = [sum(r) for r in rows_of]
+        w = el + 1
+        sent = [host[d * w : d * w + el] for d in range(n)]  # rows to each destination, per its local expert
+        got = [host[(n + s) * w : (n + s) * w + el] for s in range(n)]  # rows from each source, per my expert
+        raise_bad_ids([host[(n + s) * w + el] for s in range(n)], self.num_experts)
+        send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
         rows = ops.permute(x.contiguous(), row_to_slot, slot_to_row, k)  # [T * K, H] in (expert, token, slot)
         rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group, "dispatch")  # [R_recv, H]
-        per_row = torch.tensor([c for r in rows_of for c in r], dtype=torch.int64)
+        per_row = torch.tensor([c for r in got for c in r], dtype=torch.int64)
         local_ids = torch.arange(el, dtype=torch.int32).repeat(n).repeat_interleave(per_row).to(x.device)
         meta = Meta(
             weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, send_splits, recv_splits
