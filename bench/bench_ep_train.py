@@ -46,12 +46,12 @@ def build(shape, device, dtype, seed=0):
     return AutoModelForCausalLM.from_config(cfg).to(device, dtype)
 
 
-def step_time(model, ids, opt, mode, warmup, iters, device) -> float:
+def step_time(model, ids, opt, mode, mesh, warmup, iters, device) -> float:
     def step():
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         if mode == "ep":
-            par.fsdp.average_dense_grads(model)  # the expert shards' gradients are complete already
+            par.fsdp.average_grads(model, mesh)
         else:
             _average_all(model)
         opt.step()
@@ -84,6 +84,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4, tiny 2)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, tiny 16)")
     p.add_argument("--modes", default="dp,ep", help="comma-separated: dp, ep")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default=None)
@@ -101,7 +102,7 @@ def main(argv=None):
 
     rows = []
     try:
-        mesh = par.make_mesh(ep=world, device_type=device.type)
+        mesh = par.make_mesh(ep=args.ep or world, device_type=device.type)
         for mode in args.modes.split(","):
             model = moe8.accelerate(build(shape, device, dtype))  # experts on moe8 in both modes
             if mode == "ep":
@@ -111,7 +112,7 @@ def main(argv=None):
             ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=g).to(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            dt = step_time(model, ids, opt, mode, args.warmup, args.iters, device)
+            dt = step_time(model, ids, opt, mode, mesh, args.warmup, args.iters, device)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
             rows.append(
                 dict(

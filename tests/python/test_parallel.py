@@ -639,7 +639,7 @@ def test_global_route_loss(workers):
 
 def _train_state(rank, world, ep, path, fsdp):
     from moe8.parallel.checkpoint import load_state, save_state
-    from moe8.parallel.fsdp import apply_fsdp, average_dense_grads
+    from moe8.parallel.fsdp import apply_fsdp, average_grads
 
     def make():
         mesh = _mesh(world, ep)
@@ -654,7 +654,7 @@ def _train_state(rank, world, ep, path, fsdp):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if not fsdp:
-            average_dense_grads(model)
+            average_grads(model, _mesh(world, ep))
         opt.step()
         return loss.detach()
 
@@ -669,10 +669,10 @@ def _train_state(rank, world, ep, path, fsdp):
     return after, again
 
 
-@pytest.mark.parametrize("world, ep, fsdp", [(2, 2, False), (4, 2, True)])
+@pytest.mark.parametrize("world, ep, fsdp", [(2, 2, False), (4, 2, False), (4, 2, True)])
 def test_training_state_roundtrip(workers, tmp_path, world, ep, fsdp):
     """save_state / load_state (torch.distributed.checkpoint) of an expert-parallel model and its AdamW state,
-    plain and under FSDP2 (dp 2 x ep 2): two more steps after the load give bitwise the losses of the run that
+    plain (average_grads; dp 1 and 2) and under FSDP2 (dp 2 x ep 2): two more steps after the load give bitwise the losses of the run that
     went on after the save."""
     out = workers(world).run(_train_state, ep, str(tmp_path / "state"), fsdp)
     for after, again in out:

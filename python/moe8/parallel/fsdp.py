@@ -56,14 +56,21 @@ def apply_fsdp(
     return model
 
 
-def average_dense_grads(model: nn.Module, group=None) -> None:
-    """Without FSDP: average the gradients of every parameter except the expert shards over `group` (default:
-    all ranks), as a data-parallel step must (every rank saw its own tokens). One all_reduce per parameter."""
+def average_grads(model: nn.Module, mesh=None) -> None:
+    """Without FSDP: the data-parallel gradient average. Dense parameters are averaged over all ranks (every
+    rank saw its own tokens); expert shards, whose gradients already sum their ep group's tokens, over
+    mesh["dp"] (their replicas) when dp > 1. One all_reduce per parameter."""
     import torch.distributed as dist
 
     experts = {id(p) for _, m in experts_modules(model) if hasattr(m, "_moe8_ep") for p in m.parameters()}
-    size = dist.get_world_size(group)
+    dp_group = mesh["dp"].get_group() if mesh is not None and mesh["dp"].size() > 1 else None
+    world = dist.get_world_size()
     for p in model.parameters():
-        if p.grad is not None and id(p) not in experts:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(size)
+        if p.grad is None:
+            continue
+        if id(p) not in experts:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        elif dp_group is not None:
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(mesh["dp"].size())

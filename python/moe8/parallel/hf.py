@@ -147,6 +147,10 @@ def parallelize(
             )
         if hasattr(m, "_moe8_ep"):
             raise ValueError(f"parallelize: {n} is already expert-parallel")
+        if hasattr(m, "gate_up_lora_A"):
+            raise ValueError(
+                f"parallelize: {n} carries expert LoRA, which expert parallelism does not shard yet"
+            )
     rank = dist.get_rank(group)
     transports = {}
     for _, m in found:
