@@ -79,8 +79,9 @@ class NcclTransport(Transport):
         send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
         rows = ops.permute(x.contiguous(), row_to_slot, slot_to_row, k)  # [T * K, H] in (expert, token, slot)
         rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group, "dispatch")  # [R_recv, H]
-        per_row = torch.tensor([c for r in got for c in r], dtype=torch.int64)
-        local_ids = torch.arange(el, dtype=torch.int32).repeat(n).repeat_interleave(per_row).to(x.device)
+        experts = torch.arange(el, dtype=torch.int32, device=x.device).repeat(n)  # [source, local expert]
+        per_row = recv[:, :el].reshape(-1).long()  # on the device: output_size keeps this free of syncs
+        local_ids = experts.repeat_interleave(per_row, output_size=sum(recv_splits))
         meta = Meta(
             weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, send_splits, recv_splits
         )
