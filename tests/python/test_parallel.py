@@ -678,3 +678,17 @@ def test_training_state_roundtrip(workers, tmp_path, world, ep, fsdp):
     for after, again in out:
         assert [a.item() for a in after] == [a.item() for a in again]
         assert after[0].item() != after[1].item()
+
+
+def _checkpointed(rank, world):
+    model = hf_build("qwen3_moe")
+    model.gradient_checkpointing_enable()
+    parallelize(model, _mesh(world))
+    return hf_step(model, hf_tokens(world).chunk(world)[rank])
+
+
+def test_hf_gradient_checkpointing(workers):
+    """Gradient checkpointing recomputes each layer's forward, its dispatch included, in the backward (every
+    rank in the same order): the results still equal the one-process model's."""
+    out = [(*o, None, None) for o in workers(2).run(_checkpointed)]
+    _assert_hf_matches(out, hf_step(hf_build("qwen3_moe"), hf_tokens(2)), 2, 1e-6)
