@@ -1,0 +1,211 @@
+"""moe8.parallel.hf — expert parallelism for Hugging Face transformers (>= 5) MoE models.
+
+    mesh = moe8.parallel.make_mesh(ep=4)
+    moe8.parallel.parallelize(model, mesh)       # each experts module keeps E / ep experts per rank
+
+transformers v5 keeps a layer's experts in one module with 3D parameters (gate_up_proj, down_proj, GPT-OSS
+also biases) called as experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) after the router.
+parallelize() slices those parameters to this rank's experts (same names, so state_dict keys stay HF's) and
+gives each such module an instance-level forward that runs moe8.parallel.ep_experts_forward; the router is
+untouched, so hooks on it (router logits for the aux loss) keep working. unparallelize() undoes it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .experts import ep_experts_forward, make_transport
+from .transport import Transport
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def experts_modules(model: nn.Module) -> list:
+    """(qualified name, module) of every fused experts module: a 3D gate_up_proj and transformers' layout
+    attributes (has_gate, is_transposed)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+        and m.gate_up_proj.dim() == 3
+        and hasattr(m, "has_gate")
+        and hasattr(m, "is_transposed")
+    ]
+
+
+def experts_kwargs(module: nn.Module) -> dict:
+    """moe8.experts_forward's layout keywords for a transformers experts module; ValueError when moe8 can't
+    run it."""
+    family = getattr(getattr(module, "config", None), "model_type", None)
+    layout = (
+        bool(module.has_gate),
+        bool(module.is_transposed),
+        bool(module.has_bias),
+        module.is_concatenated,
+    )
+    if family == "gpt_oss" and layout == (True, True, True, False):  # h = x @ W + b, gate/up interleaved
+        return dict(
+            layout="kn",
+            activation="swiglu_clamped",
+            interleaved=True,
+            alpha=float(module.alpha),
+            limit=float(module.limit),
+        )
+    act = getattr(module.config, "hidden_act", None)
+    if family in FAMILIES and layout == (True, False, False, True) and act in ("silu", "swish"):
+        return dict(layout="nk", activation="swiglu")  # h = x @ W^T: gate = first I columns, act(gate) * up
+    raise ValueError(
+        f"{type(module).__name__} ({family}): moe8.parallel runs SiLU-gated experts of {list(FAMILIES)}; "
+        f"got has_gate, is_transposed, has_bias, is_concatenated = {layout}, hidden_act {act!r}"
+    )
+
+
+def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
+    st = self._moe8_ep
+    bias = {}
+    if self.has_bias:
+        bias = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+    y = ep_experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        transport=st["transport"],
+        check_ids=st["check_ids"],
+        grad_scale=st["grad_scale"],
+        **st["kwargs"],
+        **bias,
+    )
+    return y.to(hidden_states.dtype)
+
+
+def _check_same(info: dict, group) -> None:
+    """ValueError on every rank when the ranks' configurations differ (naming the field and the ranks)."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, info, group=group)
+    for key in info:
+        values = [i[key] for i in everyone]
+        if any(v != values[0] for v in values):
+            differ = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values) if v != values[0])
+            raise ValueError(
+                f"parallelize: the ranks disagree on {key} (rank 0: {values[0]}; {differ}); every rank must "
+                "build the same model and call parallelize with the same mesh and transport"
+            )
+
+
+def parallelize(
+    model: nn.Module,
+    mesh,
+    transport: Union[str, Transport] = "nccl",
+    *,
+    grad_scale: Optional[float] = None,
+    check_ids: bool = False,
+) -> nn.Module:
+    """Shard the experts of a transformers MoE model over mesh["ep"] and run them expert-parallel; returns
+    the model (changed in place).
+
+    mesh: a DeviceMesh with an "ep" dim (make_mesh), or None for one group of all ranks.
+    transport: "nccl" (torch.distributed all_to_all), "ipc", or a Transport built over mesh["ep"]'s group.
+    grad_scale: factor on the expert gradients; default 1 / ep, so that after the dense gradients are
+        averaged over all ranks every gradient is that of the mean of the ranks' losses.
+    check_ids: range-check the router's ids (they come from a top-k over the experts: off by default).
+
+    Every rank must build the same model; a different number of experts, hidden size, ep, dp or transport on
+    some rank raises the same ValueError on every rank, as does E % ep != 0.
+    """
+    if mesh is None:
+        group, ep, dp = dist.group.WORLD, dist.get_world_size(), 1
+    else:
+        group, ep = mesh["ep"].get_group(), mesh["ep"].size()
+        dp = mesh.size() // ep
+    found = experts_modules(model)
+    if not found:
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no fused experts modules (gate_up_proj [E, ...])"
+        )
+    name = transport if isinstance(transport, str) else transport.name
+    info = dict(
+        ep=ep,
+        dp=dp,
+        transport=name,
+        experts=[(n, tuple(m.gate_up_proj.shape), tuple(m.down_proj.shape)) for n, m in found],
+        hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
+    )
+    _check_same(info, None)
+    for n, m in found:
+        num = m.gate_up_proj.shape[0]
+        if num % ep:
+            raise ValueError(
+                f"parallelize: {n} has {num} experts, not divisible by the expert-parallel size {ep}"
+            )
+        if hasattr(m, "_moe8_ep"):
+            raise ValueError(f"parallelize: {n} is already expert-parallel")
+        if hasattr(m, "gate_up_lora_A"):
+            raise ValueError(
+                f"parallelize: {n} carries expert LoRA, which expert parallelism does not shard yet"
+            )
+    rank = dist.get_rank(group)
+    transports = {}
+    for _, m in found:
+        num = m.gate_up_proj.shape[0]
+        if num not in transports:
+            transports[num] = make_transport(transport, group, num)
+        local = num // ep
+        kwargs = experts_kwargs(m)
+        for p in EXPERT_PARAMS:
+            w = getattr(m, p, None)
+            if isinstance(w, nn.Parameter):
+                shard = w.detach()[rank * local : (rank + 1) * local].clone()
+                setattr(m, p, nn.Parameter(shard, requires_grad=w.requires_grad))
+        m._moe8_ep = dict(
+            transport=transports[num],
+            kwargs=kwargs,
+            num_experts=num,
+            check_ids=check_ids,
+            grad_scale=1.0 / ep if grad_scale is None else grad_scale,
+            group=group,
+        )
+        m.forward = types.MethodType(_ep_forward, m)
+    return model
+
+
+def is_parallel(model: nn.Module) -> bool:
+    return any(hasattr(m, "_moe8_ep") for _, m in experts_modules(model))
+
+
+def gather_experts(m: nn.Module, param: str, dst: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The full [E, ...] tensor of an expert-parallel module's parameter: on every rank of its group
+    (dst None, all_gather) or only on the group rank dst (gather; None elsewhere)."""
+    st = m._moe8_ep
+    group, shard = st["group"], getattr(m, param).detach().contiguous()
+    size = dist.get_world_size(group)
+    if dst is None:
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(parts, shard, group=group)
+        return torch.cat(parts)
+    mine = dist.get_rank(group) == dst
+    parts = [torch.empty_like(shard) for _ in range(size)] if mine else None
+    dist.gather(shard, parts, group_dst=dst, group=group)
+    return torch.cat(parts) if mine else None
+
+
+def unparallelize(model: nn.Module) -> nn.Module:
+    """Undo parallelize(): every rank gets all the experts back (all_gather over each group) and the experts
+    modules their class's forward. Collective: every rank must call it."""
+    for _, m in experts_modules(model):
+        if not hasattr(m, "_moe8_ep"):
+            continue
+        for p in EXPERT_PARAMS:
+            w = getattr(m, p, None)
+            if isinstance(w, nn.Parameter):
+                setattr(m, p, nn.Parameter(gather_experts(m, p), requires_grad=w.requires_grad))
+        del m._moe8_ep
+        del m.forward
+    return model

@@ -1,0 +1,100 @@
+"""moe8.parallel.transport — the interface every expert-parallel transport implements, and the steps all of
+them share: the source's plan, the range check of the expert ids, and the weighted sum back at the source.
+
+A transport moves token rows between the ranks of one expert-parallel group of `size` ranks; rank r owns the
+experts [r * E_local, (r + 1) * E_local), E_local = num_experts / size.
+
+    rows, local_ids, meta = transport.dispatch(x, ids, weights)   # x [T, H], ids [T, K] global expert ids
+    out = experts(rows, local_ids)                                 # on the owner, [R_recv, H]
+    back = transport.combine(out, meta)                            # [T * K, H]: each slot's row at its source
+    y = weighted_sum(back, meta)                                   # [T, H], fp32 sum over the K slots
+
+Placement is deterministic: at the source the rows are in the single-process plan's order (expert, token,
+slot), so the rows for each destination are contiguous and ordered by (expert, token, slot); on the owner
+they arrive ordered by (source rank, expert, token, slot). The owner's stable plan over its local ids then
+gives, within each expert, the order (source rank, token, slot): the order of the single-process plan over
+the ranks' concatenated batch, so per-expert sums (weight gradients) run in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+
+
+class TransportError(RuntimeError):
+    """A collective of a transport failed (a peer exited, or a wait timed out)."""
+
+
+@dataclass
+class Meta:
+    """What combine and the weighted sum need from dispatch (source side and owner side)."""
+
+    weights: Tensor  # [T, K] float32 routing weights, at the source
+    slot_to_row: Tensor  # [T, K] int32: slot (t, k) -> row of the source's send order
+    row_to_slot: Tensor  # [T * K] int32: the inverse
+    send_splits: list  # rows this rank sends to each rank of the group
+    recv_splits: list  # rows this rank receives from each rank
+    extra: dict = field(default_factory=dict)  # whatever else a transport keeps between its two phases
+
+
+class Transport:
+    """Base class: subclasses implement dispatch and combine; `name` is what parallelize() takes."""
+
+    name = ""
+
+    def __init__(self, group, num_experts: int):
+        import torch.distributed as dist
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.size:
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by the expert-parallel size {self.size}"
+            )
+        self.num_experts = int(num_experts)
+        self.num_local = self.num_experts // self.size
+
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True):
+        """x [T, H], ids [T, K] global expert ids, weights [T, K] -> (rows [R_recv, H], local_ids [R_recv]
+        int32 in [0, E_local), Meta). Differentiable in x."""
+        raise NotImplementedError
+
+    def combine(self, rows: Tensor, meta: Meta) -> Tensor:
+        """rows [R_recv, H] (the experts' outputs, in the order dispatch delivered them) -> [T * K, H] at the
+        source, in its send order (meta.slot_to_row indexes it). Differentiable in rows."""
+        raise NotImplementedError
+
+
+def source_plan(ids: Tensor, num_experts: int, check_ids: bool):
+    """The single-process plan of the source's slots, and the number of out-of-range ids as a device scalar
+    (None when check_ids is False): (counts [E], row_to_slot [T*K], slot_to_row [T*K], bad). Out-of-range ids
+    are planned as expert 0 so that the plan stays in bounds; the caller raises once every rank knows."""
+    ids = ids.to(torch.int32).contiguous()
+    bad: Optional[Tensor] = None
+    if check_ids:
+        out = (ids < 0) | (ids >= num_experts)
+        bad = out.sum(dtype=torch.int32)
+        ids = ids.masked_fill(out, 0)
+    counts, _, row_to_slot, slot_to_row = ops.plan(ids, num_experts, 1, False)
+    return counts, row_to_slot, slot_to_row, bad
+
+
+def raise_bad_ids(bad_per_rank: list, num_experts: int) -> None:
+    """The ValueError every rank raises when some rank's ids were out of range (same message everywhere)."""
+    where = {r: n for r, n in enumerate(bad_per_rank) if n}
+    if where:
+        ranks = ", ".join(f"rank {r}: {n}" for r, n in where.items())
+        raise ValueError(f"ids: expected expert ids in [0, {num_experts}), found out-of-range ids ({ranks})")
+
+
+def weighted_sum(back: Tensor, meta: Meta) -> Tensor:
+    """y[t] = sum_k weights[t, k] * back[slot_to_row[t, k]], accumulated in fp32 in slot order (ops.combine,
+    the single-process layer's combine): back [T * K, H] -> y [T, H]. Differentiable in back and weights."""
+    return ops.combine(back, meta.weights, meta.slot_to_row.view(-1), meta.row_to_slot)
