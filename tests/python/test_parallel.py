@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe8
-from moe8 import layer
 from moe8.parallel import (
     ep_experts_forward,
     experts_modules,
@@ -171,22 +170,22 @@ def _run_experts(fn, x, ids, w, dy, params, spec, **kw):
 
 def _ep_case(rank, world, Ts, K, dtype, spec, routed):
     """This rank's slice of the experts and its batch; two runs (they must agree bitwise)."""
-    layer.ROUTED_DOWN, saved = routed, layer.ROUTED_DOWN
-    try:
-        spec = dict(spec)
-        params = expert_weights(spec, dtype)
-        el = E // world
-        local = {k: v[rank * el : (rank + 1) * el] for k, v in params.items()}
-        x, ids, w, dy = batch(Ts[rank], K, rank, dtype)
-        runs = [_run_experts(ep_experts_forward, x, ids, w, dy, local, spec, num_experts=E) for _ in range(2)]
-    finally:
-        layer.ROUTED_DOWN = saved
+    spec = dict(spec)
+    params = expert_weights(spec, dtype)
+    el = E // world
+    local = {k: v[rank * el : (rank + 1) * el] for k, v in params.items()}
+    x, ids, w, dy = batch(Ts[rank], K, rank, dtype)
+    cfg = moe8.Config(routed_down=routed)
+    runs = [
+        _run_experts(ep_experts_forward, x, ids, w, dy, local, spec, num_experts=E, config=cfg)
+        for _ in range(2)
+    ]
     (y, grads), (y2, grads2) = runs
     same = torch.equal(y, y2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
     return y, grads, same
 
 
-EP_CASES = [  # world, tokens per rank, K, dtype, experts spec, ROUTED_DOWN
+EP_CASES = [  # world, tokens per rank, K, dtype, experts spec, Config.routed_down
     (2, (5, 7), 2, torch.float32, dict(layout="nk", activation="swiglu"), False),
     (2, (0, 9), 3, torch.bfloat16, dict(layout="nk", activation="swiglu"), False),
     (
@@ -208,18 +207,19 @@ def rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("world, Ts, K, dtype, spec, routed", EP_CASES)
-def test_ep_experts_match_single_process(workers, monkeypatch, world, Ts, K, dtype, spec, routed):
+def test_ep_experts_match_single_process(workers, world, Ts, K, dtype, spec, routed):
     """ep_experts_forward on `world` ranks == moe8.experts_forward on the concatenated batch with all experts:
-    the outputs bitwise; with the unfused combine (ROUTED_DOWN off) every gradient bitwise too, with the
+    the outputs bitwise; with the unfused combine (routed_down off) every gradient bitwise too, with the
     fused one (its backward weights the rows after the down projection's dgrad, which EP can't: the weights
     stay at the source) within rounding. Two EP runs agree bitwise. A rank with 0 tokens takes part."""
     out = workers(world).run(_ep_case, Ts, K, dtype, spec, routed)
-    monkeypatch.setattr(layer, "ROUTED_DOWN", routed)
     spec = dict(spec)
     params = expert_weights(spec, dtype)
     parts = [batch(T, K, r, dtype) for r, T in enumerate(Ts)]
     x, ids, w, dy = (torch.cat(t) for t in zip(*parts))
-    y, grads = _run_experts(moe8.experts_forward, x, ids, w, dy, params, spec)
+    y, grads = _run_experts(
+        moe8.experts_forward, x, ids, w, dy, params, spec, config=moe8.Config(routed_down=routed)
+    )
     assert all(same for *_, same in out), "two EP runs differ"
     y_ep = torch.cat([o[0] for o in out])
     assert y_ep.dtype == y.dtype and torch.equal(y_ep, y)

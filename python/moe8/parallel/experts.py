@@ -65,7 +65,7 @@ def ep_experts_forward(
     x [T, H] (T may be 0), ids [T, K] global expert ids, weights [T, K] -> y [T, H] in the experts' dtype.
     transport: a Transport, or its name built over `group` (default: the world) for num_experts experts
         (default: E_local * group size). experts_kwargs go to moe8.experts_forward (layout, activation,
-        interleaved, alpha, limit, fp8).
+        interleaved, alpha, limit, fp8, config).
     check_ids: range-check the ids; an id outside [0, num_experts) on any rank raises the same ValueError on
         every rank of the group. On a GPU the check costs no extra host sync: its count travels with the
         row counts (two elementwise passes over ids).
@@ -74,7 +74,7 @@ def ep_experts_forward(
         gradient average would give.
 
     Every rank of the group must call this for the layer, with its own tokens (0 tokens included). The
-    expert outputs (and, with moe8.layer.ROUTED_DOWN off, every gradient) are bitwise those of
+    expert outputs (and, with Config.routed_down off, every gradient) are bitwise those of
     moe8.experts_forward on the ranks' concatenated batch with all the experts; see docs/parallel.md.
     """
     if transport is None or isinstance(transport, str):
