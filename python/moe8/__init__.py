@@ -1,8 +1,7 @@
 """moe8 — fast Mixture-of-Experts training: fused routing, permutation and grouped GEMM in C++/CUDA,
 plugged into PyTorch and Hugging Face transformers with one line (`import moe8; moe8.enable()`)."""
 
-from . import ops
-from ._core import C as _C
+from . import _core, ops
 from .config import Config
 from .hf import accelerate, disable, enable, is_accelerated
 from .layer import MoELayer, RouteOut, experts_forward, load_balancing_loss, moe_forward, route, z_loss
@@ -12,7 +11,7 @@ __version__ = "0.1.0"
 
 def cuda_available() -> bool:
     """True when moe8 was built with CUDA and a GPU is visible."""
-    return _C.cuda_available()
+    return _core.C.cuda_available()
 
 
 __all__ = [

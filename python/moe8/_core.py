@@ -28,6 +28,7 @@ from . import _C as _ext
 from ._env import ENV
 
 EAGER_DIRECT: bool = ENV["eager_direct"]
+EXT = _ext  # the extension module itself (its classes, e.g. IpcBuffer); call functions through C
 
 SCHEMES = {"softmax": 0, "sigmoid_group": 1, "topk_softmax": 2}
 ACTIVATIONS = {"swiglu": 0, "swiglu_clamped": 1, "silu": 2, "gelu": 3}

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import moe8
-from moe8 import ops
+from moe8 import _core, ops
 
-_ext = ops._ext
+_ext = _core.EXT
 
 
 def _skip_reason():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..ops import _ext
+from .._core import EXT as _ext
 from .transport import Meta, Transport, TransportError, raise_bad_ids, source_plan
 
 
