@@ -230,12 +230,14 @@ TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
       for (int64_t i = 0; i < q.numel(); ++i) q.set(i, rng.randint(0, 256));
       return q;
     };
-    HostTensor x = random_rows(c.T), g = random_rows(slots), xs = random_tensor(DType::kF32, {c.T, S}, rng);
+    HostTensor x = random_rows(c.T), g = random_rows(slots), xs = random_tensor(DType::kF32, {c.T, S}, rng),
+               gs = random_tensor(DType::kF32, {slots, S}, rng);
     HostTensor counts = ints({c.E}, plan.counts), offsets = ints({c.E + 1}, plan.offsets),
                r2s = ints({slots}, plan.row_to_slot);
     HostTensor rows(x.dtype(), {slots, c.H}), rows_s(DType::kF32, {slots, S}), lids(DType::kI32, {slots}),
         ret(DType::kI32, {slots}), rc(DType::kI32, {1, c.E + 1}), ro(DType::kI32, {c.E + 1}), rb(DType::kI32, {c.E}),
-        back(x.dtype(), {slots, c.H}), back_s(DType::kF32, {slots, S}), grows(x.dtype(), {slots, c.H});
+        back(x.dtype(), {slots, c.H}), back_s(DType::kF32, {slots, S}), grows(x.dtype(), {slots, c.H}),
+        grows_s(DType::kF32, {slots, S});
     std::vector<std::unique_ptr<DeviceBuffer>> keep;
     const size_t shift = c.misaligned ? 4 : 0;
     const auto dev = [&](HostTensor& t) {
@@ -244,10 +246,11 @@ TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
     };
     const auto opt_dev = [&](HostTensor& t) { return S > 0 ? dev(t) : absent(); };
     TensorView dx = upload_at(keep, x, shift), dxs = S > 0 ? upload_at(keep, xs, shift) : absent(),
-               dg = upload_at(keep, g, shift), dcounts = upload_at(keep, counts, 0), doff = upload_at(keep, offsets, 0),
-               dr2s = upload_at(keep, r2s, 0);
+               dg = upload_at(keep, g, shift), dgs = S > 0 ? upload_at(keep, gs, shift) : absent(),
+               dcounts = upload_at(keep, counts, 0), doff = upload_at(keep, offsets, 0), dr2s = upload_at(keep, r2s, 0);
     TensorView drows = dev(rows), drows_s = opt_dev(rows_s), dlids = dev(lids), dret = dev(ret), drc = dev(rc),
-               dro = dev(ro), drb = dev(rb), dback = dev(back), dback_s = opt_dev(back_s), dgrows = dev(grows);
+               dro = dev(ro), drb = dev(rb), dback = dev(back), dback_s = opt_dev(back_s), dgrows = dev(grows),
+               dgrows_s = opt_dev(grows_s);
 
     api::IpcBuffer buf(0, 1, c.E, slots + 3, c.H, c.dtype, S, 0);
     buf.open({buf.handle()});
@@ -256,8 +259,9 @@ TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
     buf.dispatch_recv(dro, drb, false, drows, drows_s, dlids, dret, 0);
     buf.combine_send(drows, drows_s, dret, 10.0, 0, true);  // results = the rows themselves, back
     buf.combine_recv(dback, dback_s, 0);
-    buf.dispatch_send(dg, absent(), absent(), doff, absent(), absent(), 1, false, 10.0, 0);  // gradients
-    buf.dispatch_recv(dro, drb, false, dgrows, absent(), absent(), absent(), 0);
+    // gradients in send order (FP8 rows travel with their scales)
+    buf.dispatch_send(dg, dgs, absent(), doff, absent(), absent(), 1, false, 10.0, 0);
+    buf.dispatch_recv(dro, drb, false, dgrows, dgrows_s, absent(), absent(), 0);
     buf.check(true, 0);
     for (auto [t, v] : {std::pair<HostTensor*, TensorView>{&rows, drows},
                         {&lids, dlids},
@@ -271,6 +275,7 @@ TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
     if (S > 0) {
       download(rows_s, drows_s);
       download(back_s, dback_s);
+      download(grows_s, dgrows_s);
     }
     for (int e = 0; e < c.E; ++e) {
       EXPECT_EQ(rc.i32()[e], plan.counts[e]);
@@ -292,6 +297,9 @@ TEST_F(IpcCudaTest, OneRankRoundTripMatchesThePlan) {
         EXPECT_TRUE(rows_equal(back_s, i, rows_s, i, 4 * S)) << "returned scales of row " << i;
       }
       EXPECT_TRUE(rows_equal(grows, i, g, i, row_bytes)) << "gradient row " << i;
+      if (S > 0) {
+        EXPECT_TRUE(rows_equal(grows_s, i, gs, i, 4 * S)) << "scales of gradient row " << i;
+      }
     }
   }
 }
