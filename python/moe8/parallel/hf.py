@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hf.families import FAMILIES, experts_spec  # noqa: F401 (FAMILIES: part of this module's API)
+from ..hf.forward import module_config
 from .experts import ep_experts_forward, make_transport
 from .transport import Transport
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
@@ -40,30 +41,12 @@ def experts_modules(model: nn.Module) -> list:
 
 
 def experts_kwargs(module: nn.Module) -> dict:
-    """moe8.experts_forward's layout keywords for a transformers experts module; ValueError when moe8 can't
-    run it."""
-    family = getattr(getattr(module, "config", None), "model_type", None)
-    layout = (
-        bool(module.has_gate),
-        bool(module.is_transposed),
-        bool(module.has_bias),
-        module.is_concatenated,
-    )
-    if family == "gpt_oss" and layout == (True, True, True, False):  # h = x @ W + b, gate/up interleaved
-        return dict(
-            layout="kn",
-            activation="swiglu_clamped",
-            interleaved=True,
-            alpha=float(module.alpha),
-            limit=float(module.limit),
-        )
-    act = getattr(module.config, "hidden_act", None)
-    if family in FAMILIES and layout == (True, False, False, True) and act in ("silu", "swish"):
-        return dict(layout="nk", activation="swiglu")  # h = x @ W^T: gate = first I columns, act(gate) * up
-    raise ValueError(
-        f"{type(module).__name__} ({family}): moe8.parallel runs SiLU-gated experts of {list(FAMILIES)}; "
-        f"got has_gate, is_transposed, has_bias, is_concatenated = {layout}, hidden_act {act!r}"
-    )
+    """moe8.experts_forward's layout keywords for a transformers experts module (moe8.hf.families, the table
+    the single-GPU integration uses too); ValueError when moe8 can't run it."""
+    spec = experts_spec(module)
+    if isinstance(spec, str):
+        raise ValueError(f"{type(module).__name__}: moe8.parallel can't run these experts: {spec}")
+    return spec
 
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -80,6 +63,7 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
         transport=st["transport"],
         check_ids=st["check_ids"],
         grad_scale=st["grad_scale"],
+        config=module_config(self),  # the model's moe8.Config (routed_down, fp8, ...), as on one GPU
         **st["kwargs"],
         **bias,
     )
