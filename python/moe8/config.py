@@ -42,9 +42,9 @@ class Config:
         attention looks the function up in its modeling module).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
         [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
-    ep: expert-parallel group size (1: every rank holds all experts).
-    transport: how tokens reach their experts' ranks under expert parallelism: "nccl" (all-to-all), "ipc"
-        (direct GPU-to-GPU writes within one node) or "auto" (ipc within a node, else nccl).
+    transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
+        which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
+        within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).
     """
 
     fp8: Optional[Union[str, Float8Recipe]] = None
@@ -56,7 +56,6 @@ class Config:
     fuse_norm: bool = False
     fuse_rope: bool = False
     fuse_loss: bool = False
-    ep: int = 1
     transport: str = "auto"
 
     def __post_init__(self):
@@ -78,8 +77,6 @@ class Config:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise ValueError(f"ep: expected a positive int, got {self.ep!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
 

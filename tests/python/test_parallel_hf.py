@@ -15,6 +15,7 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8.parallel.hf n
 
 from test_parallel import rel, worker_groups  # noqa: E402
 
+import moe8  # noqa: E402
 from moe8.parallel import experts_modules, make_mesh, parallelize, unparallelize  # noqa: E402
 
 
@@ -220,18 +221,26 @@ def _mismatch(rank, world):
         parallelize(hf_build("mixtral", num_local_experts=6), _mesh(world))
     except ValueError as e:
         errors.append(str(e))
+    try:  # no transport argument: each model's moe8.Config.transport ("auto" is nccl)
+        model = moe8.accelerate(hf_build("mixtral"), transport="auto" if rank == 0 else "ipc")
+        parallelize(model, _mesh(world))
+    except ValueError as e:
+        errors.append(str(e))
+    finally:
+        moe8.disable()
     return errors
 
 
 def test_parallelize_config_errors(workers):
-    """Ranks that built different models (experts, hidden size) or asked for different transports, and
-    E % ep != 0: the same ValueError on every rank, naming what differs."""
+    """Ranks that built different models (experts, hidden size) or asked for different transports (as an
+    argument, or through their models' moe8.Config), and E % ep != 0: the same ValueError on every rank, naming what differs."""
     out = workers(4).run(_mismatch)
-    assert all(o == out[0] for o in out) and len(out[0]) == 4, out
-    experts, hidden, transport, divisible = out[0]
+    assert all(o == out[0] for o in out) and len(out[0]) == 5, out
+    experts, hidden, transport, divisible, from_config = out[0]
     assert "disagree on experts" in experts and "rank 1: [('model.layers.0.mlp.experts', (8," in experts
     assert "disagree on experts" in hidden or "disagree on hidden_size" in hidden
     assert "disagree on transport (rank 0: nccl; rank 1: ipc, rank 2: ipc, rank 3: ipc)" in transport
+    assert "disagree on transport (rank 0: nccl; rank 1: ipc, rank 2: ipc, rank 3: ipc)" in from_config
     assert (
         divisible
         == "parallelize: model.layers.0.mlp.experts has 6 experts, not divisible by the expert-parallel size 4"

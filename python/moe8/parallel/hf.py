@@ -21,6 +21,8 @@ from torch import nn
 
 from ..hf.families import FAMILIES, experts_spec  # noqa: F401 (FAMILIES: part of this module's API)
 from ..hf.forward import module_config
+from ..hf.patching import config_of
+from ..hf.registry import registry
 from .experts import ep_experts_forward, make_transport
 from .transport import Transport
 
@@ -87,7 +89,7 @@ def _check_same(info: dict, group) -> None:
 def parallelize(
     model: nn.Module,
     mesh,
-    transport: Union[str, Transport] = "nccl",
+    transport: Union[str, Transport, None] = None,
     *,
     grad_scale: Optional[float] = None,
     check_ids: bool = False,
@@ -96,7 +98,9 @@ def parallelize(
     the model (changed in place).
 
     mesh: a DeviceMesh with an "ep" dim (make_mesh), or None for one group of all ranks.
-    transport: "nccl" (torch.distributed all_to_all), "ipc", or a Transport built over mesh["ep"]'s group.
+    transport: "nccl" (torch.distributed all_to_all), "ipc", "auto", or a Transport built over mesh["ep"]'s
+        group; None: the model's moe8.Config.transport (moe8.accelerate(model, transport=...)). "auto" is
+        "nccl" for now: "ipc" becomes the default within a node once its expert path has run on GPUs.
     grad_scale: factor on the expert gradients; default 1 / ep, so that after the dense gradients are
         averaged over all ranks every gradient is that of the mean of the ranks' losses.
     check_ids: range-check the router's ids (they come from a top-k over the experts: off by default).
@@ -109,6 +113,10 @@ def parallelize(
     else:
         group, ep = mesh["ep"].get_group(), mesh["ep"].size()
         dp = mesh.size() // ep
+    if transport is None:
+        transport = (config_of(model) or registry.default).transport  # the model's Config, or enable()'s
+    if transport == "auto":
+        transport = "nccl"
     found = experts_modules(model)
     if not found:
         raise ValueError(
