@@ -1,5 +1,5 @@
 """moe8.parallel with transformers models on CPU: gloo groups of 2 and 4 processes (the workers of
-test_parallel.py) against one process on the ranks' concatenated batch: the six families under parallelize(),
+test_parallel.py) against one process on the ranks' concatenated batch: the six families under parallelize(), LoRA on attention and experts,
 the global aux loss, config errors, gradient checkpointing, FSDP2, save_pretrained -> from_pretrained and the
 training state (torch.distributed.checkpoint)."""
 
@@ -389,3 +389,61 @@ def test_hf_gradient_checkpointing(workers):
     rank in the same order): the results still equal the one-process model's."""
     out = [(*o, None, None) for o in workers(2).run(_checkpointed)]
     _assert_hf_matches(out, hf_step(hf_build("qwen3_moe"), hf_tokens(2)), 2, 1e-6)
+
+
+LORA_TARGETS = ("q_proj", "v_proj", "experts")
+
+
+def hf_lora_build(family):
+    """hf_build + moe8.lora.apply_lora (r 4, alpha 8) on q_proj, v_proj and the experts, every LoRA B factor
+    made random (they start at zero, which would leave the A factors without gradient)."""
+    from moe8.lora import apply_lora
+
+    model = apply_lora(hf_build(family), r=4, alpha=8, targets=LORA_TARGETS)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("lora_B", "lora_B.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def _lora_case(rank, world, family):
+    from moe8.parallel.hf import LORA_PARAMS
+
+    try:
+        model = hf_lora_build(family)
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        parallelize(model, _mesh(world))
+        local = {
+            f"{n}.{p}": tuple(getattr(m, p).shape) for n, m in experts_modules(model) for p in LORA_PARAMS
+        }
+        ids = hf_tokens(world).chunk(world)[rank]
+        logits, loss, grads = hf_step(model, ids)
+        unparallelize(model)
+        restored = all(torch.equal(p, full[n]) for n, p in model.named_parameters())
+        restored = restored and all("forward" not in m.__dict__ for _, m in experts_modules(model))
+        return logits, loss, grads, local, restored
+    finally:
+        moe8.disable()
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "mixtral"))
+def test_hf_expert_lora_matches_single_process(workers, family):
+    """moe8.lora on q_proj, v_proj and the experts, then parallelize() on 2 ranks: each rank holds its experts'
+    LoRA factors ([E / 2, ...]); logits, loss and the gradient of every LoRA factor (the only trainable
+    parameters; attention LoRA: mean over ranks, expert LoRA: the shards, scaled by grad_scale) equal the
+    single-process model's on the concatenated batch. unparallelize() gives back the full factors."""
+    out = workers(2).run(_lora_case, family)
+    try:
+        model = hf_lora_build(family)
+        ref = hf_step(model, hf_tokens(2))
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        moe8.disable()
+    assert all(o[4] for o in out)
+    for o in out:  # each rank holds E / 2 experts of every expert LoRA factor
+        assert o[3] and all(s == (shapes[k][0] // 2, *shapes[k][1:]) for k, s in o[3].items())
+    assert ref[2].keys() == shapes.keys()
+    assert any("experts.down_lora_A" in n for n in shapes) and any("q_proj.lora_A" in n for n in shapes)
+    _assert_hf_matches(out, ref, 2, 1e-6)

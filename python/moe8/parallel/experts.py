@@ -65,13 +65,14 @@ def ep_experts_forward(
     x [T, H] (T may be 0), ids [T, K] global expert ids, weights [T, K] -> y [T, H] in the experts' dtype.
     transport: a Transport, or its name built over `group` (default: the world) for num_experts experts
         (default: E_local * group size). experts_kwargs go to moe8.experts_forward (layout, activation,
-        interleaved, alpha, limit, fp8, config).
+        interleaved, alpha, limit, fp8, config, lora: a moe8.experts.ExpertLoRA of the local experts'
+        factors, [E_local, ...]).
     check_ids: range-check the ids; an id outside [0, num_experts) on any rank raises the same ValueError on
         every rank of the group. On a GPU the check costs no extra host sync: its count travels with the
         row counts (two elementwise passes over ids).
-    grad_scale: multiplies the expert weights' (and biases') gradients. Each expert's gradient sums the
-        contributions of every rank's loss; 1 / group size turns that sum into the mean a data-parallel
-        gradient average would give.
+    grad_scale: multiplies the gradients of the expert weights, biases and LoRA factors. Each expert's
+        gradient sums the contributions of every rank's loss; 1 / group size turns that sum into the mean a
+        data-parallel gradient average would give.
 
     Every rank of the group must call this for the layer, with its own tokens (0 tokens included). The
     expert outputs (and, with Config.routed_down off, every gradient) are bitwise those of
@@ -96,6 +97,12 @@ def ep_experts_forward(
     if grad_scale != 1.0:
         params = [None if p is None else _ScaleGrad.apply(p, grad_scale) for p in params]
     gate_up_local, down_local, gate_up_bias, down_bias = params
+    lora = experts_kwargs.get("lora")
+    if lora is not None and grad_scale != 1.0:  # the LoRA factors are expert parameters too
+        factors = [_ScaleGrad.apply(t, grad_scale) for t in lora[:4]]
+        experts_kwargs["lora"] = lora._replace(
+            gate_up_A=factors[0], gate_up_B=factors[1], down_A=factors[2], down_B=factors[3]
+        )
     x = x.to(gate_up_local.dtype)  # rows travel in the experts' dtype, as the single-process plan casts
     rows, local_ids, meta = transport.dispatch(x, ids, weights, check_ids=check_ids)
     ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)  # w * o == o exactly

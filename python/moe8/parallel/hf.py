@@ -5,9 +5,10 @@
 
 transformers v5 keeps a layer's experts in one module with 3D parameters (gate_up_proj, down_proj, GPT-OSS
 also biases) called as experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) after the router.
-parallelize() slices those parameters to this rank's experts (same names, so state_dict keys stay HF's) and
-gives each such module an instance-level forward that runs moe8.parallel.ep_experts_forward; the router is
-untouched, so hooks on it (router logits for the aux loss) keep working. unparallelize() undoes it.
+parallelize() slices those parameters, and the expert LoRA factors moe8.lora.apply_lora adds ([E, ...] too),
+to this rank's experts (same names, so state_dict keys stay HF's) and gives each such module an
+instance-level forward that runs moe8.parallel.ep_experts_forward; the router is untouched, so hooks on it
+(router logits for the aux loss) keep working. unparallelize() undoes it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..experts import ExpertLoRA
 from ..hf.families import FAMILIES, experts_spec  # noqa: F401 (FAMILIES: part of this module's API)
 from ..hf.forward import module_config
 from ..hf.patching import config_of
@@ -26,7 +28,8 @@ from ..hf.registry import registry
 from .experts import ep_experts_forward, make_transport
 from .transport import Transport
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+LORA_PARAMS = ("gate_up_lora_A", "gate_up_lora_B", "down_lora_A", "down_lora_B")  # moe8.lora.apply_lora's
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", *LORA_PARAMS)
 
 
 def experts_modules(model: nn.Module) -> list:
@@ -53,9 +56,16 @@ def experts_kwargs(module: nn.Module) -> dict:
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
     st = self._moe8_ep
-    bias = {}
+    extra = {}
     if self.has_bias:
-        bias = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+        extra = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+    if hasattr(self, "gate_up_lora_A"):  # expert LoRA (moe8.lora.apply_lora): the local experts' factors
+        extra["lora"] = ExpertLoRA(
+            *(getattr(self, p) for p in LORA_PARAMS),
+            self.lora_scaling,
+            self.lora_dropout if self.training else 0.0,
+        )
+        extra["fp8"] = "none"  # FP8 experts with LoRA are not supported yet (as on one GPU)
     y = ep_experts_forward(
         hidden_states,
         top_k_index,
@@ -67,7 +77,7 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
         grad_scale=st["grad_scale"],
         config=module_config(self),  # the model's moe8.Config (routed_down, fp8, ...), as on one GPU
         **st["kwargs"],
-        **bias,
+        **extra,
     )
     return y.to(hidden_states.dtype)
 
@@ -129,6 +139,7 @@ def parallelize(
         transport=name,
         experts=[(n, tuple(m.gate_up_proj.shape), tuple(m.down_proj.shape)) for n, m in found],
         hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
+        expert_lora=[[tuple(getattr(m, p).shape) for p in LORA_PARAMS if hasattr(m, p)] for _, m in found],
     )
     _check_same(info, None)
     for n, m in found:
@@ -139,10 +150,6 @@ def parallelize(
             )
         if hasattr(m, "_moe8_ep"):
             raise ValueError(f"parallelize: {n} is already expert-parallel")
-        if hasattr(m, "gate_up_lora_A"):
-            raise ValueError(
-                f"parallelize: {n} carries expert LoRA, which expert parallelism does not shard yet"
-            )
     rank = dist.get_rank(group)
     transports = {}
     for _, m in found:
