@@ -1,7 +1,7 @@
 """moe8.parallel with transformers models on CPU: gloo groups of 2 and 4 processes (the workers of
-test_parallel.py) against one process on the ranks' concatenated batch: the six families under parallelize(), LoRA on attention and experts,
-the global aux loss, config errors, gradient checkpointing, FSDP2, save_pretrained -> from_pretrained and the
-training state (torch.distributed.checkpoint)."""
+test_parallel.py) against one process on the ranks' concatenated batch: the six families under parallelize(),
+LoRA on attention and experts, the global aux loss, config errors, gradient checkpointing, FSDP2,
+save_pretrained -> from_pretrained and the training state (torch.distributed.checkpoint)."""
 
 from __future__ import annotations
 
