@@ -1,5 +1,5 @@
 """`moe8 finetune` under torchrun on 2 CPU processes (gloo) with the built-in tiny Qwen3-MoE model: expert
-parallelism (ep 2, stopped and resumed) and data parallelism (ep 1), rank 0 alone writing metrics, report and
+parallelism (ep 2, stopped and resumed; and uninterrupted with FSDP2) and data parallelism (ep 1), rank 0 alone writing metrics, report and
 a model transformers loads on one process; the data-parallel loss of step 1 equal to one process's on the same
 global batch; bad ep values rejected with the key named and nothing written. Every launch is bounded: the
 process group is killed on a timeout."""
@@ -144,6 +144,15 @@ def test_expert_parallel_two_ranks_resume(tmp_path, text_file):
     assert shards[0][key].shape[0] == 4
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, torch.cat([s[key] for s in shards]))
     assert torch.equal(model.model.embed_tokens.weight, shards[0]["model.embed_tokens.weight"])
+    # the same run uninterrupted with the dense parameters under FSDP2: the same weights within fp32 rounding
+    fsdp = tmp_path / "fsdp"
+    rc, text = torchrun(tmp_path, *flags(fsdp, text_file), "--ep", 2, "--fsdp")
+    assert rc == 0, text
+    assert "2 ranks, expert-parallel ep 2 (auto), FSDP2" in text
+    check_run(fsdp, text)
+    other = AutoModelForCausalLM.from_pretrained(fsdp).state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-4, msg=k)
 
 
 def test_data_parallel_two_ranks_matches_one_process(tmp_path, text_file, capsys):
