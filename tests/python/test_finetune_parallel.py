@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
-import moe8  # noqa: E402
 from moe8 import finetune  # noqa: E402
 
-ENV_PATH = str(Path(moe8.__file__).resolve().parents[1])
+# the torchrun processes import this checkout's moe8 (python/), as does the test when run from the checkout
+ENV_PATH = str(Path(__file__).resolve().parents[2] / "python")
 BUDGET = [120.0]  # seconds all launches of this module may take together (each at most 60)
 
 
@@ -121,7 +121,7 @@ def check_run(out, text):
     return lines
 
 
-def test_expert_parallel_two_ranks_resume(tmp_path, text_file):
+def test_expert_parallel_two_ranks_resume(tmp_path, text_file, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ep"
@@ -144,6 +144,15 @@ def test_expert_parallel_two_ranks_resume(tmp_path, text_file):
     assert shards[0][key].shape[0] == 4
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, torch.cat([s[key] for s in shards]))
     assert torch.equal(model.model.embed_tokens.weight, shards[0]["model.embed_tokens.weight"])
+    # one process can't continue a 2-rank checkpoint: the named error, the run left as it was
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = sorted(p.name for p in out.iterdir())
+    assert finetune.main(flags(out, text_file, 2, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert (
+        "resume: the checkpoint was written by 2 ranks with ep = 2, this run has 1 ranks with ep = 1" in err
+    )
+    assert sorted(p.name for p in out.iterdir()) == before
     # the same run uninterrupted with the dense parameters under FSDP2: the same weights within fp32 rounding
     fsdp = tmp_path / "fsdp"
     rc, text = torchrun(tmp_path, *flags(fsdp, text_file), "--ep", 2, "--fsdp")
