@@ -121,7 +121,7 @@ def check_run(out, text):
     return lines
 
 
-def test_expert_parallel_two_ranks_resume(tmp_path, text_file, capsys, monkeypatch):
+def test_expert_parallel_two_ranks_resume(tmp_path, text_file, capsys):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ep"
@@ -145,7 +145,6 @@ def test_expert_parallel_two_ranks_resume(tmp_path, text_file, capsys, monkeypat
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, torch.cat([s[key] for s in shards]))
     assert torch.equal(model.model.embed_tokens.weight, shards[0]["model.embed_tokens.weight"])
     # one process can't continue a 2-rank checkpoint: the named error, the run left as it was
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     before = sorted(p.name for p in out.iterdir())
     assert finetune.main(flags(out, text_file, 2, "--resume")) == 2
     err = capsys.readouterr().err
@@ -182,12 +181,11 @@ def test_data_parallel_two_ranks_matches_one_process(tmp_path, text_file, capsys
     assert lines[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-5)
 
 
-def test_bad_ep_values(tmp_path, text_file, capsys, monkeypatch):
+def test_bad_ep_values(tmp_path, text_file, capsys):
     out = tmp_path / "bad"
     rc, text = torchrun(tmp_path, *flags(out, text_file), "--ep", 3)
     assert rc != 0 and "ep = 3: expected a divisor of the world size (WORLD_SIZE 2), got 3" in text, text
     assert not out.exists()
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     rc = finetune.main(flags(out, text_file, 2, "--ep", 2))
     err = capsys.readouterr().err
     assert rc == 2 and "ep = 2: expected 1 in one process (WORLD_SIZE 1); launch with `torchrun" in err, err

@@ -259,12 +259,9 @@ def validate(cfg: Config) -> None:
 
 def world_size() -> int:
     """torchrun's WORLD_SIZE (1 when not launched by torchrun)."""
-    import os
+    from .._env import ENV
 
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    return ENV["world_size"]
 
 
 def to_toml(cfg: Config) -> str:

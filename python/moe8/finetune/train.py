@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import hf
+from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
@@ -32,7 +33,7 @@ from .routing import RoutingStats
 
 STATE = "training_state.pt"
 # how long a collective waits for a peer before the run ends with an error (a dead rank: no hang)
-DIST_TIMEOUT = timedelta(seconds=int(os.environ.get("MOE8_FINETUNE_DIST_TIMEOUT", "600")))
+DIST_TIMEOUT = timedelta(seconds=ENV["finetune_dist_timeout"])
 
 
 def rank_state(rank: int) -> str:
@@ -47,8 +48,7 @@ class Dist:
     def __init__(self, device: torch.device):
         import torch.distributed as dist
 
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.world, self.rank = ENV["world_size"], ENV["rank"]
         self.on = self.world > 1
         if self.on and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -87,8 +87,8 @@ def device_and_dtype(cfg: Config) -> tuple[torch.device, torch.dtype]:
     if name == "cuda" and not torch.cuda.is_available():
         raise FinetuneError("device = 'cuda': no CUDA device visible")
     device = torch.device(name)
-    if name == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: each rank its own GPU
-        local = int(os.environ["LOCAL_RANK"])
+    if name == "cuda" and ENV["local_rank"] is not None:  # torchrun: each rank its own GPU
+        local = ENV["local_rank"]
         if local >= torch.cuda.device_count():
             raise FinetuneError(
                 f"LOCAL_RANK {local}: expected < the visible GPUs ({torch.cuda.device_count()}); launch at "
@@ -608,6 +608,6 @@ def run(cfg: Config, on_step=None, log=print) -> Trainer:
     finally:
         import torch.distributed as dist
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
+        if ENV["world_size"] > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return trainer
