@@ -65,6 +65,8 @@ def main(argv=None, on_step=None) -> int:
         )
         return 130
     out, last = trainer.out, trainer.last
+    if not trainer.dist.main:  # rank 0 reports
+        return 0
     if last.get("step") == trainer.steps:
         what = "adapter" if cfg.method == "lora" else "model"
         ev = f", eval loss {last['eval_loss']:.3f}" if last.get("eval_loss") is not None else ""

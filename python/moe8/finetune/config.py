@@ -98,6 +98,16 @@ class Config:
         "FP8 expert GEMMs (moe8.fp8): none, blockwise, rowwise or tensorwise (forward in FP8, backward bf16); "
         "full fine-tuning on moe8 only",
     )
+    # parallelism (under torchrun)
+    ep: int = _key(
+        1,
+        "expert-parallel group size: the experts of every MoE layer are split over ep ranks (moe8.parallel); "
+        "the world size (torchrun's WORLD_SIZE) must be a multiple of it; 1: plain data parallelism",
+    )
+    transport: str = _key(
+        "auto", "how token rows move between the ep ranks: auto (nccl for now), nccl or ipc (CUDA, one node)"
+    )
+    fsdp: bool = _key(False, "shard the dense parameters with FSDP2 (moe8.parallel.apply_fsdp)")
     # output
     output_dir: str = _key("", "where everything goes (default: runs/finetune-YYYYmmdd-HHMMSS)")
     resume: bool = _key(False, "continue from the last checkpoint in output_dir")
@@ -200,11 +210,12 @@ def validate(cfg: Config) -> None:
         ("device", ("auto", "cuda", "cpu")),
         ("data_format", ("auto", "lines", "text", "jsonl")),
         ("fp8", ("none", "blockwise", "rowwise", "tensorwise")),
+        ("transport", ("auto", "nccl", "ipc")),
     ):
         need(
             getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
         )
-    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every", "dead_window", "lora_r"):
+    for name in ("ep", "steps", "micro_batch", "grad_accum", "seq_len", "log_every", "dead_window", "lora_r"):
         need(getattr(cfg, name) >= 1, f"{name} = {getattr(cfg, name)}: expected a positive integer")
     for name in (
         "epochs",
@@ -230,6 +241,27 @@ def validate(cfg: Config) -> None:
         f"fp8 = {cfg.fp8!r}: FP8 experts with LoRA are not supported yet",
     )
     need(cfg.fp8 == "none" or cfg.moe8, f"fp8 = {cfg.fp8!r}: FP8 experts run on moe8; drop --no-moe8")
+    world = world_size()
+    need(
+        world > 1 or cfg.ep == 1,
+        f"ep = {cfg.ep}: expected 1 in one process (WORLD_SIZE 1); launch with "
+        f"`torchrun --nproc-per-node N moe8 finetune ...` (N a multiple of ep) for expert parallelism",
+    )
+    need(
+        world % cfg.ep == 0,
+        f"ep = {cfg.ep}: expected a divisor of the world size (WORLD_SIZE {world}), got {cfg.ep}",
+    )
+    need(cfg.ep == 1 or cfg.method == "full", f"ep = {cfg.ep}: expert parallelism with lora is not supported")
+    need(cfg.ep == 1 or cfg.moe8, f"ep = {cfg.ep}: expert parallelism runs on moe8; drop --no-moe8")
+    need(not cfg.fsdp or world > 1, "fsdp = true: expected a torchrun launch (WORLD_SIZE > 1)")
+    need(not cfg.fsdp or cfg.method == "full", "fsdp = true: FSDP with lora is not supported")
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 when not launched by torchrun)."""
+    from .._env import ENV
+
+    return ENV["world_size"]
 
 
 def to_toml(cfg: Config) -> str:

@@ -200,7 +200,7 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
     )
     last = train[-1] if train else {}
     evals = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
-    facts = {k: info[k] for k in ("model", "method", "device") if k in info}
+    facts = {k: info[k] for k in ("model", "method", "device", "ranks") if k in info}
     if "params" in info:
         facts["parameters"] = f"{info['params'] / 1e6:.2f}M ({info['active'] / 1e6:.2f}M active per token)"
         facts["experts on"] = "moe8" if info.get("moe8") else "transformers"
@@ -210,6 +210,9 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         "eval loss": " -> ".join(_fmt(e) for e in (evals[:1] + evals[-1:] if len(evals) > 1 else evals))
         or "-",
     }
+    ranks_mem = next((h["memory_gib_ranks"] for h in reversed(train) if h.get("memory_gib_ranks")), None)
+    if ranks_mem:
+        facts["peak memory per rank (GiB)"] = ", ".join(f"{r}: {g:.2f}" for r, g in enumerate(ranks_mem))
     tps = [h["tokens_per_s"] for h in train if h.get("tokens_per_s") is not None]
     if tps:
         facts["tokens/s (median)"] = f"{sorted(tps)[len(tps) // 2]:,.0f}"

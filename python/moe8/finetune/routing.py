@@ -43,7 +43,14 @@ class RoutingStats:
             c = self.counts[name] = torch.zeros(self.experts[name], dtype=torch.long, device=ids.device)
         c.scatter_add_(0, ids, torch.ones_like(ids))
 
-    def take(self) -> dict[str, list[float]]:
+    def take(self, reduce=None, device=None) -> dict[str, list[float]]:
+        """reduce: an in-place sum over ranks (torch.distributed all_reduce), so the fractions are those of all
+        ranks' tokens; every rank must call it then (layers without counts yet take part with zeros)."""
+        if reduce is not None:
+            for name, c in self.counts.items():
+                if c is None:
+                    c = torch.zeros(self.experts[name], dtype=torch.long, device=device)
+                self.counts[name] = reduce(c)
         out = {}
         for name, c in self.counts.items():
             if c is not None:

@@ -16,12 +16,14 @@ import random
 import shutil
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .. import hf
+from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
@@ -30,6 +32,54 @@ from .model import BUILTIN, TINY, active_params, build_model, model_config, peak
 from .routing import RoutingStats
 
 STATE = "training_state.pt"
+# how long a collective waits for a peer before the run ends with an error (a dead rank: no hang)
+DIST_TIMEOUT = timedelta(seconds=ENV["finetune_dist_timeout"])
+
+
+def rank_state(rank: int) -> str:
+    """A checkpoint's training-state file of `rank` (rank 0's is STATE, which marks a checkpoint complete)."""
+    return STATE if rank == 0 else f"training_state-rank{rank}.pt"
+
+
+class Dist:
+    """torchrun's process group as the trainer sees it: world size, rank, and the collectives it needs. With
+    WORLD_SIZE 1 every method is the one-process identity."""
+
+    def __init__(self, device: torch.device):
+        import torch.distributed as dist
+
+        self.world, self.rank = ENV["world_size"], ENV["rank"]
+        self.on = self.world > 1
+        if self.on and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            kw = dict(device_id=device) if device.type == "cuda" else {}
+            dist.init_process_group(backend, timeout=DIST_TIMEOUT, **kw)
+        self.dist = dist
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.on:
+            self.dist.barrier()
+
+    def sum(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        if self.on:
+            self.dist.all_reduce(t, group=group)
+        return t
+
+    def gather(self, obj) -> list:
+        """obj of every rank, in rank order (all_gather_object)."""
+        if not self.on:
+            return [obj]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.on and self.dist.is_initialized():
+            self.dist.destroy_process_group()
 
 
 def device_and_dtype(cfg: Config) -> tuple[torch.device, torch.dtype]:
@@ -37,6 +87,15 @@ def device_and_dtype(cfg: Config) -> tuple[torch.device, torch.dtype]:
     if name == "cuda" and not torch.cuda.is_available():
         raise FinetuneError("device = 'cuda': no CUDA device visible")
     device = torch.device(name)
+    if name == "cuda" and ENV["local_rank"] is not None:  # torchrun: each rank its own GPU
+        local = ENV["local_rank"]
+        if local >= torch.cuda.device_count():
+            raise FinetuneError(
+                f"LOCAL_RANK {local}: expected < the visible GPUs ({torch.cuda.device_count()}); launch at "
+                "most as many processes per node as GPUs"
+            )
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" else "fp32"
     return device, torch.bfloat16 if dtype == "bf16" else torch.float32
 
@@ -123,25 +182,41 @@ class Trainer:
     """Everything validated and built, nothing written: `run()` writes."""
 
     def __init__(self, cfg: Config, log=print):
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
         self.device, self.dtype = device_and_dtype(cfg)
+        self.dist = Dist(self.device)
+        world = self.dist.world
+        self.log = log if self.dist.main else lambda *a, **k: None  # rank 0 logs
         self.hf_config, self.model_path = config, path = model_config(cfg)
         self.tok = load_tokenizer(cfg, path)
         self.data = Data(cfg, self.tok)
-        self.steps = math.ceil(cfg.epochs * self.data.per_epoch / cfg.grad_accum) if cfg.epochs else cfg.steps
+        if len(self.data.train[0]) < cfg.micro_batch * world:
+            raise FinetuneError(
+                f"data: {self.data.source}: the training split has {len(self.data.train[0])} sequences; "
+                f"{world} ranks of micro_batch = {cfg.micro_batch} need at least {cfg.micro_batch * world}"
+            )
+        per_epoch = len(self.data.train[0]) // (cfg.micro_batch * world)  # global micro-batches per epoch
+        self.steps = math.ceil(cfg.epochs * per_epoch / cfg.grad_accum) if cfg.epochs else cfg.steps
         self.out = Path(cfg.output_dir or time.strftime("runs/finetune-%Y%m%d-%H%M%S"))
         self.state = self._resume_state() if cfg.resume else None
         if not cfg.resume and self.out.exists() and any(self.out.iterdir()) and not cfg.overwrite:
             raise FinetuneError(
                 f"output_dir {self.out} exists and is not empty: --resume continues it, --overwrite replaces it"
             )
-        self.model, self.aux_coef = build_model(cfg, config, path, self.tok, self.dtype, self.device, log)
+        self.model, self.aux_coef = build_model(
+            cfg, config, path, self.tok, self.dtype, self.device, self.log
+        )
+        self.total_params, self.active_params = active_params(self.model)
+        self.stats = RoutingStats(self.model)  # before parallelize: counts over all E experts
+        self.mesh, self.expert_ids = None, set()
+        if self.dist.on:
+            self._parallelize()
+        self.dist.barrier()  # every rank checked its input before rank 0 writes
         self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
         # 16-bit weights train through fp32 master copies: AdamW updates below bf16's resolution would be lost
         self.master = [
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params
         ]
-        self.total_params, self.active_params = active_params(self.model)
         self.peak = peak_flops(cfg, self.device)
         lr = cfg.lr or (
             3e-3
@@ -164,7 +239,28 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, warmup, self.steps, cfg.min_lr_ratio)
         )
-        self.stats = RoutingStats(self.model)
+
+    def _parallelize(self) -> None:
+        """ep > 1: experts split over each group of ep ranks (moe8.parallel.parallelize); fsdp: dense
+        parameters sharded with FSDP2; otherwise every rank holds the whole model and the gradients are
+        averaged after the backward (moe8.parallel.fsdp.average_grads)."""
+        from .. import parallel
+
+        cfg = self.cfg
+        self.mesh = parallel.make_mesh(ep=cfg.ep, device_type=self.device.type)
+        try:
+            if cfg.ep > 1:
+                parallel.parallelize(self.model, self.mesh, transport=cfg.transport)
+            if cfg.fsdp:
+                parallel.fsdp.apply_fsdp(self.model, self.mesh, param_dtype=None, reduce_dtype=torch.float32)
+        except (ValueError, NotImplementedError) as e:
+            raise FinetuneError(f"ep = {cfg.ep}: {e}") from None
+        self.expert_ids = {
+            id(p)
+            for _, m in parallel.experts_modules(self.model)
+            if hasattr(m, "_moe8_ep")
+            for p in m.parameters()
+        }
 
     def _resume_state(self) -> dict:
         found = checkpoints(self.out) if self.out.is_dir() else []
@@ -179,13 +275,23 @@ class Trainer:
         ]
         if changed:
             raise FinetuneError(f"resume: the config differs from the checkpoint's in {'; '.join(changed)}")
+        world, ep = state.get("world", 1), old.get("ep", 1)
+        if (world, ep) != (self.dist.world, self.cfg.ep):
+            raise FinetuneError(
+                f"resume: the checkpoint was written by {world} ranks with ep = {ep}, this run has "
+                f"{self.dist.world} ranks with ep = {self.cfg.ep}: launch it the same way"
+            )
+        if self.dist.rank:
+            state = torch.load(found[-1] / rank_state(self.dist.rank), map_location="cpu", weights_only=True)
         return state
 
     # ------------------------------------------------------------------------------------------ pieces
     def loss_sum(self, x, y):
         """(summed cross-entropy of next-token predictions, aux loss or None); x, y [B, S] on the device."""
         target = torch.cat([y[:, 1:], torch.full_like(y[:, :1], IGNORE)], 1)  # position t predicts y[t + 1]
-        if plain_lm_head(self.model) is not None:  # logits a chunk at a time: no [tokens, vocab] fp32 tensors
+        if (
+            not self.cfg.fsdp and plain_lm_head(self.model) is not None
+        ):  # logits a chunk at a time: no [tokens, vocab] fp32 tensors
             with hidden_states_as_logits(self.model) as head:
                 out = self.model(input_ids=x)
             ce = chunked_cross_entropy(
@@ -212,31 +318,39 @@ class Trainer:
         """checkpoint-STEP/training_state.pt, written into a hidden directory and renamed: a kill leaves either
         the old checkpoint or the new one. Older checkpoints are removed after."""
         tmp = self.out / f".checkpoint-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        d = self.dist
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        d.barrier()
         state = dict(
             step=step,
             micro_batches=step * self.cfg.grad_accum,
             config=vars(self.cfg).copy(),
-            model={n: m.detach().cpu() for n, m in zip(self.names, self.master)},
+            world=d.world,
+            model={n: _local(m).detach().cpu() for n, m in zip(self.names, self.master)},
             optimizer=self.opt.state_dict(),
             scheduler=self.sched.state_dict(),
             rng=dict(torch=torch.get_rng_state(), python=random.getstate()),
         )
         if self.device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
-        torch.save(state, tmp / STATE)
-        final = self.out / f"checkpoint-{step}"
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in checkpoints(self.out)[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
+        torch.save(state, tmp / rank_state(d.rank))  # each rank its own shard, rank 0's last
+        d.barrier()
+        if d.main:
+            final = self.out / f"checkpoint-{step}"
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoints(self.out)[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
+        d.barrier()
 
     def restore(self, state: dict) -> int:
         with torch.no_grad():
             for n, p, m in zip(self.names, self.params, self.master):
-                m.copy_(state["model"][n])
-                p.copy_(m)
+                _local(m).copy_(state["model"][n])
+                if p is not m:
+                    p.copy_(m)
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -246,6 +360,16 @@ class Trainer:
         return state["step"]
 
     def export(self) -> None:
+        if self.dist.on and (self.cfg.ep > 1 or self.cfg.fsdp):  # gathered to rank 0: every rank takes part
+            from ..parallel.checkpoint import save_pretrained
+
+            with _quiet_saving():
+                save_pretrained(self.model, str(self.out))
+            if self.dist.main:
+                self.tok.save_pretrained(self.out)
+            return
+        if not self.dist.main:  # plain data parallelism: every rank holds the same model
+            return
         if self.cfg.method == "lora":
             from moe8.lora import save_adapter
 
@@ -270,48 +394,60 @@ class Trainer:
     def describe(self) -> str:
         c, d = self.cfg, self.data
         on = "moe8" if hf.is_accelerated(self.model) else "transformers"
+        ranks = ""
+        if self.dist.on:
+            how = f"expert-parallel ep {c.ep} ({c.transport})" if c.ep > 1 else "data-parallel"
+            ranks = f"\n  {self.dist.world} ranks, {how}{', FSDP2' if c.fsdp else ''}; micro_batch per rank"
         return (
             f"moe8 finetune: {c.model} ({self.total_params / 1e6:.1f}M params, {self.active_params / 1e6:.1f}M "
             f"active per token), {c.method}, {self.device.type} {str(self.dtype).replace('torch.', '')}, "
             f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} {d.kind} documents, {d.tokens:,} tokens -> "
             f"{len(d.train[0])} train / {len(d.eval[0])} eval sequences of {c.seq_len}\n  {self.steps} steps of "
-            f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}"
+            f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}{ranks}"
         )
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, on_step=None) -> dict:
         """Train (or continue) to self.steps or run_steps, writing into self.out. on_step(step, trainer) is
         called after every step (tests use it). Returns the last metrics line."""
-        cfg, out = self.cfg, self.out
+        cfg, out, main = self.cfg, self.out, self.dist.main
         created = cfg.overwrite or not out.exists()
-        if cfg.overwrite:
-            shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True, exist_ok=True)
+        if main:  # rank 0 writes; the other ranks write only their checkpoint shards
+            if cfg.overwrite:
+                shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True, exist_ok=True)
+        self.dist.barrier()
         try:
             return self._loop(on_step)
         except BaseException:
-            if created and not checkpoints(out):  # failed before anything worth keeping: leave nothing behind
+            # failed before anything worth keeping: leave nothing behind
+            if main and created and not checkpoints(out):
                 shutil.rmtree(out, ignore_errors=True)
             raise
 
     def _loop(self, on_step) -> dict:
-        cfg, out, dev = self.cfg, self.out, self.device
+        cfg, out, dev, d = self.cfg, self.out, self.device, self.dist
         start = self.restore(self.state) if self.state else 0
         history = []
-        if (out / "metrics.jsonl").exists():  # drop lines past the checkpoint: they are recomputed
+        if d.main and (out / "metrics.jsonl").exists():  # drop lines past the checkpoint: they are recomputed
             history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
             history = [h for h in history if h["step"] <= start]
-        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-        (out / "finetune.toml").write_text(to_toml(cfg))
-        metrics = open(out / "metrics.jsonl", "a")
+        if d.main:
+            (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+            (out / "finetune.toml").write_text(to_toml(cfg))
+        metrics = open(out / "metrics.jsonl" if d.main else os.devnull, "a")
         self.log(self.describe())
         if start:
             self.log(f"  resuming from {checkpoints(out)[-1]} (step {start})")
-        progress = Progress(self.steps, start, cfg.progress)
+        progress = Progress(self.steps, start, cfg.progress and d.main)
         info = dict(
             model=cfg.model, method=cfg.method, device=f"{dev.type} {self.dtype}", params=self.total_params
         )
         info.update(active=self.active_params, moe8=hf.is_accelerated(self.model), steps=self.steps)
+        if d.on:
+            info["ranks"] = f"{d.world} ({f'ep {cfg.ep}' if cfg.ep > 1 else 'data-parallel'})" + (
+                ", FSDP2" if cfg.fsdp else ""
+            )
 
         def emit(line):
             history.append(line)
@@ -319,7 +455,8 @@ class Trainer:
             metrics.flush()
 
         def write_report():
-            report.write(out / "report.html", history, info, cfg.dead_window)
+            if d.main:
+                report.write(out / "report.html", history, info, cfg.dead_window)
 
         try:
             self.model.train()
@@ -336,20 +473,30 @@ class Trainer:
             stop = self.steps
             if cfg.run_steps:
                 stop = min(stop, start + cfg.run_steps)
+            W, R = d.world, d.rank
             for step in range(start + 1, stop + 1):
-                batches = [self.data.batch((step - 1) * accum + a) for a in range(accum)]
+                # global micro-batch g of the run is micro-batches g * W .. g * W + W - 1 of one process's
+                # order, one per rank: disjoint shards, and together the batch of one process with W x
+                # micro_batch sequences
+                batches = [self.data.batch(((step - 1) * accum + a) * W + R) for a in range(accum)]
                 n_label = sum(int((y[:, 1:] != IGNORE).sum()) for _, y in batches)
+                if d.on:  # every rank divides by the global count: the averaged gradient is the global one
+                    n_label = int(d.sum(torch.tensor(n_label, device=dev)))
                 for x, y in batches:
                     ce, aux = self.loss_sum(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-                    loss = ce / max(n_label, 1)
+                    loss = ce * W / max(n_label, 1)
                     if self.aux_coef and aux is not None:
                         loss = loss + self.aux_coef * aux / accum
                     loss.backward()
                     window["loss"] += ce.detach()
+                if d.on and not cfg.fsdp:  # FSDP averages in its backward
+                    from ..parallel.fsdp import average_grads
+
+                    average_grads(self.model, self.mesh)
                 for p, m in zip(self.params, self.master):
                     if m is not p:
                         m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm or math.inf)
+                grad_norm = self._clip(cfg.max_grad_norm)
                 lr = self.opt.param_groups[0]["lr"]
                 self.opt.step()
                 self.sched.step()
@@ -359,7 +506,7 @@ class Trainer:
                         if m is not p:
                             p.copy_(m)
                 window["label_tokens"] += n_label
-                window["tokens"] += accum * cfg.micro_batch * S
+                window["tokens"] += accum * cfg.micro_batch * S * W
 
                 do_eval = len(self.data.eval[0]) and (
                     (cfg.eval_every and step % cfg.eval_every == 0) or step == self.steps
@@ -390,29 +537,77 @@ class Trainer:
         finally:
             progress.close()
             metrics.close()
+        last = next((h for h in reversed(history) if h.get("memory_gib_ranks")), None)
+        if last is not None:
+            per_rank = ", ".join(f"rank {r} {g:.2f}" for r, g in enumerate(last["memory_gib_ranks"]))
+            self.log(f"peak memory (GiB): {per_rank}")
         if stop < self.steps:
             self.log(f"stopped at step {stop} of {self.steps} (run_steps); continue with --resume")
         return history[-1] if history else {}
 
+    def _clip(self, max_norm: float):
+        """Clip the gradients to max_norm (0: no clipping); returns the norm before clipping. Over ranks: each
+        element of the model counted once (dense replicas over all ranks, expert shards over their dp
+        replicas, FSDP shards as held)."""
+        d = self.dist
+        if not d.on:
+            return torch.nn.utils.clip_grad_norm_(self.master, max_norm or math.inf)
+        dp = d.world // self.cfg.ep
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        grads = []
+        for p, m in zip(self.params, self.master):
+            if m.grad is None:
+                continue
+            g = m.grad
+            local = getattr(g, "_local_tensor", None)
+            if local is not None:
+                sq += local.float().pow(2).sum()
+            else:
+                sq += g.float().pow(2).sum() / (dp if id(p) in self.expert_ids else d.world)
+            grads.append(g)
+        norm = d.sum(sq).sqrt()
+        if max_norm:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
     def _line(self, step: int, window: dict, lr: float, grad_norm) -> dict:
-        loss = window["loss"].item() / max(window["label_tokens"], 1)
+        d = self.dist
+        loss = float(d.sum(window["loss"].detach().clone().float())) / max(window["label_tokens"], 1)
         tps = window["tokens"] / max(time.perf_counter() - window["t0"], 1e-9)
         mfu = 6 * self.active_params * tps / self.peak if self.peak else None
-        return dict(
+        memory = d.gather(round(memory_gib(self.device), 4))
+        line = dict(
             step=step,
             loss=loss,
             lr=lr,
             tokens_per_s=tps,
             mfu=mfu,
-            memory_gib=round(memory_gib(self.device), 4),
+            memory_gib=max(memory),
             grad_norm=float(grad_norm),
-            tokens=step * self.cfg.grad_accum * self.cfg.micro_batch * self.cfg.seq_len,
-            routing=self.stats.take(),
+            tokens=step * self.cfg.grad_accum * self.cfg.micro_batch * self.cfg.seq_len * d.world,
+            routing=self.stats.take(d.sum if d.on else None, self.device),
         )
+        if d.on:
+            line["memory_gib_ranks"] = memory
+        return line
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2) local shard, else the tensor."""
+    return getattr(t, "_local_tensor", t)
 
 
 def run(cfg: Config, on_step=None, log=print) -> Trainer:
     """Validate and build (raising FinetuneError for bad input, with nothing written), then train."""
-    trainer = Trainer(cfg, log)
-    trainer.last = trainer.run(on_step)
+    try:
+        trainer = Trainer(cfg, log)
+        trainer.last = trainer.run(on_step)
+    finally:
+        import torch.distributed as dist
+
+        if ENV["world_size"] > 1 and dist.is_initialized():
+            dist.destroy_process_group()
     return trainer

@@ -1,0 +1,192 @@
+"""`moe8 finetune` under torchrun on 2 CPU processes (gloo) with the built-in tiny Qwen3-MoE model: expert
+parallelism (ep 2, stopped and resumed; and uninterrupted with FSDP2) and data parallelism (ep 1), rank 0 alone writing metrics, report and
+a model transformers loads on one process; the data-parallel loss of step 1 equal to one process's on the same
+global batch; bad ep values rejected with the key named and nothing written. Every launch is bounded: the
+process group is killed on a timeout."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
+
+from moe8 import finetune  # noqa: E402
+
+# the torchrun processes import this checkout's moe8 (python/), as does the test when run from the checkout
+ENV_PATH = str(Path(__file__).resolve().parents[2] / "python")
+BUDGET = [120.0]  # seconds all launches of this module may take together (each at most 60)
+
+
+@pytest.fixture(autouse=True)
+def _undo_moe8():
+    yield
+    from moe8 import hf
+
+    hf.disable()
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(0)
+    words = "the cat a model routes every expert token data loss reads builds small big".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(600)]
+    p = tmp_path_factory.mktemp("data") / "docs.txt"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flags(out, data, micro_batch=2, *extra):
+    small = (
+        "--no-progress --steps 4 --seq_len 32 --log_every 1 --eval_every 2 --eval_batches 2 --save_every 2"
+    )
+    return [
+        "--output_dir",
+        str(out),
+        "--data",
+        str(data),
+        "--micro_batch",
+        str(micro_batch),
+        "--device",
+        "cpu",
+    ] + (small.split() + [str(e) for e in extra])
+
+
+def torchrun(tmp_path, *args):
+    """moe8 finetune under torchrun, 2 processes; the whole process group is killed on a timeout (60 s, or
+    what is left of BUDGET)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ENV_PATH, os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    env["MOE8_FINETUNE_DIST_TIMEOUT"] = "60"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+    ]
+    cmd += ["--master-port", str(_free_port()), "-m", "moe8.cli", "finetune", *map(str, args)]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )  # fmt: skip
+    limit, t0 = max(1.0, min(60.0, BUDGET[0])), time.monotonic()
+    try:
+        out, _ = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"torchrun did not finish in {limit:.0f} s:\n{out[-4000:]}")
+    finally:
+        BUDGET[0] -= time.monotonic() - t0
+    return p.returncode, out
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run(out, text):
+    lines = metrics(out)
+    steps = [x["step"] for x in lines]
+    assert steps == [0, 1, 2, 3, 4], steps  # one writer: each step once
+    train = [x for x in lines if "loss" in x]
+    assert all(torch.isfinite(torch.tensor(x["loss"])) for x in train)
+    assert train[-1]["loss"] < train[0]["loss"]
+    for x in train:
+        assert len(x["memory_gib_ranks"]) == 2 and all(g > 0 for g in x["memory_gib_ranks"])
+        assert x["tokens"] == x["step"] * 2 * 2 * 32  # global: 2 ranks x micro_batch 2 x seq_len 32
+        for fractions in x["routing"].values():  # all 8 experts, counted over both ranks
+            assert len(fractions) == 8 and abs(sum(fractions) - 1) < 1e-4
+    assert text.count("done: 4 steps") == 1 and text.count("report:") == 1  # rank 0 reports
+    assert text.count("moe8 finetune: tiny-qwen3-moe") == 1 and "peak memory (GiB): rank 0" in text
+    html = (out / "report.html").read_text()
+    assert "peak memory per rank (GiB)" in html and html.count('<svg class="heat"') == 2
+    return lines
+
+
+def test_expert_parallel_two_ranks_resume(tmp_path, text_file, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ep"
+    rc, text = torchrun(tmp_path, *flags(out, text_file), "--ep", 2, "--run_steps", 2)
+    assert rc == 0, text
+    assert "stopped at step 2 of 4" in text and sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-2"
+    ]
+    rc, text = torchrun(tmp_path, *flags(out, text_file), "--ep", 2, "--resume")
+    assert rc == 0, text
+    assert "resuming from" in text and "2 ranks, expert-parallel ep 2" in text
+    check_run(out, text)
+    ckpt = out / "checkpoint-4"
+    shards = [
+        torch.load(ckpt / f, weights_only=True)["model"]
+        for f in ("training_state.pt", "training_state-rank1.pt")
+    ]
+    model = AutoModelForCausalLM.from_pretrained(out)  # one process: the experts gathered from both ranks
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert shards[0][key].shape[0] == 4
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, torch.cat([s[key] for s in shards]))
+    assert torch.equal(model.model.embed_tokens.weight, shards[0]["model.embed_tokens.weight"])
+    # one process can't continue a 2-rank checkpoint: the named error, the run left as it was
+    before = sorted(p.name for p in out.iterdir())
+    assert finetune.main(flags(out, text_file, 2, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert (
+        "resume: the checkpoint was written by 2 ranks with ep = 2, this run has 1 ranks with ep = 1" in err
+    )
+    assert sorted(p.name for p in out.iterdir()) == before
+    # the same run uninterrupted with the dense parameters under FSDP2: the same weights within fp32 rounding
+    fsdp = tmp_path / "fsdp"
+    rc, text = torchrun(tmp_path, *flags(fsdp, text_file), "--ep", 2, "--fsdp")
+    assert rc == 0, text
+    assert "2 ranks, expert-parallel ep 2 (auto), FSDP2" in text
+    check_run(fsdp, text)
+    other = AutoModelForCausalLM.from_pretrained(fsdp).state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_data_parallel_two_ranks_matches_one_process(tmp_path, text_file, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "dp"
+    rc, text = torchrun(tmp_path, *flags(out, text_file))
+    assert rc == 0, text
+    assert "2 ranks, data-parallel" in text
+    lines = check_run(out, text)
+    AutoModelForCausalLM.from_pretrained(out)
+    # one process with micro_batch 4 reads the same global batch (rank r's shard is micro-batch 2g + r of the
+    # micro_batch 2 order): step 1's loss, before any update, is the same within fp32 tolerance
+    one = tmp_path / "one"
+    assert finetune.main(flags(one, text_file, 4)) == 0, capsys.readouterr()
+    ref = metrics(one)
+    assert lines[1]["step"] == ref[1]["step"] == 1
+    assert lines[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-5)
+
+
+def test_bad_ep_values(tmp_path, text_file, capsys):
+    out = tmp_path / "bad"
+    rc, text = torchrun(tmp_path, *flags(out, text_file), "--ep", 3)
+    assert rc != 0 and "ep = 3: expected a divisor of the world size (WORLD_SIZE 2), got 3" in text, text
+    assert not out.exists()
+    rc = finetune.main(flags(out, text_file, 2, "--ep", 2))
+    err = capsys.readouterr().err
+    assert rc == 2 and "ep = 2: expected 1 in one process (WORLD_SIZE 1); launch with `torchrun" in err, err
+    assert not out.exists()
