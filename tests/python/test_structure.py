@@ -135,7 +135,10 @@ def test_environment_defaults_are_read_once_at_import(tmp_path):
         "import os, moe8; from moe8 import config; assert not config.DEFAULT.routed_down; "
         "os.environ['MOE8_ROUTED_DOWN'] = '1'; assert not moe8.Config().routed_down; print('ok')"
     )
-    env = {"MOE8_ROUTED_DOWN": "0", "PYTHONPATH": str(PKG.parent), "PATH": "/usr/bin:/bin"}
+    import moe8
+
+    where = str(Path(moe8.__file__).resolve().parents[1])  # the moe8 these tests import (installed or not)
+    env = {"MOE8_ROUTED_DOWN": "0", "PYTHONPATH": where, "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
     env["MOE8_ROUTED_DOWN"] = "yes"
