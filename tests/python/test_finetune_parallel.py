@@ -19,10 +19,12 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
+import moe8  # noqa: E402
 from moe8 import finetune  # noqa: E402
 
-# the torchrun processes import this checkout's moe8 (python/), as does the test when run from the checkout
-ENV_PATH = str(Path(__file__).resolve().parents[2] / "python")
+# the torchrun processes import the moe8 these tests import: the checkout's python/ when run from it (see
+# conftest.py), the installed package in CI (whose source tree has no built extension)
+ENV_PATH = str(Path(moe8.__file__).resolve().parents[1])
 BUDGET = [120.0]  # seconds all launches of this module may take together (each at most 60)
 
 
