@@ -6,7 +6,9 @@ GPU waits by the transport's timeout_s)."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import sys
 import time
 import traceback
 
@@ -14,7 +16,11 @@ import torch
 import torch.distributed as dist
 
 
-def run(rank: int, world: int, port: int, scenario: str, kwargs: dict, queue) -> None:
+def run(rank: int, world: int, port: int, scenario: str, kwargs: dict, queue, stack_dump_s=None) -> None:
+    """stack_dump_s: after that many seconds, print every thread's stack to stderr and exit (so a process that
+    waits forever says where)."""
+    if stack_dump_s:
+        faulthandler.dump_traceback_later(stack_dump_s, exit=True)
     try:
         os.environ.setdefault("MOE8_EAGER_DIRECT", "1")
         torch.cuda.set_device(0)
@@ -265,43 +271,63 @@ def bad_inputs(rank, world):
     return messages
 
 
-def ep_experts(rank, world, *, E, K, H, inter, seed):
+def _stage(rank: int, what: str) -> None:
+    print(f"rank {rank}: {what} at {time.monotonic():.1f}", file=sys.stderr, flush=True)
+
+
+def ep_experts(rank, world, *, E, K, H, inter, seed, backward=True, fp8_dispatch=False):
     """moe8.parallel.ep_experts_forward over the ipc transport against moe8.experts_forward on the ranks'
-    concatenated batch with all the experts: outputs and input gradients bitwise, expert gradients close."""
+    concatenated batch with all the experts. fp32: outputs and gradients within 1e-5. fp8_dispatch: bf16
+    tokens, FP8 blockwise experts, the rows travelling as e4m3 + 1x128 scales; the reference runs on the
+    dequantised tokens, and the outputs and gradients must be bitwise equal."""
     import moe8
     from moe8.parallel.experts import ep_experts_forward
     from moe8.parallel.ipc import IpcTransport
+    from moe8.parallel.transport import dequantize_rows, quantize_tokens
 
+    dtype = torch.bfloat16 if fp8_dispatch else torch.float32
+    cfg = moe8.Config(routed_down=False, fp8="blockwise" if fp8_dispatch else None)
     el = E // world
     g = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).cuda()
-    down = (torch.randn(E, H, inter, generator=g) * 0.1).cuda()
+    gate_up = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(dtype).cuda()
+    down = (torch.randn(E, H, inter, generator=g) * 0.1).to(dtype).cuda()
     sizes = [17 + 5 * r for r in range(world)]
-    xs, ids, ws = inputs(world, seed + 1, sizes, H, E, K, torch.float32)
-    t = IpcTransport(dist.group.WORLD, E, timeout_s=60.0, check=True)
+    xs, ids, ws = inputs(world, seed + 1, sizes, H, E, K, dtype)
+    t = IpcTransport(dist.group.WORLD, E, timeout_s=20.0, check=True)
     gu = gate_up[rank * el : (rank + 1) * el].clone().requires_grad_()
     dn = down[rank * el : (rank + 1) * el].clone().requires_grad_()
     x = xs[rank].cuda().requires_grad_()
-    y = ep_experts_forward(x, ids[rank].cuda(), ws[rank].cuda(), gu, dn, transport=t)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)).cuda()
-    (y * dy).sum().backward()
+    _stage(rank, "forward")
+    y = ep_experts_forward(x, ids[rank].cuda(), ws[rank].cuda(), gu, dn, transport=t, config=cfg)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).cuda()
+    if backward:
+        _stage(rank, "backward")
+        (y * dy).sum().backward()
+    torch.cuda.synchronize()
+    _stage(rank, "reference")
 
-    xr = torch.cat(xs).cuda().requires_grad_()
+    xr = torch.cat(xs).cuda()
+    if fp8_dispatch:
+        xr = dequantize_rows(*quantize_tokens(xr), dtype)
+    xr.requires_grad_()
     gur, dnr = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
-    yr = moe8.experts_forward(xr, torch.cat(ids).cuda(), torch.cat(ws).cuda(), gur, dnr)
-    dys = [torch.randn((s, H), generator=torch.Generator().manual_seed(seed + 2)) for s in sizes]
+    yr = moe8.experts_forward(xr, torch.cat(ids).cuda(), torch.cat(ws).cuda(), gur, dnr, config=cfg)
+    dys = [torch.randn((s, H), generator=torch.Generator().manual_seed(seed + 2)).to(dtype) for s in sizes]
     dys[rank] = dy.cpu()
     # every rank's dy is drawn the same way, so the reference loss is the group's total loss
     (yr * torch.cat(dys).cuda()).sum().backward()
     lo = sum(sizes[:rank])
-    for name, a, b in (
-        ("y", y, yr[lo : lo + sizes[rank]]),
-        ("x.grad", x.grad, xr.grad[lo : lo + sizes[rank]]),
-        ("gate_up.grad", gu.grad, gur.grad[rank * el : (rank + 1) * el]),
-        ("down.grad", dn.grad, dnr.grad[rank * el : (rank + 1) * el]),
-    ):
-        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-            raise AssertionError(f"{name}: max |diff| {(a - b).abs().max().item()}")
+    pairs = [("y", y, yr[lo : lo + sizes[rank]])]
+    if backward:
+        pairs += [
+            ("x.grad", x.grad, xr.grad[lo : lo + sizes[rank]]),
+            ("gate_up.grad", gu.grad, gur.grad[rank * el : (rank + 1) * el]),
+            ("down.grad", dn.grad, dnr.grad[rank * el : (rank + 1) * el]),
+        ]
+    for name, a, b in pairs:
+        same = torch.equal(a, b) if fp8_dispatch else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        if not same:
+            raise AssertionError(f"{name}: max |diff| {(a.float() - b.float()).abs().max().item()}")
     t.close()
     return "ok"
 

@@ -238,6 +238,42 @@ def test_ep_experts_match_single_process(workers, world, Ts, K, dtype, spec, rou
                 assert not torch.equal(g_ep, torch.zeros_like(g_ep)), name
 
 
+def _tokens_through_fp8(x):
+    """What FP8 dispatch delivers for x: each token quantised to e4m3 + 1x128 scales and dequantised."""
+    from moe8.parallel.transport import dequantize_rows, quantize_tokens
+
+    return dequantize_rows(*quantize_tokens(x), x.dtype)
+
+
+def _fp8_case(rank, world, Ts, K, recipe, fp8_dispatch):
+    params = expert_weights({}, torch.float32)
+    el = E // world
+    local = {k: v[rank * el : (rank + 1) * el] for k, v in params.items()}
+    x, ids, w, dy = batch(Ts[rank], K, rank, torch.float32)
+    cfg = moe8.Config(routed_down=False, fp8=recipe, fp8_dispatch=fp8_dispatch)
+    return _run_experts(ep_experts_forward, x, ids, w, dy, local, {}, num_experts=E, config=cfg)
+
+
+@pytest.mark.parametrize("world, Ts", [(2, (6, 9)), (4, (3, 0, 7, 5))])
+def test_ep_fp8_dispatch(workers, world, Ts):
+    """With FP8 experts the rows travel as e4m3 + 1x128 scales: the EP outputs and every gradient equal one
+    process's on the dequantised tokens (the quantisation's gradient passes straight through) bitwise, and
+    differ from the run that sends the rows in full precision (Config.fp8_dispatch=False), which itself
+    equals one process on the tokens as they are."""
+    K, recipe = 2, "blockwise"
+    params = expert_weights({}, torch.float32)
+    x, ids, w, dy = (torch.cat(t) for t in zip(*[batch(T, K, r, torch.float32) for r, T in enumerate(Ts)]))
+    cfg = moe8.Config(routed_down=False, fp8=recipe)
+    for fp8_dispatch in (True, False):
+        out = workers(world).run(_fp8_case, Ts, K, recipe, fp8_dispatch)
+        xin = _tokens_through_fp8(x) if fp8_dispatch else x
+        y, grads = _run_experts(moe8.experts_forward, xin, ids, w, dy, params, {}, config=cfg)
+        assert torch.equal(torch.cat([o[0] for o in out]), y), fp8_dispatch
+        for name, g in grads.items():
+            assert torch.equal(torch.cat([o[1][name] for o in out]), g), (fp8_dispatch, name)
+    assert not torch.equal(_tokens_through_fp8(x), x)
+
+
 def _bad_ids(rank, world, bad):
     x, ids, w, _ = batch(4, 2, rank, torch.float32)
     if rank == world - 1:

@@ -51,7 +51,11 @@ def _launch(world: int, scenario: str, deadline_s: float = 240.0, **kwargs) -> l
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_ipc_workers.run, args=(r, world, port, scenario, kwargs, queue), daemon=True)
+        ctx.Process(
+            target=_ipc_workers.run,
+            args=(r, world, port, scenario, kwargs, queue, deadline_s - 15),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -166,9 +170,16 @@ def test_bad_inputs_name_the_argument_and_sizes():
         assert "out-of-range" in messages["ids"], messages["ids"]
 
 
-def test_ep_experts_forward_backward():
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+def test_ep_experts(backward):
     pytest.importorskip("moe8.parallel.experts", reason="moe8.parallel.experts is not available")
-    _launch(2, "ep_experts", E=8, K=2, H=64, inter=32, seed=7)
+    _launch(2, "ep_experts", deadline_s=120.0, E=8, K=2, H=64, inter=32, seed=7, backward=backward)
+
+
+def test_ep_experts_fp8_dispatch():
+    # bf16 tokens, FP8 blockwise experts: the rows travel as e4m3 codes + 1x128 scales through the buffers
+    pytest.importorskip("moe8.parallel.experts", reason="moe8.parallel.experts is not available")
+    _launch(2, "ep_experts", deadline_s=120.0, E=8, K=2, H=256, inter=128, seed=8, fp8_dispatch=True)
 
 
 # ------------------------------------------------------------------------------- one process, the core

@@ -11,6 +11,8 @@ from torch import Tensor
 
 import moe8
 
+from ..config import DEFAULT
+from ..precision import precision
 from .transport import Transport, weighted_sum
 
 
@@ -23,6 +25,12 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g * ctx.scale, None
+
+
+def _fp8_dispatch(experts_kwargs: dict) -> bool:
+    """Whether the rows travel in FP8: the experts' GEMMs are FP8 and the config allows it."""
+    config = experts_kwargs.get("config") or DEFAULT
+    return config.fp8_dispatch and precision(experts_kwargs.get("fp8") or config.fp8).code >= 0
 
 
 def make_transport(transport: Union[str, Transport], group, num_experts: int) -> Transport:
@@ -70,6 +78,8 @@ def ep_experts_forward(
     check_ids: range-check the ids; an id outside [0, num_experts) on any rank raises the same ValueError on
         every rank of the group. On a GPU the check costs no extra host sync: its count travels with the
         row counts (two elementwise passes over ids).
+    FP8 dispatch: when the experts' GEMMs are FP8 (experts_kwargs fp8, else config.fp8) and the config's
+        fp8_dispatch is on, the rows travel as e4m3 codes + 1x128 scales (Transport.dispatch(fp8=True)).
     grad_scale: multiplies the gradients of the expert weights, biases and LoRA factors. Each expert's
         gradient sums the contributions of every rank's loss; 1 / group size turns that sum into the mean a
         data-parallel gradient average would give.
@@ -104,7 +114,9 @@ def ep_experts_forward(
             gate_up_A=factors[0], gate_up_B=factors[1], down_A=factors[2], down_B=factors[3]
         )
     x = x.to(gate_up_local.dtype)  # rows travel in the experts' dtype, as the single-process plan casts
-    rows, local_ids, meta = transport.dispatch(x, ids, weights, check_ids=check_ids)
+    rows, local_ids, meta = transport.dispatch(
+        x, ids, weights, check_ids=check_ids, fp8=_fp8_dispatch(experts_kwargs)
+    )
     ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)  # w * o == o exactly
     out = moe8.experts_forward(
         rows,

@@ -11,6 +11,8 @@ and width, once, and shares it with its peers: the CUDA IPC handles travel once 
             `capacity` rows (max tokens x K), so no row is dropped and no offsets are exchanged first. The
             owner reads its regions in (source rank, expert, token, slot) order (the interface's order) after
             one device-to-host read of the counts that came with the rows.
+            With fp8=True the rows travel as e4m3 codes with their 1x128 scales (a uint8 buffer that also holds
+            the scales) and the owner dequantises them.
   combine   the owner stores each result row straight into its source's return region at the row's place
             in the source's send order; the source copies that region out: [T * K, H] in send order.
 
@@ -31,7 +33,16 @@ from torch import Tensor
 
 from .. import ops
 from .._core import EXT as _ext
-from .transport import Meta, Transport, TransportError, raise_bad_ids, source_plan
+from .transport import (
+    Meta,
+    Transport,
+    TransportError,
+    check_dispatch_args,
+    dequantize_rows,
+    quantize_tokens,
+    raise_bad_ids,
+    source_plan,
+)
 
 
 def _stream(t: Tensor) -> int:
@@ -98,13 +109,22 @@ class IpcTransport(Transport):
         self.check = bool(check)
         self.expert_major = bool(expert_major)
         self.capacity: Optional[int] = None  # rows per source region, fixed by the first buffer
-        self._buffers: dict = {}  # (H, dtype, device index) -> moe8._C.IpcBuffer
+        self._buffers: dict = {}  # (H, dtype, scale columns, device index) -> moe8._C.IpcBuffer
 
     # ------------------------------------------------------------------------------------------ buffers
-    def buffer(self, hidden: int, dtype: torch.dtype, device: torch.device, slots: int = 0, k: int = 1):
-        """The buffer for rows of `hidden` elements of `dtype`, created (collectively) on first use; its
-        capacity comes from max_tokens * k, or the group's largest `slots` at the first creation."""
-        key = (int(hidden), dtype, device.index)
+    def buffer(
+        self,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 0,
+        k: int = 1,
+        scale_cols: int = 0,
+    ):
+        """The buffer for rows of `hidden` elements of `dtype` (and `scale_cols` float32 scales per row),
+        created (collectively) on first use; its capacity comes from max_tokens * k, or the group's largest
+        `slots` at the first creation."""
+        key = (int(hidden), dtype, int(scale_cols), device.index)
         buf = self._buffers.get(key)
         if buf is not None:
             return buf
@@ -124,7 +144,7 @@ class IpcTransport(Transport):
                     self.capacity,
                     int(hidden),
                     str(dtype),
-                    0,
+                    int(scale_cols),
                     device.index,
                 )
             mine = buf.handle()
@@ -157,16 +177,18 @@ class IpcTransport(Transport):
             _check(buf, True, stream)
 
     # ------------------------------------------------------------------------------------------ moves
-    def _send_tokens(self, x: Tensor, k: int, counts, offsets, row_to_slot, bad):
-        """Dispatch of tokens: -> rows [R, H], local_ids [R], ret [R], recv tables, send/recv splits."""
+    def _send_tokens(self, x: Tensor, k: int, counts, offsets, row_to_slot, bad, scales=None):
+        """Dispatch of tokens (x [T, H], and their scales [T, S] when x holds FP8 codes): -> rows [R, H],
+        row scales [R, S] or None, local_ids [R], ret [R], recv tables, send/recv splits."""
         x = x.detach()  # DLPack refuses tensors that require grad (autograd.Function inputs still do)
         n, el = self.size, self.num_local
-        buf = self.buffer(x.shape[1], x.dtype, x.device, x.shape[0] * k, k)
+        sc = 0 if scales is None else scales.shape[1]
+        buf = self.buffer(x.shape[1], x.dtype, x.device, x.shape[0] * k, k, sc)
         _check(buf)  # an earlier failed wait raises here, before anything moves
         stream = _stream(x)
         i32 = dict(dtype=torch.int32, device=x.device)
         bad = bad.view(1) if bad is not None else None
-        buf.dispatch_send(x, None, row_to_slot, offsets, counts, bad, k, True, self.timeout_s, stream)
+        buf.dispatch_send(x, scales, row_to_slot, offsets, counts, bad, k, True, self.timeout_s, stream)
         recv_counts = torch.empty(n, el + 1, **i32)  # [source, local expert | bad ids]
         recv_offsets = torch.empty(n * el + 1, **i32)
         recv_base = torch.empty(n * el, **i32)
@@ -179,11 +201,14 @@ class IpcTransport(Transport):
         send_splits = [sum(sent[d * el : (d + 1) * el]) for d in range(n)]
         R = sum(recv_splits)
         rows = x.new_empty(R, x.shape[1])
+        rows_scale = None if scales is None else scales.new_empty(R, sc)
         local_ids = torch.empty(R, **i32)
         ret = torch.empty(R, **i32)
-        buf.dispatch_recv(recv_offsets, recv_base, self.expert_major, rows, None, local_ids, ret, stream)
+        buf.dispatch_recv(
+            recv_offsets, recv_base, self.expert_major, rows, rows_scale, local_ids, ret, stream
+        )
         self._after(buf, stream)
-        return rows, local_ids, ret, (recv_offsets, recv_base), send_splits, recv_splits
+        return rows, rows_scale, local_ids, ret, (recv_offsets, recv_base), send_splits, recv_splits
 
     def _send_grads(self, g: Tensor, offsets: Tensor, tables, num_rows: int) -> Tensor:
         """Dispatch direction for gradients in send order [T * K, H] -> [R, H] at the owners, placed as the
@@ -211,19 +236,15 @@ class IpcTransport(Transport):
         return out
 
     # ------------------------------------------------------------------------------------------ interface
-    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True):
-        if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
-            raise ValueError(
-                f"x, ids, weights: expected [T, H], [T, K], [T, K], got {tuple(x.shape)}, {tuple(ids.shape)}, "
-                f"{tuple(weights.shape)}"
-            )
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True, fp8: bool = False):
+        check_dispatch_args(x, ids, weights)
         if not x.is_cuda or not ids.is_cuda:
             raise ValueError(f"x, ids: the ipc transport moves CUDA tensors, got {x.device} and {ids.device}")
         k = ids.shape[1]
         counts, row_to_slot, slot_to_row, bad = source_plan(ids, self.num_experts, check_ids)
         offsets = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))  # [E + 1]: the plan has no padding
         meta = Meta(weights.float().contiguous(), slot_to_row.view(ids.shape), row_to_slot, [], [])
-        meta.extra.update(transport=self, offsets=offsets, counts=counts, bad=bad, k=k)
+        meta.extra.update(transport=self, offsets=offsets, counts=counts, bad=bad, k=k, fp8=bool(fp8))
         rows, local_ids = _Dispatch.apply(x.contiguous(), meta)
         return rows, local_ids, meta
 
@@ -239,9 +260,12 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, meta):
         t, e = meta.extra["transport"], meta.extra
-        rows, local_ids, ret, tables, send_splits, recv_splits = t._send_tokens(
-            x, e["k"], e["counts"], e["offsets"], meta.row_to_slot, e["bad"]
+        src, scales = quantize_tokens(x) if e["fp8"] else (x, None)
+        rows, rows_scale, local_ids, ret, tables, send_splits, recv_splits = t._send_tokens(
+            src, e["k"], e["counts"], e["offsets"], meta.row_to_slot, e["bad"], scales
         )
+        if e["fp8"]:
+            rows = dequantize_rows(rows, rows_scale, x.dtype)
         meta.send_splits, meta.recv_splits = send_splits, recv_splits
         e.update(ret=ret, tables=tables)
         ctx.meta = meta

@@ -8,6 +8,7 @@ One dispatch costs two collectives and one device-to-host read:
      this waits for the router and the plan to finish);
   3. rows: all_to_all_single of the [T * K, H] rows in plan order. The owner rebuilds each received row's
      local expert id from the counts, so ids never travel.
+With fp8=True step 3 moves e4m3 codes and their 1x128 scales (two all_to_all_single) instead of the rows.
 combine is one all_to_all_single with the splits swapped. Both are autograd functions: dispatch's backward
 is a combine-direction all_to_all of the row gradients, combine's a dispatch-direction one.
 """
@@ -19,7 +20,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
-from .transport import Meta, Transport, TransportError, raise_bad_ids, source_plan
+from .transport import (
+    Meta,
+    Transport,
+    TransportError,
+    check_dispatch_args,
+    dequantize_rows,
+    quantize_tokens,
+    raise_bad_ids,
+    source_plan,
+)
 
 
 def _all_to_all(x: Tensor, out_splits: list, in_splits: list, group, what: str) -> Tensor:
@@ -55,15 +65,32 @@ class _AllToAll(torch.autograd.Function):
         )
 
 
+class _Fp8AllToAll(torch.autograd.Function):
+    """Tokens x [T, H] -> rows [R_recv, H] at their owners, travelling as e4m3 codes + 1x128 scales (each token
+    quantised once, its rows gathered in plan order); the owner dequantises into x's dtype. Backward: the row
+    gradients go back in x's dtype and each token sums its K slots in slot order (the permute's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, row_to_slot, slot_to_row, k, out_splits, in_splits, group):
+        codes, scales = quantize_tokens(x)
+        token = row_to_slot.long() // k  # [T * K]: the token of each row in plan order
+        codes = _all_to_all(codes[token], out_splits, in_splits, group, "dispatch (fp8 codes)")
+        scales = _all_to_all(scales[token], out_splits, in_splits, group, "dispatch (fp8 scales)")
+        ctx.slot_to_row, ctx.splits, ctx.group = slot_to_row, (out_splits, in_splits), group
+        return dequantize_rows(codes, scales, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        back = _all_to_all(g, in_splits, out_splits, ctx.group, "dispatch backward")  # [T * K, H] plan order
+        return ops.combine_rows(back, ctx.slot_to_row, None), None, None, None, None, None, None
+
+
 class NcclTransport(Transport):
     name = "nccl"
 
-    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True):
-        if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
-            raise ValueError(
-                f"x, ids, weights: expected [T, H], [T, K], [T, K], got {tuple(x.shape)}, {tuple(ids.shape)}, "
-                f"{tuple(weights.shape)}"
-            )
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True, fp8: bool = False):
+        check_dispatch_args(x, ids, weights)
         k, n, el = ids.shape[1], self.size, self.num_local
         counts, row_to_slot, slot_to_row, bad = source_plan(ids, self.num_experts, check_ids)
         send = torch.zeros(n, el + 1, dtype=torch.int32, device=ids.device)  # [dest, local expert | bad ids]
@@ -77,8 +104,14 @@ class NcclTransport(Transport):
         got = [host[(n + s) * w : (n + s) * w + el] for s in range(n)]  # rows from each source, per my expert
         raise_bad_ids([host[(n + s) * w + el] for s in range(n)], self.num_experts)
         send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
-        rows = ops.permute(x.contiguous(), row_to_slot, slot_to_row, k)  # [T * K, H] in (expert, token, slot)
-        rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group, "dispatch")  # [R_recv, H]
+        if fp8:
+            s2r = slot_to_row.view(ids.shape)
+            rows = _Fp8AllToAll.apply(x, row_to_slot, s2r, k, recv_splits, send_splits, self.group)
+        else:
+            rows = ops.permute(
+                x.contiguous(), row_to_slot, slot_to_row, k
+            )  # [T * K, H] (expert, token, slot)
+            rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group, "dispatch")  # [R_recv, H]
         experts = torch.arange(el, dtype=torch.int32, device=x.device).repeat(n)  # [source, local expert]
         per_row = recv[:, :el].reshape(-1).long()  # on the device: output_size keeps this free of syncs
         local_ids = experts.repeat_interleave(per_row, output_size=sum(recv_splits))

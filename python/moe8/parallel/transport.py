@@ -9,6 +9,12 @@ experts [r * E_local, (r + 1) * E_local), E_local = num_experts / size.
     back = transport.combine(out, meta)                            # [T * K, H]: each slot's row at its source
     y = weighted_sum(back, meta)                                   # [T, H], fp32 sum over the K slots
 
+FP8 dispatch (`dispatch(..., fp8=True)`, what ep_experts_forward asks for when the experts' GEMMs are FP8 and
+Config.fp8_dispatch is on): each token is quantised once at its source to e4m3 codes with 1x128 fp32 scales
+(the blockwise recipe's activation format), the codes and scales travel (1 + 4/128 bytes per element instead of
+2 in bf16), and the owner dequantises them into rows of x's dtype. The backward (the row gradients' way back)
+stays in x's dtype; the quantisation's gradient is the identity (straight-through), as in the FP8 GEMMs.
+
 Placement is deterministic: at the source the rows are in the single-process plan's order (expert, token,
 slot), so the rows for each destination are contiguous and ordered by (expert, token, slot); on the owner
 they arrive ordered by (source rank, expert, token, slot). The owner's stable plan over its local ids then
@@ -25,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..fp8 import dequantize, quantize_rows_1x128
 
 
 class TransportError(RuntimeError):
@@ -61,9 +68,10 @@ class Transport:
         self.num_experts = int(num_experts)
         self.num_local = self.num_experts // self.size
 
-    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True):
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True, fp8: bool = False):
         """x [T, H], ids [T, K] global expert ids, weights [T, K] -> (rows [R_recv, H], local_ids [R_recv]
-        int32 in [0, E_local), Meta). Differentiable in x."""
+        int32 in [0, E_local), Meta). Differentiable in x. fp8: the rows travel as e4m3 codes + 1x128 scales
+        and arrive dequantised (see the module's docstring)."""
         raise NotImplementedError
 
     def combine(self, rows: Tensor, meta: Meta) -> Tensor:
@@ -92,6 +100,24 @@ def raise_bad_ids(bad_per_rank: list, num_experts: int) -> None:
     if where:
         ranks = ", ".join(f"rank {r}: {n}" for r, n in where.items())
         raise ValueError(f"ids: expected expert ids in [0, {num_experts}), found out-of-range ids ({ranks})")
+
+
+def quantize_tokens(x: Tensor) -> tuple:
+    """x [T, H] -> (codes [T, H] uint8 e4m3, scales [T, ceil(H / 128)] float32): the 1x128 activation format."""
+    return quantize_rows_1x128(x.detach().contiguous(), None, 1)
+
+
+def dequantize_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """codes [R, H] uint8, scales [R, ceil(H / 128)] -> rows [R, H] in dtype."""
+    return dequantize(codes, scales, 1, 128, dtype)
+
+
+def check_dispatch_args(x: Tensor, ids: Tensor, weights: Tensor) -> None:
+    if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(
+            f"x, ids, weights: expected [T, H], [T, K], [T, K], got {tuple(x.shape)}, {tuple(ids.shape)}, "
+            f"{tuple(weights.shape)}"
+        )
 
 
 def weighted_sum(back: Tensor, meta: Meta) -> Tensor:
