@@ -291,6 +291,61 @@ def test_save_pretrained_loads_on_one_process(workers, tmp_path, family, max_sha
         assert torch.equal(loaded.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
 
 
+def _load_case(rank, world, path):
+    from moe8.parallel import from_pretrained
+
+    model = from_pretrained(path, _mesh(world), dtype=torch.float32, device="cpu")
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        logits = model(input_ids=hf_tokens(world).chunk(world)[rank]).logits
+    shards = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return logits, shards
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("writer", ["transformers", "moe8"])
+def test_from_pretrained_loads_only_local_experts(workers, tmp_path, family, writer):
+    """moe8.parallel.from_pretrained on 2 ranks, from a checkpoint in the hub's format (transformers'
+    save_pretrained: per-expert tensors for most families, fused for GPT-OSS) or moe8's fused one (several
+    shard files): each rank holds exactly its rows of every expert tensor and the whole dense tensors, and
+    the logits equal the full model's on the concatenated batch."""
+    path = str(tmp_path / "ckpt")
+    ref = hf_build(family)
+    if writer == "transformers":
+        ref.save_pretrained(path)
+    else:
+        workers(2).run(_save_fused, family, path)
+    out = workers(2).run(_load_case, path)
+    ref.config._attn_implementation = "eager"
+    with torch.no_grad():
+        logits = ref.eval()(input_ids=hf_tokens(2)).logits
+    assert rel(torch.cat([o[0] for o in out]), logits) < 1e-6
+    full = dict(ref.named_parameters())
+    for r, (_, shards) in enumerate(out):
+        assert shards.keys() == full.keys()
+        for name, p in shards.items():
+            want = full[name].detach()
+            if p.shape != want.shape:  # an expert tensor: this rank's rows
+                assert p.shape[0] * 2 == want.shape[0], name
+                want = want.chunk(2)[r]
+            assert torch.equal(p, want), name
+
+
+def _save_fused(rank, world, family, path):
+    from moe8.parallel.checkpoint import save_pretrained
+
+    save_pretrained(
+        parallelize(hf_build(family), _mesh(world)), path, max_shard_bytes=40_000, original_format=False
+    )
+
+
+def test_from_pretrained_errors(tmp_path):
+    from moe8.parallel.load import checkpoint_files
+
+    with pytest.raises(ValueError, match="path: expected a Hugging Face checkpoint directory"):
+        checkpoint_files(str(tmp_path))
+
+
 def _fsdp_case(rank, world, ep, param_dtype):
     from moe8.parallel.fsdp import apply_fsdp
 

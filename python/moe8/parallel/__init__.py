@@ -5,6 +5,7 @@ See docs/parallel.md."""
 from . import aux, checkpoint, fsdp
 from .experts import ep_experts_forward, make_transport
 from .hf import experts_modules, gather_experts, is_parallel, parallelize, unparallelize
+from .load import from_pretrained
 from .mesh import make_mesh
 from .transport import Meta, Transport, TransportError, weighted_sum
 
@@ -17,6 +18,7 @@ __all__ = [
     "TransportError",
     "ep_experts_forward",
     "experts_modules",
+    "from_pretrained",
     "gather_experts",
     "is_parallel",
     "make_mesh",
