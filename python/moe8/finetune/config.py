@@ -251,7 +251,6 @@ def validate(cfg: Config) -> None:
         world % cfg.ep == 0,
         f"ep = {cfg.ep}: expected a divisor of the world size (WORLD_SIZE {world}), got {cfg.ep}",
     )
-    need(cfg.ep == 1 or cfg.method == "full", f"ep = {cfg.ep}: expert parallelism with lora is not supported")
     need(cfg.ep == 1 or cfg.moe8, f"ep = {cfg.ep}: expert parallelism runs on moe8; drop --no-moe8")
     need(not cfg.fsdp or world > 1, "fsdp = true: expected a torchrun launch (WORLD_SIZE > 1)")
     need(not cfg.fsdp or cfg.method == "full", "fsdp = true: FSDP with lora is not supported")

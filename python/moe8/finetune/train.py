@@ -360,6 +360,13 @@ class Trainer:
         return state["step"]
 
     def export(self) -> None:
+        if self.dist.on and self.cfg.ep > 1 and self.cfg.method == "lora":
+            from ..parallel.hf import gathered
+
+            with gathered(self.model):  # the expert LoRA factors on every rank (every rank takes part)
+                if self.dist.main:
+                    self._save_lora()
+            return
         if self.dist.on and (self.cfg.ep > 1 or self.cfg.fsdp):  # gathered to rank 0: every rank takes part
             from ..parallel.checkpoint import save_pretrained
 
@@ -371,24 +378,29 @@ class Trainer:
         if not self.dist.main:  # plain data parallelism: every rank holds the same model
             return
         if self.cfg.method == "lora":
-            from moe8.lora import save_adapter
+            self._save_lora()
+            return
+        with _quiet_saving():
+            self.model.save_pretrained(self.out)
+        self.tok.save_pretrained(self.out)
 
-            if hasattr(self.model, "peft_config"):  # --no-moe8: PEFT's own LoRA
-                with _quiet_saving():
-                    self.model.save_pretrained(self.out)
-            else:
-                save_adapter(self.model, self.out)
-            if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
-                from transformers import AutoModelForCausalLM
+    def _save_lora(self) -> None:
+        """The PEFT adapter and the tokenizer (and, for a built-in model, its random base beside them)."""
+        from moe8.lora import save_adapter
 
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.cfg.seed)
-                    base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
-                with _quiet_saving():
-                    base.save_pretrained(self.out / "base_model")
-        else:
+        if hasattr(self.model, "peft_config"):  # --no-moe8: PEFT's own LoRA
             with _quiet_saving():
                 self.model.save_pretrained(self.out)
+        else:
+            save_adapter(self.model, self.out)
+        if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
+            from transformers import AutoModelForCausalLM
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.cfg.seed)
+                base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
+            with _quiet_saving():
+                base.save_pretrained(self.out / "base_model")
         self.tok.save_pretrained(self.out)
 
     def describe(self) -> str:

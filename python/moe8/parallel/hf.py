@@ -13,6 +13,7 @@ instance-level forward that runs moe8.parallel.ep_experts_forward; the router is
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Optional, Union
 
@@ -193,6 +194,27 @@ def gather_experts(m: nn.Module, param: str, dst: Optional[int] = None) -> Optio
     parts = [torch.empty_like(shard) for _ in range(size)] if mine else None
     dist.gather(shard, parts, group_dst=dst, group=group)
     return torch.cat(parts) if mine else None
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, params=LORA_PARAMS):
+    """Inside, every expert-parallel module holds the full [E, ...] tensors of `params` (default: the expert
+    LoRA factors, small) on every rank, e.g. for moe8.lora.save_adapter; afterwards its own shards again.
+    Collective: every rank must enter it."""
+    saved = []
+    for _, m in experts_modules(model):
+        if not hasattr(m, "_moe8_ep"):
+            continue
+        for p in params:
+            w = getattr(m, p, None)
+            if isinstance(w, nn.Parameter):
+                saved.append((m, p, w))
+                setattr(m, p, nn.Parameter(gather_experts(m, p), requires_grad=w.requires_grad))
+    try:
+        yield model
+    finally:
+        for m, p, w in saved:
+            setattr(m, p, w)
 
 
 def unparallelize(model: nn.Module) -> nn.Module:
