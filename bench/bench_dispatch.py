@@ -1,11 +1,15 @@
 """Expert-parallel dispatch + combine: GB/s per rank of moe8.parallel's transports against a plain
 torch.distributed.all_to_all_single of the same rows (splits known in advance: no counts exchange, no plan,
-no host read), at DeepEP's shape: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16.
+no host read), at DeepEP's shape: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16 rows and
+(--fp8) FP8 rows (e4m3 codes + 1x128 fp32 scales, what the transports send when the experts are FP8; the
+baseline then moves uint8 rows of the same bytes, and dispatch includes the quantisation and the owner's
+dequantisation).
 
     torchrun --nproc_per_node 8 bench/bench_dispatch.py --json bench/results/dispatch_h200.json
     torchrun --nproc_per_node 2 bench/bench_dispatch.py --tiny            # CPU / gloo smoke run
 
-GB/s = bytes of the rows this rank sends (T * K rows of H elements, itself included) / time, the slowest
+GB/s = bytes of the rows this rank sends (T * K rows of H elements, 2 bytes each in bf16, 1 + 4/128 in FP8,
+itself included) / time, the slowest
 rank's time (DeepEP's convention). Dispatch includes the plan, the counts all_to_all and its host read;
 combine the return all_to_all (the weighted sum at the source is not timed). Prints a table last and writes
 JSON (rank 0)."""
@@ -49,26 +53,33 @@ def timed(fn, device, warmup, iters) -> float:
     return dt.item()
 
 
-def bench_transport(name, x, ids, w, args, device) -> dict:
+def bench_transport(name, x, ids, w, args, device, fp8=False) -> dict:
     T, K = ids.shape
+    H = x.shape[1]
     t = make_transport(name, None, args.experts)
-    out, _, meta = t.dispatch(x, ids, w)
+    out, _, meta = t.dispatch(x, ids, w, fp8=fp8)
     send, recv = meta.send_splits, meta.recv_splits  # the baseline moves exactly these rows, splits given
-    flat = x.repeat_interleave(K, 0)
-    buf = flat.new_empty(sum(recv), x.shape[1])
-    back = flat.new_empty(T * K, x.shape[1])
+    row_bytes = H + 4 * -(-H // 128) if fp8 else H * x.element_size()
+    flat = (
+        torch.zeros(T * K, row_bytes, dtype=torch.uint8, device=device) if fp8 else x.repeat_interleave(K, 0)
+    )
+    buf = flat.new_empty(sum(recv), flat.shape[1])
+    back = x.new_empty(T * K, H)
     calls = {
         "base_dispatch": lambda: dist.all_to_all_single(buf, flat, recv, send),
-        "base_combine": lambda: dist.all_to_all_single(back, buf, send, recv),
-        "dispatch": lambda: t.dispatch(x, ids, w, check_ids=False),
+        "base_combine": lambda: dist.all_to_all_single(back, out, send, recv),
+        "dispatch": lambda: t.dispatch(x, ids, w, check_ids=False, fp8=fp8),
         "combine": lambda: t.combine(out, meta),
     }
-    sent = T * K * x.shape[1] * x.element_size()
-    row = dict(transport=name, world=dist.get_world_size(), tokens=T, hidden=x.shape[1], top_k=K)
-    row.update(experts=args.experts, bytes=sent)
+    sent = T * K * row_bytes
+    row = dict(
+        transport=name, rows="fp8" if fp8 else str(x.dtype).split(".")[-1], world=dist.get_world_size()
+    )
+    row.update(tokens=T, hidden=H, top_k=K, experts=args.experts, bytes=sent)
     for k, fn in calls.items():
         dt = timed(fn, device, args.warmup, args.iters)
-        row[f"{k}_ms"], row[f"{k}_gbps"] = dt * 1e3, sent / dt / 1e9
+        moved = T * K * H * x.element_size() if k.endswith("combine") else sent  # combine returns bf16 rows
+        row[f"{k}_ms"], row[f"{k}_gbps"] = dt * 1e3, moved / dt / 1e9
     return row
 
 
@@ -80,13 +91,15 @@ def bench(args, device) -> list:
     x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
     ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K].to(device, torch.int32)  # balanced routing
     w = torch.rand(T, K, generator=g).to(device)
-    return [bench_transport(name, x, ids, w, args, device) for name in args.transports]
+    precisions = [False, True] if args.fp8 else [False]
+    return [bench_transport(n, x, ids, w, args, device, fp8) for n in args.transports for fp8 in precisions]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small shape for CPU / gloo smoke runs")
     p.add_argument("--transports", default="nccl", help="comma-separated: nccl, ipc")
+    p.add_argument("--fp8", action="store_true", help="also FP8 rows (e4m3 + 1x128 scales)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
@@ -117,7 +130,7 @@ def main(argv=None):
         device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         backend=backend,
         torch=torch.__version__,
-        dtype="bfloat16",
+        dtype="bfloat16 tokens" + (", rows also FP8 (e4m3 + 1x128 scales)" if args.fp8 else ""),
         routing="uniform random top-k (balanced)",
     )
     if args.json:
@@ -125,14 +138,15 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(dict(info, results=rows), indent=2))
     print(f"{info['device']}, {backend}, torch {info['torch']}, commit {commit}")
     head = (
-        f"{'transport':>9} {'ranks':>5} {'T x H, top-k / E':>20} | {'a2a disp':>9} {'disp':>9} {'ratio':>5} |"
+        f"{'transport':>9} {'rows':>8} {'ranks':>5} {'T x H, top-k / E':>20} | {'a2a disp':>9} {'disp':>9} "
+        f"{'ratio':>5} |"
     )
     head += f" {'a2a comb':>9} {'comb':>9} {'ratio':>5}   (GB/s per rank)"
     print(head)
     for r in rows:
         shape = f"{r['tokens']}x{r['hidden']}, {r['top_k']}/{r['experts']}"
         print(
-            f"{r['transport']:>9} {r['world']:>5} {shape:>20} | {r['base_dispatch_gbps']:9.2f} "
+            f"{r['transport']:>9} {r['rows']:>8} {r['world']:>5} {shape:>20} | {r['base_dispatch_gbps']:9.2f} "
             f"{r['dispatch_gbps']:9.2f} {r['dispatch_gbps'] / r['base_dispatch_gbps']:5.2f} | "
             f"{r['base_combine_gbps']:9.2f} {r['combine_gbps']:9.2f} {r['combine_gbps'] / r['base_combine_gbps']:5.2f}"
         )

@@ -30,14 +30,16 @@ def torchrun(script, *args):
 
 def test_bench_dispatch_tiny_two_ranks(tmp_path):
     out = tmp_path / "dispatch.json"
-    p = torchrun("bench/bench_dispatch.py", "--tiny", "--iters", "2", "--warmup", "1", "--json", out)
+    p = torchrun("bench/bench_dispatch.py", "--tiny", "--fp8", "--iters", "2", "--warmup", "1", "--json", out)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["transport"] for r in rows] == ["nccl"] and rows[0]["world"] == 2
+    assert [(r["transport"], r["rows"]) for r in rows] == [("nccl", "bfloat16"), ("nccl", "fp8")]
+    assert all(r["world"] == 2 for r in rows)
+    assert rows[1]["bytes"] * 2 < rows[0]["bytes"] * 1.1  # FP8 rows: about half the bytes
     for key in ("base_dispatch", "base_combine", "dispatch", "combine"):
-        assert rows[0][f"{key}_gbps"] > 0, key
+        assert all(r[f"{key}_gbps"] > 0 for r in rows), key
     last = p.stdout.strip().splitlines()[-1].split()
-    assert last[:2] == ["nccl", "2"] and "64x256," in last
+    assert last[:3] == ["nccl", "fp8", "2"] and "64x256," in last
 
 
 def test_bench_ep_train_tiny_two_ranks(tmp_path):
