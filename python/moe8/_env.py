@@ -6,7 +6,8 @@ moe8.Config takes its defaults from here, and nothing reads the environment agai
     MOE8_SHARED_DATA=DIR  where `moe8 finetune` and the benchmarks look for the shared corpus and tokenizer
     MOE8_FINETUNE_DIST_TIMEOUT=S  seconds a `moe8 finetune` collective waits for a peer under torchrun (600)
 
-and torchrun's WORLD_SIZE, RANK and LOCAL_RANK (unset: one process), which `moe8 finetune` runs by.
+and torchrun's WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (unset: one process), which `moe8 finetune`
+runs by and moe8.parallel's transport="auto" reads (ranks per node).
 
 The sm_90a kernels' tuning overrides (MOE8_SM90_*) are read once by the C++ core (docs/kernels.md)."""
 
@@ -44,5 +45,6 @@ ENV = MappingProxyType(
         "world_size": max(1, _int("WORLD_SIZE", 1)),
         "rank": _int("RANK", 0),
         "local_rank": _int("LOCAL_RANK", None),
+        "local_world_size": _int("LOCAL_WORLD_SIZE", None),
     }
 )

@@ -44,7 +44,8 @@ class Config:
         [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
-        within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).
+        within one node) or "auto" (ipc when the experts are on CUDA and the expert-parallel group is on one
+        host, else nccl; see moe8.parallel.parallelize).
     fp8_dispatch: under expert parallelism with FP8 expert GEMMs (fp8 set), the tokens travel to their
         experts' ranks as e4m3 codes with 1x128 scales, about half the bytes of bf16 (default on; the
         combine and the backward stay in the model's dtype).

@@ -275,7 +275,7 @@ def _stage(rank: int, what: str) -> None:
     print(f"rank {rank}: {what} at {time.monotonic():.1f}", file=sys.stderr, flush=True)
 
 
-def ep_experts(rank, world, *, E, K, H, inter, seed, backward=True, fp8_dispatch=False):
+def ep_experts(rank, world, *, E, K, H, inter, seed, backward=True, fp8_dispatch=False, routed_down=False):
     """moe8.parallel.ep_experts_forward over the ipc transport against moe8.experts_forward on the ranks'
     concatenated batch with all the experts. fp32: outputs and gradients within 1e-5. fp8_dispatch: bf16
     tokens, FP8 blockwise experts, the rows travelling as e4m3 + 1x128 scales; the reference runs on the
@@ -286,7 +286,7 @@ def ep_experts(rank, world, *, E, K, H, inter, seed, backward=True, fp8_dispatch
     from moe8.parallel.transport import dequantize_rows, quantize_tokens
 
     dtype = torch.bfloat16 if fp8_dispatch else torch.float32
-    cfg = moe8.Config(routed_down=False, fp8="blockwise" if fp8_dispatch else None)
+    cfg = moe8.Config(routed_down=routed_down, fp8="blockwise" if fp8_dispatch else None)
     el = E // world
     g = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(dtype).cuda()

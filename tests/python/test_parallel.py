@@ -372,3 +372,26 @@ def test_global_route_loss(workers):
     assert rel(torch.cat([o[1] for o in out]) / 2, logits.grad) < TOL
     local = moe8.load_balancing_loss(moe8.route(logits[:5].detach(), 2))
     assert abs(local.item() - loss.item()) > 1e-3  # the rank's own loss would differ
+
+
+def test_auto_transport_is_ipc_within_a_node_on_cuda():
+    """transport="auto": ipc when the experts are on CUDA and each ep group fits in a node (torchrun's
+    LOCAL_WORLD_SIZE a multiple of ep), nccl otherwise; read from the launch, so every rank agrees."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from moe8.parallel.hf import auto_transport as a; "
+        "print(a(8, 'cuda'), a(4, 'cuda'), a(16, 'cuda'), a(8, 'cpu'), a(8, 'meta'))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(moe8.__file__).parents[1]))
+    for local, want in (("8", "ipc ipc nccl nccl nccl"), (None, "nccl nccl nccl nccl nccl")):
+        env.pop("LOCAL_WORLD_SIZE", None)
+        if local:
+            env["LOCAL_WORLD_SIZE"] = local
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want.split(), (local, out.stdout)

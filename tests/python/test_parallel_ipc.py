@@ -170,10 +170,17 @@ def test_bad_inputs_name_the_argument_and_sizes():
         assert "out-of-range" in messages["ids"], messages["ids"]
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
-def test_ep_experts(backward):
+@pytest.mark.parametrize(
+    "backward, routed_down",
+    [(False, False), (True, False), (True, True)],
+    ids=["forward", "forward_backward", "forward_backward_routed_down"],
+)
+def test_ep_experts(backward, routed_down):
     pytest.importorskip("moe8.parallel.experts", reason="moe8.parallel.experts is not available")
-    _launch(2, "ep_experts", deadline_s=120.0, E=8, K=2, H=64, inter=32, seed=7, backward=backward)
+    _launch(
+        2, "ep_experts", deadline_s=120.0, E=8, K=2, H=64, inter=32, seed=7, backward=backward,
+        routed_down=routed_down,
+    )  # fmt: skip
 
 
 def test_ep_experts_fp8_dispatch():

@@ -105,7 +105,8 @@ class Config:
         "the world size (torchrun's WORLD_SIZE) must be a multiple of it; 1: plain data parallelism",
     )
     transport: str = _key(
-        "auto", "how token rows move between the ep ranks: auto (nccl for now), nccl or ipc (CUDA, one node)"
+        "auto",
+        "how token rows move between the ep ranks: auto (ipc on CUDA within one node, else nccl), nccl or ipc",
     )
     fsdp: bool = _key(False, "shard the dense parameters with FSDP2 (moe8.parallel.apply_fsdp)")
     # output

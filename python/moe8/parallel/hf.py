@@ -97,6 +97,19 @@ def _check_same(info: dict, group) -> None:
             )
 
 
+def auto_transport(ep: int, device) -> str:
+    """What transport="auto" means for ep groups of consecutive ranks (make_mesh's inner dim): "ipc" when the
+    experts run on CUDA, this moe8 build has the ipc transport and each group lies inside one node (torchrun's
+    LOCAL_WORLD_SIZE, the ranks per node, is a multiple of ep); "nccl" otherwise (several nodes per group, no
+    torchrun, CPU). A pure function of the launch, so every rank decides the same without a collective."""
+    from .._core import EXT
+    from .._env import ENV
+
+    per_node = ENV["local_world_size"]
+    cuda = torch.device(device).type == "cuda" and hasattr(EXT, "IpcBuffer")
+    return "ipc" if cuda and per_node is not None and per_node % ep == 0 else "nccl"
+
+
 def parallelize(
     model: nn.Module,
     mesh,
@@ -104,14 +117,16 @@ def parallelize(
     *,
     grad_scale: Optional[float] = None,
     check_ids: bool = False,
+    device=None,
 ) -> nn.Module:
     """Shard the experts of a transformers MoE model over mesh["ep"] and run them expert-parallel; returns
     the model (changed in place).
 
     mesh: a DeviceMesh with an "ep" dim (make_mesh), or None for one group of all ranks.
     transport: "nccl" (torch.distributed all_to_all), "ipc", "auto", or a Transport built over mesh["ep"]'s
-        group; None: the model's moe8.Config.transport (moe8.accelerate(model, transport=...)). "auto" is
-        "nccl" for now: "ipc" becomes the default within a node once its expert path has run on GPUs.
+        group; None: the model's moe8.Config.transport (moe8.accelerate(model, transport=...)). "auto":
+        "ipc" when the experts are on CUDA and each ep group inside one node, else "nccl" (auto_transport).
+    device: where the experts will run, for "auto" (default: where the model's parameters are).
     grad_scale: factor on the expert gradients; default 1 / ep, so that after the dense gradients are
         averaged over all ranks every gradient is that of the mean of the ranks' losses.
     check_ids: range-check the router's ids (they come from a top-k over the experts: off by default).
@@ -126,13 +141,13 @@ def parallelize(
         dp = mesh.size() // ep
     if transport is None:
         transport = (config_of(model) or registry.default).transport  # the model's Config, or enable()'s
-    if transport == "auto":
-        transport = "nccl"
     found = experts_modules(model)
     if not found:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no fused experts modules (gate_up_proj [E, ...])"
         )
+    if transport == "auto":
+        transport = auto_transport(ep, device if device is not None else found[0][1].gate_up_proj.device)
     name = transport if isinstance(transport, str) else transport.name
     info = dict(
         ep=ep,

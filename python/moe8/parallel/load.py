@@ -127,7 +127,7 @@ def from_pretrained(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     with parameters_on_meta():
         model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
-    parallelize(model, mesh, transport, **parallelize_kwargs)
+    parallelize(model, mesh, transport, device=device, **parallelize_kwargs)
     local = {
         m._moe8_ep["num_experts"] // dist.get_world_size(m._moe8_ep["group"])
         for _, m in experts_modules(model)
