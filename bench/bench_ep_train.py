@@ -85,10 +85,16 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, tiny 16)")
     p.add_argument("--modes", default="dp,ep", help="comma-separated: dp, ep")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
+    p.add_argument(
+        "--ep-chunks",
+        default="1",
+        help="comma-separated moe8.Config.ep_chunks values for the ep mode (e.g. 1,2)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    chunks = [int(c) for c in args.ep_chunks.split(",") if c]
     shape = TINY if args.tiny else MODEL
     batch, seq = args.batch or (2 if args.tiny else 4), args.seq or (16 if args.tiny else 1024)
     cuda = torch.cuda.is_available() and not args.tiny
@@ -103,8 +109,10 @@ def main(argv=None):
     rows = []
     try:
         mesh = par.make_mesh(ep=args.ep or world, device_type=device.type)
-        for mode in args.modes.split(","):
-            model = moe8.accelerate(build(shape, device, dtype))  # experts on moe8 in both modes
+        runs = [(m, c) for m in args.modes.split(",") for c in (chunks if m == "ep" else [1])]
+        for mode, ep_chunks in runs:
+            # experts on moe8 in both modes; ep_chunks > 1: each part's experts overlap the next part's rows
+            model = moe8.accelerate(build(shape, device, dtype), ep_chunks=ep_chunks)
             if mode == "ep":
                 par.parallelize(model, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -117,6 +125,7 @@ def main(argv=None):
             rows.append(
                 dict(
                     mode=mode,
+                    ep_chunks=ep_chunks,
                     world=world,
                     tokens=batch * seq,
                     ms=dt * 1e3,
@@ -140,10 +149,13 @@ def main(argv=None):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(info, results=rows), indent=2))
     print(f"{info['device']}, torch {info['torch']}, {info['dtype']}, Qwen3-MoE-like {shape}")
-    print(f"{'mode':>4} {'ranks':>5} {'tokens/rank':>11} {'ms/step':>9} {'tok/s/rank':>11} {'peak GiB':>8}")
+    print(
+        f"{'mode':>4} {'ranks':>5} {'tokens/rank':>11} {'ms/step':>9} {'tok/s/rank':>11} {'peak GiB':>8} {'chunks':>6}"
+    )
     for r in rows:
         print(
             f"{r['mode']:>4} {r['world']:>5} {r['tokens']:>11} {r['ms']:9.1f} {r['tok_s']:11.0f} {r['peak_gib']:8.2f}"
+            f" {r['ep_chunks']:>6}"
         )
 
 

@@ -49,6 +49,9 @@ class Config:
     fp8_dispatch: under expert parallelism with FP8 expert GEMMs (fp8 set), the tokens travel to their
         experts' ranks as e4m3 codes with 1x128 scales, about half the bytes of bf16 (default on; the
         combine and the backward stay in the model's dtype).
+    ep_chunks: under expert parallelism over the nccl transport, the tokens of a layer go in this many parts,
+        each part's expert GEMMs overlapping the next part's all_to_all (1: one part, no overlap; the outputs
+        are the same bits either way, the expert weight gradients the same up to rounding).
     """
 
     fp8: Optional[Union[str, Float8Recipe]] = None
@@ -62,6 +65,7 @@ class Config:
     fuse_loss: bool = False
     transport: str = "auto"
     fp8_dispatch: bool = True
+    ep_chunks: int = 1
 
     def __post_init__(self):
         fp8 = self.fp8
@@ -83,6 +87,8 @@ class Config:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if isinstance(self.ep_chunks, bool) or not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
+            raise ValueError(f"ep_chunks: expected an integer >= 1, got {self.ep_chunks!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
 

@@ -238,6 +238,37 @@ def test_ep_experts_match_single_process(workers, world, Ts, K, dtype, spec, rou
                 assert not torch.equal(g_ep, torch.zeros_like(g_ep)), name
 
 
+def _chunked_case(rank, world, Ts, K, chunks):
+    params = expert_weights({}, torch.float32)
+    el = E // world
+    local = {k: v[rank * el : (rank + 1) * el] for k, v in params.items()}
+    x, ids, w, dy = batch(Ts[rank], K, rank, torch.float32)
+    cfg = moe8.Config(routed_down=False, ep_chunks=chunks)
+    return _run_experts(ep_experts_forward, x, ids, w, dy, local, {}, num_experts=E, config=cfg)
+
+
+@pytest.mark.parametrize("world, Ts, chunks", [(2, (7, 9), 2), (4, (5, 0, 1, 6), 3)])
+def test_ep_pipelined_chunks_match(workers, world, Ts, chunks):
+    """Config.ep_chunks > 1 (the tokens in parts, each part's all_to_all started before the previous part's
+    experts run): outputs and the token gradients (x, routing weights) bitwise those of one process on the
+    concatenated batch; the expert weight gradients, summed over the parts, within fp32 rounding. A rank
+    with fewer tokens than parts (or none) takes part."""
+    K = 2
+    out = workers(world).run(_chunked_case, Ts, K, chunks)
+    params = expert_weights({}, torch.float32)
+    x, ids, w, dy = (torch.cat(t) for t in zip(*[batch(T, K, r, torch.float32) for r, T in enumerate(Ts)]))
+    y, grads = _run_experts(
+        moe8.experts_forward, x, ids, w, dy, params, {}, config=moe8.Config(routed_down=False)
+    )
+    assert torch.equal(torch.cat([o[0] for o in out]), y)
+    for name, g in grads.items():
+        got = torch.cat([o[1][name] for o in out])
+        if name in ("x", "weights"):
+            assert torch.equal(got, g), name
+        else:
+            assert rel(got, g) < TOL, name
+
+
 def _tokens_through_fp8(x):
     """What FP8 dispatch delivers for x: each token quantised to e4m3 + 1x128 scales and dequantised."""
     from moe8.parallel.transport import dequantize_rows, quantize_tokens

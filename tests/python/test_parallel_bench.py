@@ -44,8 +44,10 @@ def test_bench_dispatch_tiny_two_ranks(tmp_path):
 
 def test_bench_ep_train_tiny_two_ranks(tmp_path):
     out = tmp_path / "ep_train.json"
-    p = torchrun("bench/bench_ep_train.py", "--tiny", "--iters", "1", "--warmup", "1", "--json", out)
+    args = ("--tiny", "--iters", "1", "--warmup", "1", "--ep-chunks", "1,2", "--json", out)
+    p = torchrun("bench/bench_ep_train.py", *args)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in rows] == ["dp", "ep"] and all(r["tok_s"] > 0 for r in rows)
+    assert [(r["mode"], r["ep_chunks"]) for r in rows] == [("dp", 1), ("ep", 1), ("ep", 2)]
+    assert all(r["tok_s"] > 0 for r in rows)
     assert p.stdout.strip().splitlines()[-1].split()[:3] == ["ep", "2", "32"]

@@ -80,6 +80,8 @@ def ep_experts_forward(
         row counts (two elementwise passes over ids).
     FP8 dispatch: when the experts' GEMMs are FP8 (experts_kwargs fp8, else config.fp8) and the config's
         fp8_dispatch is on, the rows travel as e4m3 codes + 1x128 scales (Transport.dispatch(fp8=True)).
+    Overlap: with config.ep_chunks > 1 and a transport that pipelines (nccl; not with FP8 dispatch), the
+        tokens go in that many parts, each part's expert GEMMs running while the next part's rows move.
     grad_scale: multiplies the gradients of the expert weights, biases and LoRA factors. Each expert's
         gradient sums the contributions of every rank's loss; 1 / group size turns that sum into the mean a
         data-parallel gradient average would give.
@@ -114,19 +116,30 @@ def ep_experts_forward(
             gate_up_A=factors[0], gate_up_B=factors[1], down_A=factors[2], down_B=factors[3]
         )
     x = x.to(gate_up_local.dtype)  # rows travel in the experts' dtype, as the single-process plan casts
-    rows, local_ids, meta = transport.dispatch(
-        x, ids, weights, check_ids=check_ids, fp8=_fp8_dispatch(experts_kwargs)
-    )
-    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)  # w * o == o exactly
-    out = moe8.experts_forward(
-        rows,
-        local_ids.view(-1, 1),
-        ones,
-        gate_up_local,
-        down_local,
-        gate_up_bias=gate_up_bias,
-        down_bias=down_bias,
-        check_ids=False,
-        **experts_kwargs,
-    )  # [R_recv, H]
-    return weighted_sum(transport.combine(out, meta), meta)
+
+    def experts(rows, local_ids):  # [R_recv, H] on the owner
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)  # w * o == o exactly
+        return moe8.experts_forward(
+            rows,
+            local_ids.view(-1, 1),
+            ones,
+            gate_up_local,
+            down_local,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            check_ids=False,
+            **experts_kwargs,
+        )
+
+    fp8 = _fp8_dispatch(experts_kwargs)
+    chunks = (experts_kwargs.get("config") or DEFAULT).ep_chunks
+    if chunks > 1 and not fp8 and hasattr(transport, "dispatch_pipelined"):
+        from .nccl import wait
+
+        parts = transport.dispatch_pipelined(x, ids, weights, chunks, check_ids=check_ids)
+        backs = []
+        for rows, local_ids, meta, pending in parts:  # part c computes while part c + 1's rows move
+            backs.append((*transport.combine_async(experts(wait(rows, pending), local_ids), meta), meta))
+        return torch.cat([weighted_sum(wait(back, pending), meta) for back, pending, meta in backs])
+    rows, local_ids, meta = transport.dispatch(x, ids, weights, check_ids=check_ids, fp8=fp8)
+    return weighted_sum(transport.combine(experts(rows, local_ids), meta), meta)

@@ -9,7 +9,14 @@ One dispatch costs two collectives and one device-to-host read:
   3. rows: all_to_all_single of the [T * K, H] rows in plan order. The owner rebuilds each received row's
      local expert id from the counts, so ids never travel.
 With fp8=True step 3 moves e4m3 codes and their 1x128 scales (two all_to_all_single) instead of the rows.
-combine is one all_to_all_single with the splits swapped. Both are autograd functions: dispatch's backward
+combine is one all_to_all_single with the splits swapped.
+
+Pipelined (`dispatch_pipelined(..., chunks)`, what ep_experts_forward runs with Config.ep_chunks > 1): the
+tokens are cut into `chunks` contiguous parts, planned separately, their counts exchanged in one all_to_all
+with one host read; then every part's rows all_to_all is started at once (async_op), and the caller waits for
+part c just before its expert GEMMs, so part c + 1's rows move while part c computes, and part c's combine
+(combine_async) moves while part c + 1 computes. On NCCL the collectives run on NCCL's stream and a wait
+only makes the compute stream wait for that part; the backward is the plain synchronous mirror. Both are autograd functions: dispatch's backward
 is a combine-direction all_to_all of the row gradients, combine's a dispatch-direction one.
 """
 
@@ -86,6 +93,73 @@ class _Fp8AllToAll(torch.autograd.Function):
         return ops.combine_rows(back, ctx.slot_to_row, None), None, None, None, None, None, None
 
 
+class Pending:
+    """An async all_to_all's work, waited for by wait() (once)."""
+
+    def __init__(self, what: str, group):
+        self.work, self.what, self.group = None, what, group
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            rank = dist.get_rank(self.group)
+            raise TransportError(
+                f"moe8.parallel nccl: the {self.what} all_to_all failed on rank {rank} of the expert-parallel "
+                f"group (a peer exited or did not reach it in time): {e}"
+            ) from e
+        self.work = None
+
+
+class _AsyncAllToAll(torch.autograd.Function):
+    """Starts rows [sum(in_splits), H] -> [sum(out_splits), H] (pending.wait() before reading the result);
+    the backward sends the gradients the other way, synchronously."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, pending):
+        ctx.splits, ctx.group, ctx.what = (out_splits, in_splits), group, pending.what
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        try:
+            pending.work = dist.all_to_all_single(
+                out, x.contiguous(), out_splits, in_splits, group=group, async_op=True
+            )
+        except RuntimeError as e:
+            raise TransportError(
+                f"moe8.parallel nccl: starting the {pending.what} all_to_all failed: {e}"
+            ) from e
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return (
+            _all_to_all(g, in_splits, out_splits, ctx.group, ctx.what + " backward"),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _Wait(torch.autograd.Function):
+    """t, once its pending all_to_all has completed (identity for autograd)."""
+
+    @staticmethod
+    def forward(ctx, t, pending):
+        pending.wait()
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def wait(t: Tensor, pending: Pending) -> Tensor:
+    return _Wait.apply(t, pending)
+
+
 class NcclTransport(Transport):
     name = "nccl"
 
@@ -122,3 +196,45 @@ class NcclTransport(Transport):
 
     def combine(self, rows: Tensor, meta: Meta) -> Tensor:
         return _AllToAll.apply(rows, meta.send_splits, meta.recv_splits, self.group, "combine")
+
+    def combine_async(self, rows: Tensor, meta: Meta):
+        """combine, started: -> (back [T * K, H], Pending); wait(back, pending) before reading it."""
+        pending = Pending("combine", self.group)
+        return _AsyncAllToAll.apply(rows, meta.send_splits, meta.recv_splits, self.group, pending), pending
+
+    def dispatch_pipelined(
+        self, x: Tensor, ids: Tensor, weights: Tensor, chunks: int, check_ids: bool = True
+    ):
+        """The tokens in `chunks` contiguous parts, each dispatched as by dispatch() but with one counts
+        exchange and one host read for all, and every part's rows already moving on return: -> a list of
+        (rows, local_ids, meta, pending) per part (wait(rows, pending) before the experts read rows)."""
+        check_dispatch_args(x, ids, weights)
+        k, n, el = ids.shape[1], self.size, self.num_local
+        bounds = [int(b) for b in torch.linspace(0, x.shape[0], chunks + 1).round().long()]
+        parts, send = [], torch.zeros(n, chunks, el + 1, dtype=torch.int32, device=ids.device)
+        for c in range(chunks):
+            lo, hi = bounds[c], bounds[c + 1]
+            counts, row_to_slot, slot_to_row, bad = source_plan(ids[lo:hi], self.num_experts, check_ids)
+            send[:, c, :el] = counts.view(n, el)
+            if bad is not None:
+                send[:, c, el] = bad
+            parts.append((lo, hi, row_to_slot, slot_to_row))
+        recv = _all_to_all(send.view(n, -1), [1] * n, [1] * n, self.group, "counts").view(n, chunks, el + 1)
+        host = torch.cat([send.view(-1), recv.view(-1)]).tolist()  # the one device-to-host read
+        sent = torch.tensor(host[: send.numel()]).view(n, chunks, el + 1)
+        got = torch.tensor(host[send.numel() :]).view(n, chunks, el + 1)
+        raise_bad_ids(got[:, :, el].sum(1).tolist(), self.num_experts)
+        experts = torch.arange(el, dtype=torch.int32, device=x.device).repeat(n)  # [source, local expert]
+        out = []
+        for c, (lo, hi, row_to_slot, slot_to_row) in enumerate(parts):
+            send_splits = sent[:, c, :el].sum(1).tolist()
+            recv_splits = got[:, c, :el].sum(1).tolist()
+            rows = ops.permute(x[lo:hi].contiguous(), row_to_slot, slot_to_row, k)
+            pending = Pending(f"dispatch (part {c + 1} of {chunks})", self.group)
+            rows = _AsyncAllToAll.apply(rows, recv_splits, send_splits, self.group, pending)
+            per_row = recv[:, c, :el].reshape(-1).long()
+            local_ids = experts.repeat_interleave(per_row, output_size=sum(recv_splits))
+            s2r = slot_to_row.view(hi - lo, k)
+            meta = Meta(weights[lo:hi].float().contiguous(), s2r, row_to_slot, send_splits, recv_splits)
+            out.append((rows, local_ids, meta, pending))
+        return out
