@@ -89,7 +89,8 @@ def ids(name: str, t: Tensor, num_experts: int, check_values: bool) -> Tensor:
     [-1, num_experts] before the narrowing to int32 (no sync), so an id above 2**31 cannot wrap into a valid
     expert: the plan kernel skips what is out of range."""
     index_dtype(name, t)
-    if t.numel() and (not t.is_cuda or check_values):
+    tracing = torch.compiler.is_compiling()  # no data-dependent branch in a graph: the core checks
+    if t.numel() and not tracing and (not t.is_cuda or check_values):
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= num_experts:
             bad = int(((t < 0) | (t >= num_experts)).sum())

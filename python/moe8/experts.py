@@ -132,7 +132,8 @@ def dispatch_plan(
     """x (contiguous), top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot, slot_to_row).
     The ids' values are checked as moe8._checks.ids says (on the host always, on a GPU when check_ids)."""
     ids = _c.ids(ids_name, ids, gate_up.shape[0], check_ids)
-    _, offsets, row_to_slot, slot_to_row = ops.plan(ids, gate_up.shape[0], pad_multiple, False)
+    traced_check = check_ids and torch.compiler.is_compiling()  # then the plan's own check (see _checks.ids)
+    _, offsets, row_to_slot, slot_to_row = ops.plan(ids, gate_up.shape[0], pad_multiple, traced_check)
     return x.contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
 
 

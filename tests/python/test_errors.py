@@ -106,7 +106,7 @@ def test_plan_errors():
     raises(r"row_to_slot: expected at least 4 rows", call, r2s=i32(3))
     raises(r"slot_to_row: expected dtype int32, got float32", call, s2r=f32(4))
     raises(r"ids: expected dtype int32, got int64", call, ids.long())
-    with pytest.raises(ValueError, match=r"ids: expected values in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"ids: expected expert ids in \[0, 4\).*found 1 out of range"):
         moe8.experts_forward(
             torch.randn(2, 8), ids + 1, torch.ones(2, 2), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
         )
@@ -345,7 +345,7 @@ def test_python_front_errors():
             torch.randn(2, 8, 3),
             layout="mk",
         )
-    with pytest.raises(ValueError, match=r"weights: expected shape \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"weights: expected shape \[2, 1\] \(same as ids\), got \[2, 2\]"):
         moe8.experts_forward(
             torch.randn(2, 8),
             torch.zeros(2, 1, dtype=torch.int32),
@@ -362,7 +362,7 @@ def test_python_front_errors():
             torch.randn(2, 8, 3),
         )
     with pytest.raises(
-        ValueError, match=r"gate_up: expected shape \[2, \*, 8\]|b: expected shape \[2, \*, 8\]"
+        ValueError, match=r"gate_up: expected x's hidden size H = 8 \(dim 2\), got shape \[2, 6, 7\]"
     ):
         moe8.experts_forward(
             torch.randn(2, 8),
