@@ -35,6 +35,10 @@ class ExpertLoRA(NamedTuple):
 
 
 def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
+    for part, t in (("A", A), ("B", B)):
+        _c.tensor(f"lora.{name}_{part}", t, 3, "of expert factors")
+        _c.floating(f"lora.{name}_{part}", t)  # cast to the weights' dtype, as documented on ExpertLoRA
+        _c.same_device(f"lora.{name}_{part}", t, name, w)
     E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
     r = A.shape[2 if kn else 1] if A.dim() == 3 else -1
     want = ((E, kd, r), (E, r, n)) if kn else ((E, r, kd), (E, n, r))
@@ -57,6 +61,9 @@ def _plus_low_rank(
     if fused_add:
         return ops.grouped_lowrank_add(c, t, B, offsets, lay)
     return c + ops.grouped_gemm(t, B, offsets, lay, None)
+
+
+_MAX_EXPERTS = 512  # csrc/api/ops.cpp's kMaxExperts: the plan's per-block histograms
 
 
 def check_experts_args(
@@ -96,8 +103,10 @@ def check_experts_args(
     _c.same_dtype(nx, x, "gate_up", gate_up)
     _c.same_dtype("down", down, "gate_up", gate_up)
     E, H = gate_up.shape[0], x.shape[1]
-    if E < 1:
-        raise ValueError(f"gate_up: expected at least one expert (dim 0), got shape {list(gate_up.shape)}")
+    if not 1 <= E <= _MAX_EXPERTS:
+        raise ValueError(
+            f"gate_up: expected 1..{_MAX_EXPERTS} experts (dim 0), got shape {list(gate_up.shape)}"
+        )
     _c.dim_is("down", down, 0, E, "gate_up's number of experts")
     n_up = gate_up.shape[1] if lay == 0 else gate_up.shape[2]  # 2I (gated) or I
     _c.dim_is("gate_up", gate_up, 2 if lay == 0 else 1, H, f"{nx}'s hidden size H")
