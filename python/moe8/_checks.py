@@ -85,15 +85,16 @@ def ids(name: str, t: Tensor, num_experts: int, check_values: bool) -> Tensor:
     """Expert ids of any integer dtype -> int32 contiguous ids, their values checked.
 
     On the host their values are checked here (no sync); on a GPU only when check_values (one sync, the one
-    the plan's own check would take: the caller then skips that one). Unchecked ids on a GPU are clamped to
-    [-1, num_experts] before the narrowing to int32 (no sync), so an id above 2**31 cannot wrap into a valid
-    expert: the plan kernel skips what is out of range."""
+    the plan's own check would take: the caller then skips that one); under torch.compile by the plan op
+    instead (no data-dependent branch in a graph; the CPU core always checks). Unchecked int64 ids are clamped
+    to [-1, num_experts] before the narrowing to int32 (one elementwise op, no sync), so an id above 2**31
+    cannot wrap into a valid expert: the plan kernel skips what is out of range."""
     index_dtype(name, t)
     tracing = torch.compiler.is_compiling()  # no data-dependent branch in a graph: the core checks
     if t.numel() and not tracing and (not t.is_cuda or check_values):
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= num_experts:
-            bad = int(((t < 0) | (t >= num_experts)).sum())
+        outside = (t < 0) | (t >= num_experts)
+        if bool(outside.any()):  # the one read (a sync on a GPU); the details only for the message
+            bad, lo, hi = int(outside.sum()), int(t.min()), int(t.max())
             raise ValueError(
                 f"{name}: expected expert ids in [0, {num_experts}) (num_experts from gate_up's dim 0), found "
                 f"{bad} out of range (min {lo}, max {hi})"
