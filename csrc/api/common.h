@@ -16,6 +16,11 @@ namespace moe8::api {
 
 inline void* as_ptr(intptr_t s) { return reinterpret_cast<void*>(s); }
 
+// Whether the values of t's index arrays are checked: always on the CPU (a pass over host memory, no sync),
+// on a GPU only when the caller asks (check_indices: a synchronising read), since its kernels skip or clamp
+// what is out of range rather than read outside their tensors.
+inline bool checks_values(bool check_indices, const TensorView& t) { return check_indices || !t.is_cuda(); }
+
 // True for a CUDA tensor, which a build without the CUDA backend refuses, naming op.
 inline bool on_cuda(const TensorView& t, const char* op) {
   if (t.is_cuda() && !cuda::backend_built()) fail_without_cuda(op);

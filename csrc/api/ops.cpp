@@ -99,7 +99,7 @@ void route_backward(const TensorView& logits, const TensorView& bias, const Rout
   check_tensor("grad_logits", grad_logits, "logits", logits);
   check_same_dtype("grad_logits", grad_logits, "logits", logits);
   check_shape("grad_logits", grad_logits, {T, E});
-  if (check_indices) check_range("ids", ids, 0, E, stream);
+  if (checks_values(check_indices, ids)) check_range("ids", ids, 0, E, stream);
   if (on_cuda(logits, "route_backward")) {
     cuda::route_backward(logits, bias, p, ids, grad_weights, grad_prob_mean, grad_lse, grad_logits, as_ptr(stream));
   } else {
@@ -142,7 +142,7 @@ void build_dispatch_plan(const TensorView& ids, int num_experts, int pad_multipl
   const int64_t need = plan_max_rows(slots, num_experts, pad_multiple);
   MOE8_CHECK(row_to_slot.size(0) >= need, "row_to_slot: expected at least ", need,
              " rows (T*K + E*(pad_multiple-1), rounded up to a multiple of pad_multiple), got ", row_to_slot.size(0));
-  if (check_indices) check_range("ids", ids, 0, num_experts, stream);
+  if (checks_values(check_indices, ids)) check_range("ids", ids, 0, num_experts, stream);
   if (on_cuda(ids, "build_dispatch_plan")) {
     const int64_t ws = plan_workspace_elems(slots, num_experts, true);
     check_tensor("workspace", workspace, "ids", ids);
@@ -173,8 +173,9 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
   check_tensor("dst", dst, "src", src);
   check_same_dtype("dst", dst, "src", src);
   check_shape("dst", dst, {R, H});
-  if (check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
-  check_slot_to_row(slot_to_row, row_to_slot, "src", src, T, k, R, stream, check_indices);
+  const bool check = checks_values(check_indices, src);
+  if (check) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
+  check_slot_to_row(slot_to_row, row_to_slot, "src", src, T, k, R, stream, check);
   if (on_cuda(src, "gather_rows")) {
     cuda::gather_rows(src, row_to_slot, slot_to_row, k, scale, dst, as_ptr(stream));
   } else {
@@ -197,7 +198,7 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
   check_tensor("out", out, "rows", rows);
   check_same_dtype("out", out, "rows", rows);
   check_shape("out", out, {T, rows.size(1)});
-  if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
+  if (checks_values(check_indices, slot_to_row)) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
   if (on_cuda(rows, "combine_rows")) {
     cuda::combine_rows(rows, slot_to_row, weights, out, as_ptr(stream));
   } else {
@@ -217,7 +218,7 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
   check_tensor("d_weights", d_weights, "dy", dy);
   check_dtype("d_weights", d_weights, {DType::kF32});
   check_shape("d_weights", d_weights, {dy.size(0), slot_to_row.size(1)});
-  if (check_indices) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
+  if (checks_values(check_indices, slot_to_row)) check_range("slot_to_row", slot_to_row, -1, rows.size(0), stream);
   if (on_cuda(dy, "combine_weights_grad")) {
     cuda::combine_weights_grad(dy, rows, slot_to_row, d_weights, as_ptr(stream));
   } else {
@@ -286,7 +287,7 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   check_tensor("c", c, "a", a);
   check_same_dtype("c", c, "a", a);
   check_shape("c", c, {R, N});
-  if (check_indices) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm")) {
     if (!bias.present && usable_workspace(workspace, a, E) && cuda::grouped_gemm_sm90_supported(a, b, layout, N))
       cuda::grouped_gemm_sm90(a, b, offsets, layout, c, workspace.data, workspace.numel(), as_ptr(stream));
@@ -313,7 +314,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
     check_same_dtype("dbias", dbias, "db", db);
     check_shape("dbias", dbias, {E, N});
   }
-  if (check_indices) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm_wgrad")) {
     // The sm_90a wgrad writes db in the inputs' dtype and has no bias term; kKN is kNK with a and dc swapped.
     const bool kn = layout == WeightLayout::kKN;
@@ -363,7 +364,7 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
   check_tensor("out", out, "h", h);
   check_same_dtype("out", out, "h", h);
   check_shape("out", out, {R, N});
-  if (check_indices) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   if (on_cuda(h, "grouped_lowrank_add")) {
     cuda::grouped_lowrank_add(h, t, b, offsets, layout, out, as_ptr(stream));
   } else {
@@ -413,7 +414,7 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
   check_tensor("row_to_slot", row_to_slot, "h", h);
   check_dtype("row_to_slot", row_to_slot, {DType::kI32});
   check_shape("row_to_slot", row_to_slot, {h.size(0)});
-  if (check_indices) check_range("row_to_slot", row_to_slot, -1, weights.size(0), stream);
+  if (checks_values(check_indices, row_to_slot)) check_range("row_to_slot", row_to_slot, -1, weights.size(0), stream);
   if (on_cuda(h, "activation_backward_routed")) {
     cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream));
   } else {

@@ -53,8 +53,9 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
   }
   check_q("q", q, "x", x, {R, K});
   check_scale("scale", scale, "x", x, {R, quant_blocks(K)});
-  if (row_to_slot.present && check_indices) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
-  check_slot_to_row(slot_to_row, row_to_slot, "x", x, T, k, R, stream, check_indices);
+  const bool check = checks_values(check_indices, x);
+  if (row_to_slot.present && check) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
+  check_slot_to_row(slot_to_row, row_to_slot, "x", x, T, k, R, stream, check);
   if (on_cuda(x, "quantize_rows_1x128")) {
     cuda::quantize_rows_1x128(x, row_to_slot, slot_to_row, k, q, scale, as_ptr(stream));
   } else {
@@ -94,7 +95,7 @@ void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const T
   MOE8_CHECK(E >= 1, "offsets: expected E+1 >= 2 values, got shape ", offsets.shape_str());
   check_q("q_t", q_t, "x", x, {K, R});
   check_scale("scale", scale, "x", x, {moe8::col_scale_blocks(R, E), K});
-  if (check_indices) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   if (on_cuda(x, "quantize_cols_1x128")) {
     cuda::quantize_cols_1x128(x, offsets, q_t, scale, as_ptr(stream));
   } else {
@@ -228,7 +229,7 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   check_tensor("c", c, "a", a);
   check_float("c", c);
   check_shape("c", c, {R, N});
-  if (check_indices) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   if (on_cuda(a, "grouped_gemm_fp8")) {
     bool fast = false;
     if (workspace.present) {
@@ -283,7 +284,7 @@ void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, 
   check_float("db", db);
   check_shape("db", db, {E, N, K});
   const bool cuda = on_cuda(dc_t, "grouped_gemm_fp8_wgrad");
-  if (check_indices) {
+  if (checks_values(check_indices, offsets)) {
     const std::vector<int32_t> off = host_offsets(offsets, stream);
     check_offsets(offsets, R, stream);
     for (int64_t e = 0; cuda && e <= E; ++e)

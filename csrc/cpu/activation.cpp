@@ -141,7 +141,7 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
     scalar_t* A = a_w.ptr<scalar_t>();
     parallel_for(R, 16, [&](int64_t r) {
       const int32_t slot = slots[r];
-      const float w = slot >= 0 ? wts[slot] : 0.f;
+      const float w = in_range(slot, weights.size(0)) ? wts[slot] : 0.f;
       const scalar_t* x = X + r * W;
       scalar_t* d = D + r * W;
       float dot = 0.f;
@@ -154,7 +154,7 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
         A[r * I + i] = from_f<scalar_t>(w * a);
         store_gu(d, p, i, I, dg, du);
       }
-      if (slot >= 0) dw[slot] = dot;
+      if (in_range(slot, weights.size(0))) dw[slot] = dot;
     });
   });
 }

@@ -20,7 +20,7 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
                   const TensorView& bias, const TensorView& c) {
   const int64_t R = a.size(0), Kd = a.size(1), N = c.size(1);
   const int E = static_cast<int>(b.size(0));
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
   MOE8_CPU_DISPATCH_FLOAT(a.dtype, "grouped_gemm", [&] {
     const scalar_t* A = a.ptr<scalar_t>();
     const scalar_t* B = b.ptr<scalar_t>();
@@ -56,7 +56,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
                         const TensorView& db, const TensorView& dbias) {
   const int64_t Kd = a.size(1), N = dc.size(1);
   const int E = static_cast<int>(db.size(0));
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, a.size(0));
   // One task per (expert, output row of db): [N] rows of length Kd (kNK) or [Kd] rows of length N (kKN).
   const int64_t outer = layout == WeightLayout::kNK ? N : Kd, inner = layout == WeightLayout::kNK ? Kd : N;
   MOE8_CPU_DISPATCH_FLOAT(a.dtype, "grouped_gemm_wgrad", [&] {
@@ -95,7 +95,7 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
                          WeightLayout layout, const TensorView& out) {
   const int64_t R = h.size(0), N = h.size(1), rank = t.size(1);
   const int E = static_cast<int>(b.size(0));
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
   MOE8_CPU_DISPATCH_FLOAT(h.dtype, "grouped_lowrank_add", [&] {
     const scalar_t* H = h.ptr<scalar_t>();
     const scalar_t* Tm = t.ptr<scalar_t>();

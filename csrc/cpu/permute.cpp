@@ -10,7 +10,7 @@ namespace moe8::cpu {
 
 void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, const TensorView& scale,
                  const TensorView& dst) {
-  const int64_t R = dst.size(0), H = dst.size(1);
+  const int64_t R = dst.size(0), H = dst.size(1), slots = src.size(0) * k;
   const float* sc = scale.present ? scale.ptr<float>() : nullptr;
   MOE8_CPU_DISPATCH_FLOAT(src.dtype, "gather_rows", [&] {
     const scalar_t* S = src.ptr<scalar_t>();
@@ -18,7 +18,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
     parallel_for(R, 256, [&](int64_t r) {
       int32_t slot = row_to_slot.ptr<int32_t>()[r];
       scalar_t* out = D + r * H;
-      if (slot < 0) {
+      if (!in_range(slot, slots)) {
         for (int64_t h = 0; h < H; ++h) out[h] = from_f<scalar_t>(0.f);
         return;
       }
@@ -31,7 +31,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, int k, co
 
 void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const TensorView& weights,
                   const TensorView& out) {
-  const int64_t T = out.size(0), H = out.size(1), K = slot_to_row.size(1);
+  const int64_t T = out.size(0), H = out.size(1), K = slot_to_row.size(1), R = rows.size(0);
   const float* w = weights.present ? weights.ptr<float>() : nullptr;
   MOE8_CPU_DISPATCH_FLOAT(rows.dtype, "combine_rows", [&] {
     const scalar_t* X = rows.ptr<scalar_t>();
@@ -40,7 +40,7 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
       std::vector<float> acc(H, 0.f);
       for (int64_t k = 0; k < K; ++k) {
         int32_t row = slot_to_row.ptr<int32_t>()[t * K + k];
-        if (row < 0) continue;
+        if (!in_range(row, R)) continue;
         float f = w ? w[t * K + k] : 1.f;
         const scalar_t* x = X + static_cast<int64_t>(row) * H;
         for (int64_t h = 0; h < H; ++h) acc[h] += f * to_f(x[h]);
@@ -52,14 +52,14 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
 
 void combine_weights_grad(const TensorView& dy, const TensorView& rows, const TensorView& slot_to_row,
                           const TensorView& d_weights) {
-  const int64_t T = dy.size(0), H = dy.size(1), K = slot_to_row.size(1);
+  const int64_t T = dy.size(0), H = dy.size(1), K = slot_to_row.size(1), R = rows.size(0);
   MOE8_CPU_DISPATCH_FLOAT(dy.dtype, "combine_weights_grad", [&] {
     const scalar_t* G = dy.ptr<scalar_t>();
     const scalar_t* X = rows.ptr<scalar_t>();
     parallel_for(T * K, 256, [&](int64_t s) {
       int32_t row = slot_to_row.ptr<int32_t>()[s];
       float acc = 0.f;
-      if (row >= 0) {
+      if (in_range(row, R)) {
         const scalar_t* g = G + (s / K) * H;
         const scalar_t* x = X + static_cast<int64_t>(row) * H;
         for (int64_t h = 0; h < H; ++h) acc += to_f(g[h]) * to_f(x[h]);

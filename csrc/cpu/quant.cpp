@@ -49,7 +49,7 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
     const scalar_t* X = x.ptr<scalar_t>();
     parallel_for(R, 64, [&](int64_t r) {
       std::vector<float> row(K, 0.f);
-      const int64_t src = r2s ? (r2s[r] < 0 ? -1 : r2s[r] / k) : r;
+      const int64_t src = r2s ? (in_range(r2s[r], x.size(0) * k) ? r2s[r] / k : -1) : r;
       if (src >= 0)
         for (int64_t i = 0; i < K; ++i) row[i] = to_f(X[src * K + i]);
       quantize_row(row.data(), K, q.ptr<uint8_t>() + r * K, scale.ptr<float>() + r * KB);
@@ -87,7 +87,7 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
 void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t,
                          const TensorView& scale) {
   const int64_t R = x.size(0), K = x.size(1), E = offsets.size(0) - 1, NBLK = scale.size(0);
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
   uint8_t* QT = q_t.ptr<uint8_t>();
   float* S = scale.ptr<float>();
   // Blocks in order: those of group 0, then group 1, ...; block j of group e covers rows
@@ -176,7 +176,7 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
                       const TensorView& offsets, const TensorView& c) {
   const int64_t R = a.size(0), K = a.size(1), N = b.size(1), E = b.size(0);
   const int64_t KB = quant_blocks(K), NB = quant_blocks(N);
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
   const uint8_t* A = a.ptr<uint8_t>();
   const uint8_t* Bq = b.ptr<uint8_t>();
   const float* SA = a_scale.ptr<float>();
@@ -211,7 +211,7 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
 void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
                             const TensorView& a_scale, const TensorView& offsets, const TensorView& db) {
   const int64_t N = dc_t.size(0), R = dc_t.size(1), K = a_t.size(0), E = offsets.size(0) - 1;
-  const int32_t* off = offsets.ptr<int32_t>();
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
   const uint8_t* DC = dc_t.ptr<uint8_t>();
   const uint8_t* A = a_t.ptr<uint8_t>();
   const float* SD = dc_scale.ptr<float>();

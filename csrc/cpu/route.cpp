@@ -153,7 +153,8 @@ void route_backward(const TensorView& logits, const TensorView& bias, const Rout
     scalar_t* G = grad_logits.ptr<scalar_t>();
     parallel_for(T, 64, [&](int64_t t) {
       TokenScores ts = token_scores(L + t * E, E, p.scheme);
-      const int32_t* id = ids.ptr<int32_t>() + t * K;
+      std::vector<int32_t> id(ids.ptr<int32_t>() + t * K, ids.ptr<int32_t>() + (t + 1) * K);
+      for (int32_t& i : id) i = std::clamp<int32_t>(i, 0, static_cast<int32_t>(E) - 1);  // never read past E
       const float* g = grad_weights.ptr<float>() + t * K;
       std::vector<float> dl(E, 0.f);
       // d(statistics probs) -> d(softmax input) helper: dl += p * (dp - <p, dp>)

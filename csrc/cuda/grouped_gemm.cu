@@ -19,6 +19,18 @@ namespace gg {
 constexpr int kThreads = 256;  // threads per block of both main loops
 constexpr int kGroupM = 8;     // M tiles swept together per N tile, for L2 reuse of the expert's weights
 
+// Row offsets[g] as the kernels read it: clamped into [0, rows], so that offsets the API did not check
+// (check_indices false) give wrong numbers, never an access outside a, c or dc; a group's end is read as at
+// least its begin (group_end).
+__device__ __forceinline__ int64_t group_row(const int* __restrict__ offsets, int g, int64_t rows) {
+  const int64_t o = offsets[g];
+  return o < 0 ? 0 : (o > rows ? rows : o);
+}
+__device__ __forceinline__ int64_t group_end(const int* __restrict__ offsets, int g, int64_t rows) {
+  const int64_t b = group_row(offsets, g, rows), e = group_row(offsets, g + 1, rows);
+  return e < b ? b : e;
+}
+
 // The forward output tile one block computes. group == E is the pseudo-group of rows [offsets[E], R),
 // which are only zeroed.
 struct TileJob {
@@ -43,8 +55,8 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
     const int g = step + threadIdx.x;
     int t = 0;
     if (g <= num_experts) {
-      const int64_t end = g < num_experts ? offsets[g + 1] : rows;
-      t = static_cast<int>((end - offsets[g] + kBM - 1) / kBM) * n_tiles;
+      const int64_t end = g < num_experts ? group_end(offsets, g, rows) : rows;
+      t = static_cast<int>((end - group_row(offsets, g, rows) + kBM - 1) / kBM) * n_tiles;
     }
     int incl = t;
 #pragma unroll
@@ -73,8 +85,8 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
   const int g = s_found[0];
   if (g < 0) return false;
   job.group = g;
-  job.row_begin = offsets[g];
-  job.row_end = g < num_experts ? offsets[g + 1] : rows;
+  job.row_begin = group_row(offsets, g, rows);
+  job.row_end = g < num_experts ? group_end(offsets, g, rows) : rows;
   const int m_tiles = static_cast<int>((job.row_end - job.row_begin + kBM - 1) / kBM);
   const int local = tile - s_found[1];
   // Within the group, kGroupM consecutive M tiles share each N tile before moving on.
@@ -129,6 +141,7 @@ struct WgradArgs {
   const int* offsets;
   void* db;  // [E, M', N']
   int64_t m, n;
+  int64_t rows;  // R
   bool pair_ok;
 };
 
@@ -189,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, (Mainloop<T, false, false, kMma>::kM
   const int e = blockIdx.z;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * Loop::kBM;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * Loop::kBN;
-  const int64_t r0 = p.offsets[e], r1 = p.offsets[e + 1];
+  const int64_t r0 = group_row(p.offsets, e, p.rows), r1 = group_end(p.offsets, e, p.rows);
   const Operand<T> x{static_cast<const T*>(p.x), p.m, p.m, r1};
   const Operand<T> y{static_cast<const T*>(p.y), p.n, p.n, r1};
   TOut* db = static_cast<TOut*>(p.db) + e * p.m * p.n;
@@ -217,12 +230,12 @@ constexpr int kBiasCols = 32, kBiasSlices = 8;
 
 template <typename T, typename TOut>
 __global__ void __launch_bounds__(kBiasCols* kBiasSlices)
-    grouped_bias_grad_kernel(const T* __restrict__ dc, const int* __restrict__ offsets, int64_t n,
+    grouped_bias_grad_kernel(const T* __restrict__ dc, const int* __restrict__ offsets, int64_t n, int64_t rows,
                              TOut* __restrict__ dbias) {
   __shared__ float part[kBiasSlices][kBiasCols + 1];
   const int e = blockIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kBiasCols + threadIdx.x;
-  const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+  const int64_t r0 = group_row(offsets, e, rows), r1 = group_end(offsets, e, rows);
   float s = 0.f;
   if (col < n) {
 #pragma unroll 4
@@ -343,6 +356,7 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
   p.db = db.data;
   p.m = kn ? kd : n;
   p.n = kn ? n : kd;
+  p.rows = a.shape[0];
   p.pair_ok = p.n % 2 == 0 && gg::aligned(db.data, 2 * dtype_size(db.dtype));
   const bool mma_ok = esize == 2 && kd % 8 == 0 && n % 8 == 0 && gg::aligned(a.data, 16) && gg::aligned(dc.data, 16);
   if (p.m > 0 && p.n > 0) {
@@ -362,9 +376,10 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
     MOE8_DISPATCH_FLOAT(a.dtype, "grouped_gemm_wgrad", [&] {
       const scalar_t* g = dc.ptr<const scalar_t>();
       if (dbias.dtype == DType::kF32)
-        gg::grouped_bias_grad_kernel<scalar_t, float><<<grid, block, 0, s>>>(g, off, n, dbias.ptr<float>());
+        gg::grouped_bias_grad_kernel<scalar_t, float><<<grid, block, 0, s>>>(g, off, n, a.shape[0], dbias.ptr<float>());
       else
-        gg::grouped_bias_grad_kernel<scalar_t, scalar_t><<<grid, block, 0, s>>>(g, off, n, dbias.ptr<scalar_t>());
+        gg::grouped_bias_grad_kernel<scalar_t, scalar_t>
+            <<<grid, block, 0, s>>>(g, off, n, a.shape[0], dbias.ptr<scalar_t>());
     });
     check_launch("grouped_gemm_wgrad");
   }

@@ -36,7 +36,8 @@ __device__ __forceinline__ Pack<T, V> zero_pack() {
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     gather_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ row_to_slot, int k,
-                       const float* __restrict__ scale, T* __restrict__ dst, int64_t num_rows, int64_t H) {
+                       const float* __restrict__ scale, T* __restrict__ dst, int64_t num_rows, int64_t H,
+                       int64_t num_slots) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t np = H / V;
   const int slot = row_to_slot[r];
   P* out = reinterpret_cast<P*>(dst + r * H);
-  if (slot < 0) {
+  if (slot < 0 || slot >= num_slots) {  // padding, or a slot out of range (unchecked input): zeros
     const P z = zero_pack<T, V>();
 #pragma unroll 4
     for (int64_t p = lane; p < np; p += 32) out[p] = z;
@@ -73,13 +74,17 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     scatter_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ slot_to_row, int k,
-                        const float* __restrict__ scale, T* __restrict__ dst, int64_t num_tokens, int64_t H) {
+                        const float* __restrict__ scale, T* __restrict__ dst, int64_t num_tokens, int64_t H,
+                        int64_t num_rows) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
   int64_t r[kScatterMaxK];
   token_rows(slot_to_row, t, k, r);
+#pragma unroll
+  for (int j = 0; j < kScatterMaxK; ++j)
+    if (r[j] >= num_rows) r[j] = -1;  // a row out of range (unchecked input): not stored
   float w[kScatterMaxK];
 #pragma unroll
   for (int j = 0; j < kScatterMaxK; ++j) w[j] = j < k && scale != nullptr ? scale[t * k + j] : 1.f;
@@ -115,7 +120,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     combine_rows_kernel(const T* __restrict__ rows, const int32_t* __restrict__ slot_to_row,
-                        const float* __restrict__ weights, T* __restrict__ out, int64_t num_tokens, int K, int64_t H) {
+                        const float* __restrict__ weights, T* __restrict__ out, int64_t num_tokens, int K, int64_t H,
+                        int64_t num_rows) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -131,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const int r = my_rows[k];
-      if (r < 0) continue;
+      if (r < 0 || r >= num_rows) continue;  // none, or out of range (unchecked input): adds nothing
       const float w = my_w != nullptr ? my_w[k] : 1.f;
       const P a = reinterpret_cast<const P*>(rows + static_cast<int64_t>(r) * H)[p];
 #pragma unroll
@@ -148,7 +154,7 @@ template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     combine_weights_grad_kernel(const T* __restrict__ dy, const T* __restrict__ rows,
                                 const int32_t* __restrict__ slot_to_row, float* __restrict__ d_weights,
-                                int64_t num_tokens, int K, int64_t H) {
+                                int64_t num_tokens, int K, int64_t H, int64_t num_rows) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -161,6 +167,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kGradGroup; ++u) {
       r[u] = k0 + u < K ? slot_to_row[t * K + k0 + u] : -1;
+      if (r[u] >= num_rows) r[u] = -1;  // out of range (unchecked input): a zero gradient
       acc[u] = 0.f;
     }
     for (int64_t p = lane; p < np; p += 32) {
@@ -201,8 +208,8 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, const Ten
     const auto launch = [&](auto v) {
       constexpr int V = decltype(v)::value;
       if (!token_major) {
-        gather_rows_kernel<T, V><<<warps_grid(num_rows), kThreads, 0, s>>>(src.ptr<T>(), row_to_slot.ptr<int32_t>(), k,
-                                                                           sc, dst.ptr<T>(), num_rows, H);
+        gather_rows_kernel<T, V><<<warps_grid(num_rows), kThreads, 0, s>>>(
+            src.ptr<T>(), row_to_slot.ptr<int32_t>(), k, sc, dst.ptr<T>(), num_rows, H, num_tokens * k);
         check_launch("gather_rows_kernel");
         return;
       }
@@ -211,7 +218,7 @@ void gather_rows(const TensorView& src, const TensorView& row_to_slot, const Ten
       check_launch("zero_unmapped_kernel");
       if (num_tokens == 0) return;
       scatter_rows_kernel<T, V><<<warps_grid(num_tokens), kThreads, 0, s>>>(src.ptr<T>(), slot_to_row.ptr<int32_t>(), k,
-                                                                            sc, dst.ptr<T>(), num_tokens, H);
+                                                                            sc, dst.ptr<T>(), num_tokens, H, num_rows);
       check_launch("scatter_rows_kernel");
     };
     if (use_packs<T>(H, {src.data, dst.data}))
@@ -232,10 +239,10 @@ void combine_rows(const TensorView& rows, const TensorView& slot_to_row, const T
     using T = scalar_t;
     if (use_packs<T>(H, {rows.data, out.data}))
       combine_rows_kernel<T, 16 / sizeof(T)><<<warps_grid(num_tokens), kThreads, 0, s>>>(
-          rows.ptr<T>(), slot_to_row.ptr<int32_t>(), w, out.ptr<T>(), num_tokens, K, H);
+          rows.ptr<T>(), slot_to_row.ptr<int32_t>(), w, out.ptr<T>(), num_tokens, K, H, rows.shape[0]);
     else
-      combine_rows_kernel<T, 1><<<warps_grid(num_tokens), kThreads, 0, s>>>(rows.ptr<T>(), slot_to_row.ptr<int32_t>(),
-                                                                            w, out.ptr<T>(), num_tokens, K, H);
+      combine_rows_kernel<T, 1><<<warps_grid(num_tokens), kThreads, 0, s>>>(
+          rows.ptr<T>(), slot_to_row.ptr<int32_t>(), w, out.ptr<T>(), num_tokens, K, H, rows.shape[0]);
     check_launch("combine_rows_kernel");
   });
 }
@@ -250,11 +257,13 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
   MOE8_DISPATCH_FLOAT(dy.dtype, "combine_weights_grad: dy", [&] {
     using T = scalar_t;
     if (use_packs<T>(H, {dy.data, rows.data}))
-      combine_weights_grad_kernel<T, 16 / sizeof(T)><<<warps_grid(num_tokens), kThreads, 0, s>>>(
-          dy.ptr<T>(), rows.ptr<T>(), slot_to_row.ptr<int32_t>(), d_weights.ptr<float>(), num_tokens, K, H);
+      combine_weights_grad_kernel<T, 16 / sizeof(T)>
+          <<<warps_grid(num_tokens), kThreads, 0, s>>>(dy.ptr<T>(), rows.ptr<T>(), slot_to_row.ptr<int32_t>(),
+                                                       d_weights.ptr<float>(), num_tokens, K, H, rows.shape[0]);
     else
-      combine_weights_grad_kernel<T, 1><<<warps_grid(num_tokens), kThreads, 0, s>>>(
-          dy.ptr<T>(), rows.ptr<T>(), slot_to_row.ptr<int32_t>(), d_weights.ptr<float>(), num_tokens, K, H);
+      combine_weights_grad_kernel<T, 1>
+          <<<warps_grid(num_tokens), kThreads, 0, s>>>(dy.ptr<T>(), rows.ptr<T>(), slot_to_row.ptr<int32_t>(),
+                                                       d_weights.ptr<float>(), num_tokens, K, H, rows.shape[0]);
     check_launch("combine_weights_grad_kernel");
   });
 }

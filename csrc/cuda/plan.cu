@@ -50,6 +50,13 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
   return v;
 }
 
+// An id as the plan reads it: -1 (the slot joins no expert) where it lies outside [0, E), so that ids the API
+// was told not to check can never index past the E counters or rows.
+__device__ __forceinline__ int plan_id(const int32_t* __restrict__ ids, int64_t i, int E) {
+  const int x = ids[i];
+  return x >= 0 && x < E ? x : -1;
+}
+
 __global__ void __launch_bounds__(kThreads)
     plan_histogram_kernel(const int32_t* __restrict__ ids, int64_t num_slots, int E, int64_t chunk, int nchunks,
                           int32_t* __restrict__ ws) {
@@ -62,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
   // The trip count is the same for every thread, so the full-mask match is legal.
   for (int64_t i0 = begin; i0 < end; i0 += kThreads) {
     const int64_t i = i0 + threadIdx.x;
-    const int x = i < end ? ids[i] : -1;
+    const int x = i < end ? plan_id(ids, i, E) : -1;
     const unsigned peers = __match_any_sync(kFull, x);
     if (x >= 0 && (peers & below) == 0) atomicAdd(&hist[x], __popc(peers));
   }
@@ -132,7 +139,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t i = begin + 32 * (s0 + u) + lane;
-      x[u] = (s0 + u < steps && i < end) ? ids[i] : -1;
+      x[u] = (s0 + u < steps && i < end) ? plan_id(ids, i, E) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -160,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t i = begin + 32 * (s0 + u) + lane;
-      x[u] = (s0 + u < steps && i < end) ? ids[i] : -1;
+      x[u] = (s0 + u < steps && i < end) ? plan_id(ids, i, E) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -173,6 +180,8 @@ __global__ void __launch_bounds__(kThreads)
         row_to_slot[row] = static_cast<int32_t>(i);
         slot_to_row[i] = row;
         if ((peers & below) == 0) mine[x[u]] = base + __popc(peers);
+      } else if (s0 + u < steps && begin + 32 * (s0 + u) + lane < end) {
+        slot_to_row[begin + 32 * (s0 + u) + lane] = -1;  // an id out of range: no row
       }
       __syncwarp();
     }

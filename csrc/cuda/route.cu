@@ -400,7 +400,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     prob[j] = prob[j] / sum;
     dl[j] = 0.f;
   }
-  const int my_id = lane < K ? ids[static_cast<int64_t>(t) * K + lane] : 0;
+  // clamped into [0, E): ids the API did not check (check_indices false) never index past a token's E scores
+  const int my_id = lane < K ? min(max(ids[static_cast<int64_t>(t) * K + lane], 0), E - 1) : 0;
   const float g = lane < K ? grad_weights[static_cast<int64_t>(t) * K + lane] : 0.f;
   // dp[e] = grad_prob_mean[e] / T: the statistics' upstream gradient.
   float dp[kVPT];

@@ -35,6 +35,8 @@ class Config:
         (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
+        Off, ids out of range on a GPU join no expert (the kernels skip them: wrong numbers, never a read or
+        write outside a tensor); on the CPU they are always checked (no sync there).
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
     fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).

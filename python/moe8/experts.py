@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import _checks as _c
 from . import fused, ops
 from ._core import ACTIVATIONS, LAYOUTS, choice
 from .config import DEFAULT, Config
@@ -34,6 +35,10 @@ class ExpertLoRA(NamedTuple):
 
 
 def _check_lora(name: str, w: Tensor, A: Tensor, B: Tensor, kn: bool) -> None:
+    for part, t in (("A", A), ("B", B)):
+        _c.tensor(f"lora.{name}_{part}", t, 3, "of expert factors")
+        _c.floating(f"lora.{name}_{part}", t)  # cast to the weights' dtype, as documented on ExpertLoRA
+        _c.same_device(f"lora.{name}_{part}", t, name, w)
     E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
     r = A.shape[2 if kn else 1] if A.dim() == 3 else -1
     want = ((E, kd, r), (E, r, n)) if kn else ((E, r, kd), (E, n, r))
@@ -58,33 +63,87 @@ def _plus_low_rank(
     return c + ops.grouped_gemm(t, B, offsets, lay, None)
 
 
-def check_experts_args(x, ids, weights, gate_up, down, layout: str, activation: str) -> tuple[int, int]:
-    """The checks every experts_forward makes (ValueError naming the argument); returns the layout and
-    activation codes."""
+_MAX_EXPERTS = 512  # csrc/api/ops.cpp's kMaxExperts: the plan's per-block histograms
+
+
+def check_experts_args(
+    x,
+    ids,
+    weights,
+    gate_up,
+    down,
+    layout: str,
+    activation: str,
+    gate_up_bias=None,
+    down_bias=None,
+    names: tuple = ("x", "ids", "weights"),
+) -> tuple[int, int]:
+    """The checks every experts_forward makes (TypeError / ValueError naming the argument, expected vs
+    actual; see moe8._checks); returns the layout and activation codes. No values are read here. names: what
+    the caller calls x, ids and weights."""
+    nx, nids, nw = names
     lay = choice("layout", layout, LAYOUTS)
     act = choice("activation", activation, ACTIVATIONS)
-    if x.dim() != 2:
-        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"ids: expected shape [{x.shape[0]}, K], got {tuple(ids.shape)}")
+    _c.tensor(nx, x, 2, "[T, H]")
+    _c.floating(nx, x)
+    _c.tensor(nids, ids, 2, "[T, K]")
+    _c.index_dtype(nids, ids)
+    if ids.shape[0] != x.shape[0] or (ids.shape[1] < 1 and ids.shape[0] > 0):
+        raise ValueError(
+            f"{nids}: expected shape [{x.shape[0]}, K] ({nx}'s T, K >= 1), got {list(ids.shape)}"
+        )
+    _c.tensor(nw, weights)
+    _c.any_floating(nw, weights)  # cast to float32 by design: the sum is accumulated in fp32
     if weights.shape != ids.shape:
         raise ValueError(
-            f"weights: expected shape {tuple(ids.shape)} (same as ids), got {tuple(weights.shape)}"
+            f"{nw}: expected shape {list(ids.shape)} (same as {nids}), got {list(weights.shape)}"
         )
-    if gate_up.dim() != 3 or down.dim() != 3:
+    _c.tensor("gate_up", gate_up, 3, "of expert weights")
+    _c.tensor("down", down, 3, "of expert weights")
+    _c.same_dtype(nx, x, "gate_up", gate_up)
+    _c.same_dtype("down", down, "gate_up", gate_up)
+    E, H = gate_up.shape[0], x.shape[1]
+    if not 1 <= E <= _MAX_EXPERTS:
         raise ValueError(
-            f"gate_up, down: expected 3-d expert weights, got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+            f"gate_up: expected 1..{_MAX_EXPERTS} experts (dim 0), got shape {list(gate_up.shape)}"
         )
+    _c.dim_is("down", down, 0, E, "gate_up's number of experts")
+    n_up = gate_up.shape[1] if lay == 0 else gate_up.shape[2]  # 2I (gated) or I
+    _c.dim_is("gate_up", gate_up, 2 if lay == 0 else 1, H, f"{nx}'s hidden size H")
+    gated = act in (0, 1)
+    if gated and n_up % 2:
+        raise ValueError(f"gate_up: a gated activation expects an even 2I, got shape {list(gate_up.shape)}")
+    inter = n_up // 2 if gated else n_up
+    _c.dim_is("down", down, 1 if lay == 0 else 2, H, f"{nx}'s hidden size H")
+    _c.dim_is("down", down, 2 if lay == 0 else 1, inter, "gate_up's intermediate size I")
+    for name, t, n in (("gate_up_bias", gate_up_bias, n_up), ("down_bias", down_bias, H)):
+        if t is not None:
+            _c.tensor(name, t, 2, f"[E, {n}]")
+            _c.any_floating(name, t)
+            if list(t.shape) != [E, n]:
+                raise ValueError(f"{name}: expected shape [{E}, {n}], got {list(t.shape)}")
+    for name, t in ((nids, ids), (nw, weights), ("gate_up", gate_up), ("down", down)):
+        _c.same_device(name, t, nx, x)
+    for name, t in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None:
+            _c.same_device(name, t, nx, x)
     return lay, act
 
 
-def dispatch_plan(x: Tensor, ids: Tensor, gate_up: Tensor, pad_multiple: int = 1, check_ids: bool = True):
-    """x in the experts' dtype, top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot,
-    slot_to_row)."""
-    _, offsets, row_to_slot, slot_to_row = ops.plan(
-        ids.to(torch.int32).contiguous(), gate_up.shape[0], pad_multiple, check_ids
-    )
-    return x.to(gate_up.dtype).contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
+def dispatch_plan(
+    x: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    pad_multiple: int = 1,
+    check_ids: bool = True,
+    ids_name: str = "ids",
+):
+    """x (contiguous), top-k, and the plan of rows in expert order: (x, k, offsets, row_to_slot, slot_to_row).
+    The ids' values are checked as moe8._checks.ids says (on the host always, on a GPU when check_ids)."""
+    ids = _c.ids(ids_name, ids, gate_up.shape[0], check_ids)
+    traced_check = check_ids and torch.compiler.is_compiling()  # then the plan's own check (see _checks.ids)
+    _, offsets, row_to_slot, slot_to_row = ops.plan(ids, gate_up.shape[0], pad_multiple, traced_check)
+    return x.contiguous(), ids.shape[1], offsets, row_to_slot, slot_to_row
 
 
 def experts_forward(
@@ -108,14 +167,19 @@ def experts_forward(
 ) -> Tensor:
     """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), accumulated in fp32.
 
-    x [T, H]; ids [T, K] int; weights [T, K]; layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
+    x [T, H] float32 / float16 / bfloat16, the dtype of gate_up and down (never cast: another dtype is a
+    TypeError); ids [T, K] any integer dtype, values in [0, E); weights [T, K] any float dtype (cast to float32,
+    where the sum is accumulated); layout "nk": gate_up [E, 2I, H], down [E, H, I] (HF);
     layout "kn": gate_up [E, H, 2I], down [E, I, H] (GPT-OSS). Ungated activations use gate_up [E, I, H].
     lora: low-rank updates of gate_up and down (ExpertLoRA), computed through the grouped GEMM.
     fp8: the expert GEMMs' precision when not the config's: None (config.fp8), "none", an FP8 recipe
     ("blockwise", "rowwise", "tensorwise", a moe8.fp8.Float8Recipe) or a moe8.precision strategy (e.g.
     Fp8Gemms("blockwise", cache=None) to quantise the weights at every call).
-    check_ids: range-check ids on the device (a host sync on CUDA, which also keeps the call out of CUDA
+    check_ids: range-check ids on the GPU (a host sync on CUDA, which also keeps the call out of CUDA
     graphs); default True here, config.check_ids when a config is passed; pass False for ids from a top-k.
+    Unsafe only in what it computes: unchecked ids out of range on a GPU join no expert (their slots add
+    nothing), never a read or write outside a tensor. Ids on the CPU are always checked (no sync there).
+    Every bad argument raises TypeError (dtype) or ValueError (shape, device, value) naming it.
     config: a moe8.Config (routed_down, consume_gate_up, fused_lora_add, fp8, check_ids); default
     moe8.config.DEFAULT.
     """
@@ -123,7 +187,7 @@ def experts_forward(
         check_ids = True if config is None else config.check_ids
     cfg = DEFAULT if config is None else config
     prec = precision(cfg.fp8 if fp8 is None else fp8)
-    lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
+    lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation, gate_up_bias, down_bias)
     if lora is not None and prec is not BF16:
         raise ValueError(f"fp8: FP8 experts with LoRA are not supported yet; got {prec!r} with lora")
     if lora is not None:

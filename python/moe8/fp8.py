@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import _checks as _c
 from ._core import C as _C
 from ._core import make_direct, sm90_workspace
 from ._core import stream as _stream
@@ -93,6 +94,9 @@ def quantize_rows_1x128(
     one pass): x is the token matrix [T, K] and row r is x[row_to_slot[r] // k] (-1: zeros, scale 1).
     slot_to_row [T*k] (the plan's inverse of row_to_slot, optional): the same bits; on a GPU each token is
     then read and quantised once and its codes stored to its k rows (k <= 8) instead of once per row."""
+    _c.tensor("x", x, 2, "[R, K]")
+    if row_to_slot is not None:
+        _c.tensor("row_to_slot", row_to_slot, 1, "[R']")
     rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
     q, scale = _u8((rows, x.shape[1]), x), _f32((rows, _blocks(x.shape[1])), x)
     _C.quantize_rows_1x128(x, row_to_slot, k, q, scale, _stream(x), False, slot_to_row)
@@ -110,6 +114,7 @@ def _(x, row_to_slot, k, slot_to_row=None):
 @torch.library.custom_op("moe8::quantize_weight_128x128", mutates_args=())
 def quantize_weight_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [E, N, K] -> q [E, N, K] uint8, scale [E, ceil(N/128), ceil(K/128)] f32."""
+    _c.tensor("w", w, 3, "[E, N, K]")
     E, N, K = w.shape
     q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
     _C.quantize_weight_128x128(w, q, scale, _stream(w))
@@ -128,6 +133,7 @@ def _(w):
 def quantize_weight_128x128_pair(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """w [E, N, K] -> quantize_weight_128x128's q, scale and, from the same pass, the other layout's copy:
     q_t [E, K, N] and scale_t [E, ceil(K/128), ceil(N/128)], q and scale transposed (the same square blocks)."""
+    _c.tensor("w", w, 3, "[E, N, K]")
     E, N, K = w.shape
     q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
     q_t, scale_t = _u8((E, K, N), w), _f32((E, _blocks(K), _blocks(N)), w)
@@ -177,6 +183,8 @@ def swiglu_quant(
 ) -> tuple[Tensor, Tensor]:
     """Activation (kind as in moe8.ops.ACTIVATIONS) fused with 1x128 quantisation of its output:
     h [R, 2I] (gated) or [R, I] -> q [R, I] uint8, scale [R, ceil(I/128)]."""
+    _c.tensor("h", h, 2, "[R, 2I] or [R, I]")
+    _c.integer("kind", kind, 0, 3)
     width = h.shape[1] // 2 if kind in (0, 1) else h.shape[1]
     q, scale = _u8((h.shape[0], width), h), _f32((h.shape[0], _blocks(width)), h)
     _C.swiglu_quant(h, kind, interleaved, alpha, limit, q, scale, _stream(h))
@@ -243,6 +251,10 @@ def grouped_gemm_fp8(
     """Blockwise-scaled FP8 grouped GEMM, c[r] = a[r] . b[e]^T for the rows r of expert e:
     a [R, K] e4m3, a_scale [R, ceil(K/128)], b [E, N, K] e4m3, b_scale [E, ceil(N/128), ceil(K/128)],
     offsets [E+1] -> c [R, N] of `dtype` (bfloat16 takes the Hopper kernel on an H100/H200)."""
+    _c.tensor("a", a, 2, "[R, K]")
+    _c.tensor("b", b, 3, "[E, N, K]")
+    if dtype not in _c.FLOATS:
+        raise TypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
     c = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)
     _C.grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, _stream(a), False, _fp8_workspace(a, b.shape[0]))
     return c
@@ -268,6 +280,11 @@ def grouped_gemm_fp8_wgrad(
     [K, R], a_scale) -> db [E, N, K] of `dtype`. On a GPU only the Hopper kernel exists (bfloat16 out, every
     offsets[e] a multiple of 16: plan with pad_multiple 16). check_offsets: validate offsets on the device
     (a host sync); False for offsets from moe8's own plan."""
+    _c.tensor("dc_t", dc_t, 2, "[N, R]")
+    _c.tensor("a_t", a_t, 2, "[K, R]")
+    _c.tensor("offsets", offsets, 1, "[E + 1]")
+    if dtype not in _c.FLOATS:
+        raise TypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
     E = offsets.shape[0] - 1
     db = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=dtype, device=dc_t.device)
     ws = sm90_workspace(dc_t, E, "grouped_gemm_fp8_wgrad_workspace_bytes")

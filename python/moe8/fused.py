@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _checks as _c
 from ._core import C as _C
 from ._core import make_direct
 from ._core import stream as _stream
@@ -154,7 +155,7 @@ def _al_setup(ctx, inputs, output):
 
 
 def _al_bwd(ctx, g):
-    h, w, offsets = ctx.saved_tensors
+    h, w, offsets = _c.saved(ctx, ctx.consume_h)
     prec, g = from_code(ctx.precision), g.contiguous()
     dh = dw = dbias = None
     if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
@@ -329,7 +330,7 @@ def _adc_setup(ctx, inputs, output):
 
 
 def _adc_bwd(ctx, g):
-    h, w, offsets, weights, row_to_slot, slot_to_row = ctx.saved_tensors
+    h, w, offsets, weights, row_to_slot, slot_to_row = _c.saved(ctx, ctx.consume_h)
     lay, prec, g, k = ctx.layout, from_code(ctx.precision), g.contiguous(), weights.shape[1]
     g_rows = (g, row_to_slot, k, slot_to_row)  # the rows the down projection's dgrad reads: g gathered
     dh, dw, d_weights = routed_down_backward(

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from . import _checks as _c
 from . import ops
 from ._core import choice
 from .experts import ExpertLoRA, check_experts_args, dispatch_plan, experts_forward  # noqa: F401
@@ -39,7 +40,13 @@ def route(
     logits -> softmax over the k [GPT-OSS].
     """
     s = choice("scheme", scheme, ops.SCHEMES)
+    _c.tensor("logits", logits, 2, "[T, E]")
+    _c.floating("logits", logits)
+    k = _c.integer("k", k, 1, logits.shape[1])
     if bias is not None:
+        _c.tensor("bias", bias, 1, f"[E] = [{logits.shape[1]}]")
+        _c.any_floating("bias", bias)  # cast to float32 by design (the router adds it in fp32)
+        _c.same_device("bias", bias, "logits", logits)
         bias = bias.detach().float().contiguous()
     out = ops.route(
         logits.contiguous(), bias, s, int(k), bool(renormalize), int(n_group), int(topk_group), float(scaling)
@@ -47,13 +54,23 @@ def route(
     return RouteOut(*out)
 
 
+def _route_out(name: str, r) -> None:
+    if not isinstance(r, RouteOut):
+        raise TypeError(f"{name}: expected a moe8.RouteOut (what moe8.route returns), got {type(r).__name__}")
+
+
 def load_balancing_loss(r: RouteOut) -> Tensor:
-    """Switch-style aux loss E * sum_e f_e * P_e (f: token fraction, P: mean probability)."""
+    """Switch-style aux loss E * sum_e f_e * P_e (f: token fraction, P: mean probability). 0 for 0 tokens
+    (both statistics are 0 then)."""
+    _route_out("r", r)
     return r.prob_mean.numel() * (r.token_frac * r.prob_mean).sum()
 
 
 def z_loss(r: RouteOut) -> Tensor:
-    return (r.lse**2).mean()
+    """Router z-loss mean_t(logsumexp(logits_t)^2); 0 (not NaN) for 0 tokens, so that an empty micro-batch
+    adds nothing."""
+    _route_out("r", r)
+    return (r.lse**2).sum() / max(r.lse.numel(), 1)
 
 
 def moe_forward(
@@ -70,8 +87,17 @@ def moe_forward(
     scaling: float = 1.0,
     **expert_kwargs,
 ) -> tuple[Tensor, RouteOut]:
-    """A whole MoE layer: x [T, H], router_weight [E, H] -> (y [T, H], RouteOut). The ids come from the
-    router's top-k, so they are not range-checked again (no host sync) unless check_ids=True is passed."""
+    """A whole MoE layer: x [T, H], router_weight [E, H] (x's dtype and device; E = gate_up's experts) ->
+    (y [T, H], RouteOut). The ids come from the router's top-k, so they are not range-checked again on a GPU
+    (no host sync) unless check_ids=True is passed. Bad arguments: TypeError / ValueError naming them."""
+    _c.tensor("x", x, 2, "[T, H]")
+    _c.floating("x", x)
+    _c.tensor("router_weight", router_weight, 2, "[E, H]")
+    _c.same_dtype("router_weight", router_weight, "x", x)
+    _c.same_device("router_weight", router_weight, "x", x)
+    _c.dim_is("router_weight", router_weight, 1, x.shape[1], "x's hidden size H")
+    _c.tensor("gate_up", gate_up, 3, "of expert weights")
+    _c.dim_is("router_weight", router_weight, 0, gate_up.shape[0], "gate_up's number of experts E")
     logits = x @ router_weight.t()  # [T, E]
     r = route(logits, k, scheme, renormalize, router_bias, n_group, topk_group, scaling)
     expert_kwargs.setdefault("check_ids", False)

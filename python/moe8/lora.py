@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _checks as _c
 from . import hf
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")
@@ -116,6 +117,11 @@ def apply_lora(
         model is accelerated here, and a model moe8 can't run raises ValueError.
     dropout: on the LoRA branches' input, in training mode.
     """
+    r = _c.integer("r", r, 1)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise TypeError(f"alpha: expected a number, got {type(alpha).__name__}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout: expected 0 <= dropout < 1, got {dropout}")
     base = _base(model)
     if hasattr(base, "_moe8_lora"):
         raise ValueError("moe8.lora.apply_lora: the model already has moe8 LoRA")

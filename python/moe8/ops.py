@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _checks as _c
 from ._core import ACTIVATIONS, LAYOUTS, SCHEMES, sm90_workspace, sm90_workspace_bytes  # noqa: F401
 from ._core import C as _C
 from ._core import gated as _gated
@@ -34,6 +35,9 @@ def plan(
     """ids [T, K] int32 -> counts [E], offsets [E+1], row_to_slot [R], slot_to_row [T*K] (all int32).
     check_ids: range-check the ids (one device sync on CUDA); pass False for ids from a top-k over
     num_experts scores."""
+    _c.tensor("ids", ids, 2, "[T, K]")
+    _c.integer("num_experts", num_experts, 1)
+    _c.integer("pad_multiple", pad_multiple, 1)
     slots = ids.numel()
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
@@ -82,6 +86,9 @@ def gather_rows(
     """dst[r] = scale[slot] * src[slot // k] (0 where slot < 0); src [T, H] -> dst [R, H]. slot_to_row [T*k]
     (the plan's inverse of row_to_slot, optional): the same result; on a GPU each token is then read once and
     stored to its k rows (k <= 8) instead of read once per row."""
+    _c.tensor("src", src, 2, "[T, H]")
+    _c.tensor("row_to_slot", row_to_slot, 1, "[R]")
+    _c.integer("k", k, 1)
     dst = src.new_empty(row_to_slot.shape[0], src.shape[1])
     _C.gather_rows(src, row_to_slot, k, scale, dst, _stream(src), False, slot_to_row)
     return dst
@@ -95,6 +102,8 @@ def _(src, row_to_slot, k, scale, slot_to_row=None):
 @torch.library.custom_op("moe8::combine_rows", mutates_args=())
 def combine_rows(rows: Tensor, slot_to_row: Tensor, weights: Optional[Tensor]) -> Tensor:
     """out[t] = sum_k weights[t, k] * rows[slot_to_row[t, k]]; slot_to_row [T, K] -> out [T, H]."""
+    _c.tensor("rows", rows, 2, "[R, H]")
+    _c.tensor("slot_to_row", slot_to_row, 2, "[T, K]")
     out = rows.new_empty(slot_to_row.shape[0], rows.shape[1])
     _C.combine_rows(rows, slot_to_row, weights, out, _stream(rows), False)
     return out
@@ -107,6 +116,8 @@ def _(rows, slot_to_row, weights):
 
 @torch.library.custom_op("moe8::combine_weights_grad", mutates_args=())
 def combine_weights_grad(dy: Tensor, rows: Tensor, slot_to_row: Tensor) -> Tensor:
+    _c.tensor("dy", dy, 2, "[T, H]")
+    _c.tensor("slot_to_row", slot_to_row, 2, "[T, K]")
     d_weights = torch.empty(slot_to_row.shape, dtype=torch.float32, device=dy.device)
     _C.combine_weights_grad(dy, rows, slot_to_row, d_weights, _stream(dy), False)
     return d_weights
@@ -120,6 +131,13 @@ def _(dy, rows, slot_to_row):
 @torch.library.custom_op("moe8::permute", mutates_args=())
 def permute(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, k: int) -> Tensor:
     """Tokens into expert order: x [T, H] -> rows [R, H]. Backward is a gather-sum (no atomics)."""
+    _c.tensor("x", x, 2, "[T, H]")
+    _c.tensor("slot_to_row", slot_to_row)
+    _c.integer("k", k, 1)
+    if slot_to_row.numel() != x.shape[0] * k:
+        raise ValueError(
+            f"slot_to_row: expected {x.shape[0] * k} slots (x's T x k), got {list(slot_to_row.shape)}"
+        )
     return gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
 
 
@@ -144,6 +162,12 @@ permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
 @torch.library.custom_op("moe8::combine", mutates_args=())
 def combine(rows: Tensor, weights: Tensor, slot_to_row: Tensor, row_to_slot: Tensor) -> Tensor:
     """Expert rows back to tokens, weighted: rows [R, H], weights [T, K] f32 -> y [T, H]."""
+    _c.tensor("weights", weights, 2, "[T, K]")
+    _c.tensor("slot_to_row", slot_to_row)
+    if slot_to_row.numel() != weights.numel():
+        raise ValueError(
+            f"slot_to_row: expected {weights.numel()} slots (weights' T x K), got shape {list(slot_to_row.shape)}"
+        )
     return combine_rows(rows, slot_to_row.view(weights.shape), weights)
 
 
@@ -176,9 +200,17 @@ combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 
 
 # --------------------------------------------------------------------------------------- grouped GEMM
+def _layout(layout: int) -> None:
+    if layout not in (0, 1):
+        raise ValueError(f"layout: expected 0 (b [E, N, K]) or 1 (b [E, K, N]), got {layout!r}")
+
+
 @torch.library.custom_op("moe8::grouped_gemm", mutates_args=())
 def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optional[Tensor]) -> Tensor:
     """c[r] = a[r] . op(b[e]) + bias[e] for rows r of expert e. layout 0: b [E, N, K]; 1: b [E, K, N]."""
+    _c.tensor("a", a, 2, "[R, K]")
+    _c.tensor("b", b, 3, "[E, N, K] or [E, K, N]")
+    _layout(layout)
     n = b.shape[1] if layout == 0 else b.shape[2]
     c = a.new_empty(a.shape[0], n)
     _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False, sm90_workspace(a, b.shape[0]))
@@ -195,6 +227,10 @@ def grouped_gemm_wgrad(
     a: Tensor, dc: Tensor, offsets: Tensor, layout: int, num_experts: int, with_bias: bool
 ) -> tuple[Tensor, Tensor]:
     """d b (shape of b for `layout`) and d bias [E, N] (empty when with_bias is False)."""
+    _c.tensor("a", a, 2, "[R, K]")
+    _c.tensor("dc", dc, 2, "[R, N]")
+    _layout(layout)
+    _c.integer("num_experts", num_experts, 1)
     kd, n = a.shape[1], dc.shape[1]
     db = a.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
     dbias = a.new_empty(num_experts, n) if with_bias else a.new_empty(0)
@@ -262,6 +298,7 @@ def grouped_lowrank_add(h: Tensor, t: Tensor, b: Tensor, offsets: Tensor, layout
     """h + grouped_gemm(t, b, offsets, layout, None) in one pass over h: the expert LoRA's B projection
     (t [R, r], b [E, N, r] or [E, r, N]) added to the base GEMM's output h [R, N]; the rank sum is added in
     fp32 and rounded once. Rows in no group get h."""
+    _layout(layout)
     out = torch.empty_like(h)
     _C.grouped_lowrank_add(h, t, b, offsets, layout, out, _stream(h), False)
     return out
@@ -297,6 +334,8 @@ def activation(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: flo
 
 
 def _activation_forward(h: Tensor, kind: int, interleaved: bool, alpha: float, limit: float) -> Tensor:
+    _c.tensor("h", h, 2, "[R, 2I] or [R, I]")
+    _c.integer("kind", kind, 0, 3)
     out = _activation_out(h, kind, interleaved, alpha, limit)
     _C.activation_forward(h, kind, interleaved, alpha, limit, out, _stream(h))
     return out
@@ -362,7 +401,7 @@ activation.register_autograd(_act_bwd, setup_context=_act_setup)
 
 
 def _act_consuming_bwd(ctx, g):
-    (h,) = ctx.saved_tensors
+    (h,) = _c.saved(ctx, consumed=True)
     return activation_grad(h, g.contiguous(), ctx.params, in_place=True), None, None, None, None
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _checks as _c
 from ._core import C as _C
 from ._core import make_direct as _make_direct
 from ._core import stream as _stream
@@ -26,7 +27,9 @@ def route(
     scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """logits [T, E] -> ids [T, k] int32, weights [T, k] f32, prob_mean [E], token_frac [E], lse [T]."""
-    T, E = logits.shape if logits.dim() == 2 else (0, 0)
+    _c.tensor("logits", logits, 2, "[T, E]")
+    _c.integer("k", k, 1, logits.shape[1])
+    T, E = logits.shape
     dev = logits.device
     ids = torch.empty(T, k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, k, dtype=torch.float32, device=dev)

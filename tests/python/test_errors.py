@@ -106,7 +106,7 @@ def test_plan_errors():
     raises(r"row_to_slot: expected at least 4 rows", call, r2s=i32(3))
     raises(r"slot_to_row: expected dtype int32, got float32", call, s2r=f32(4))
     raises(r"ids: expected dtype int32, got int64", call, ids.long())
-    with pytest.raises(ValueError, match=r"ids: expected values in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"ids: expected expert ids in \[0, 4\).*found 1 out of range"):
         moe8.experts_forward(
             torch.randn(2, 8), ids + 1, torch.ones(2, 2), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
         )
@@ -345,7 +345,7 @@ def test_python_front_errors():
             torch.randn(2, 8, 3),
             layout="mk",
         )
-    with pytest.raises(ValueError, match=r"weights: expected shape \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"weights: expected shape \[2, 1\] \(same as ids\), got \[2, 2\]"):
         moe8.experts_forward(
             torch.randn(2, 8),
             torch.zeros(2, 1, dtype=torch.int32),
@@ -362,7 +362,7 @@ def test_python_front_errors():
             torch.randn(2, 8, 3),
         )
     with pytest.raises(
-        ValueError, match=r"gate_up: expected shape \[2, \*, 8\]|b: expected shape \[2, \*, 8\]"
+        ValueError, match=r"gate_up: expected x's hidden size H = 8 \(dim 2\), got shape \[2, 6, 7\]"
     ):
         moe8.experts_forward(
             torch.randn(2, 8),
@@ -371,3 +371,84 @@ def test_python_front_errors():
             torch.randn(2, 6, 7),
             torch.randn(2, 8, 3),
         )
+
+
+def _moe_inputs(T=5, H=8, I=6, E=4, K=2):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, ids, torch.rand(T, K, generator=g), gate_up, down
+
+
+def test_composites_name_the_callers_argument():
+    x, ids, w, gu, dn = _moe_inputs()
+    E = gu.shape[0]
+
+    def fwd(**kw):
+        a = dict(x=x, ids=ids, weights=w, gate_up=gu, down=dn) | kw
+        return moe8.experts_forward(a["x"], a["ids"], a["weights"], a["gate_up"], a["down"])
+
+    with pytest.raises(
+        ValueError, match=r"router_weight: expected gate_up's number of experts E = 4 \(dim 0\)"
+    ):
+        moe8.moe_forward(x, torch.randn(2 * E, 8), gu, dn, 2)
+    with pytest.raises(ValueError, match=r"router_weight: expected x's hidden size H = 8"):
+        moe8.moe_forward(x, torch.randn(E, 9), gu, dn, 2)
+    for k in (-1, 0, E + 1):
+        with pytest.raises(ValueError, match=rf"k: expected 1 <= k <= 4, got {k}"):
+            moe8.moe_forward(x, torch.randn(E, 8), gu, dn, k)
+    with pytest.raises(
+        ValueError, match=r"down: expected gate_up's number of experts = 4 \(dim 0\), got shape \[3,"
+    ):
+        fwd(down=dn[:3])
+    with pytest.raises(ValueError, match=r"down: expected x's hidden size H = 8 \(dim 1\)"):
+        fwd(down=torch.randn(E, 9, 6))
+    with pytest.raises(ValueError, match=r"down: expected gate_up's intermediate size I = 6 \(dim 2\)"):
+        fwd(down=torch.randn(E, 8, 5))
+    with pytest.raises(TypeError, match=r"x: expected dtype .*, got torch.int32"):
+        fwd(x=x.int())
+    with pytest.raises(TypeError, match=r"x: expected dtype .*, got torch.float64"):
+        fwd(x=x.double())
+    with pytest.raises(
+        TypeError, match=r"x: expected dtype torch.float32 \(same as gate_up\), got torch.float16"
+    ):
+        fwd(x=x.half())
+    with pytest.raises(TypeError, match=r"weights: expected a floating-point dtype, got torch.int64"):
+        fwd(weights=torch.ones_like(ids))
+    with pytest.raises(TypeError, match=r"ids: expected an integer dtype .*, got torch.float32"):
+        fwd(ids=ids.float())
+
+
+@pytest.mark.parametrize("check_ids", [True, False])
+def test_ids_out_of_range_are_errors_on_the_cpu_whatever_check_ids(check_ids):
+    x, ids, w, gu, dn = _moe_inputs()
+    for bad in (4, -1, 2**32 + 1, 2**31):  # 2**32 + 1 would wrap to expert 1 if narrowed first
+        bad_ids = ids.long().clone()
+        bad_ids[2, 1] = bad
+        with pytest.raises(ValueError, match=r"ids: expected expert ids in \[0, 4\).*found 1 out of range"):
+            moe8.experts_forward(x, bad_ids, w, gu, dn, check_ids=check_ids)
+
+
+def test_raw_ops_check_index_values_on_the_cpu():
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"row_to_slot: expected values in \[-1, 8\), found 1 out of range"):
+        moe8.ops.gather_rows(x, torch.tensor([0, 8], dtype=torch.int32), 2, None)
+    with pytest.raises(ValueError, match=r"slot_to_row: expected values in \[-1, 4\), found 1 out of range"):
+        moe8.ops.combine_rows(x, torch.tensor([[0, 4]], dtype=torch.int32), None)
+    a, b = torch.randn(6, 3), torch.randn(2, 5, 3)
+    with pytest.raises(ValueError, match=r"offsets: expected offsets\[E\] <= 6 rows, got 7"):
+        moe8.ops.grouped_gemm(a, b, torch.tensor([0, 2, 7], dtype=torch.int32), 0, None)
+    with pytest.raises(ValueError, match=r"offsets: expected nondecreasing values"):
+        moe8.ops.grouped_gemm(a, b, torch.tensor([0, 4, 2], dtype=torch.int32), 0, None)
+    with pytest.raises(ValueError, match=r"layout: expected 0 .* or 1"):
+        moe8.ops.grouped_gemm(a, b, torch.tensor([0, 4, 6], dtype=torch.int32), 2, None)
+    with pytest.raises(ValueError, match=r"k: expected 1 <= k <= 4, got -1"):
+        moe8.route(torch.randn(3, 4), -1)
+
+
+def test_router_losses_of_zero_tokens_are_zero():
+    r = moe8.route(torch.randn(0, 4, requires_grad=True), 2)
+    assert moe8.z_loss(r).item() == 0.0 and moe8.load_balancing_loss(r).item() == 0.0
+    with pytest.raises(TypeError, match=r"r: expected a moe8.RouteOut"):
+        moe8.z_loss(torch.zeros(3))

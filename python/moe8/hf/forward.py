@@ -8,8 +8,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from moe8 import _checks as _c
 from moe8 import experts as _experts
 from moe8.config import Config
+from moe8.experts import check_experts_args
 
 from .families import TABLE, experts_spec
 from .registry import registry
@@ -28,7 +30,9 @@ def module_config(module) -> Config:
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The "moe8" entry of ALL_EXPERTS_FUNCTIONS, called as the experts module's forward.
 
-    hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H] in hidden_states' dtype.
+    hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H] in hidden_states' dtype
+    (hidden_states are cast to the experts' dtype and back, as transformers' own experts do). A bad argument
+    raises TypeError / ValueError naming it (moe8.experts.check_experts_args).
     """
     spec = experts_spec(self)
     if isinstance(spec, str) and hasattr(self, "gate_up_lora_A"):
@@ -45,6 +49,12 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     cfg = module_config(self)
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    _c.tensor("hidden_states", hidden_states, 2, "[T, H]")
+    _c.floating("hidden_states", hidden_states)  # cast to the experts' dtype below, and the result back
+    check_experts_args(hidden_states.to(self.gate_up_proj.dtype), top_k_index, top_k_weights, self.gate_up_proj,
+                       self.down_proj, spec.get("layout", "nk"), spec.get("activation", "swiglu"),
+                       names=names)  # fmt: skip
     extra = {}
     if self.has_bias:
         extra = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
@@ -59,7 +69,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         )
         extra["fp8"] = "none"  # FP8 experts with LoRA are not supported yet: these stay in bf16
     return _experts.experts_forward(
-        hidden_states,
+        hidden_states.to(self.gate_up_proj.dtype),
         top_k_index,
         top_k_weights,
         self.gate_up_proj,
