@@ -52,10 +52,10 @@ class Config:
     consume_gate_up: bool = True
     fused_lora_add: bool = False
     check_ids: bool = False
-    fuse_router: bool = False
-    fuse_norm: bool = False
-    fuse_rope: bool = False
-    fuse_loss: bool = False
+    fuse_router: bool = True
+    fuse_norm: bool = True
+    fuse_rope: bool = True
+    fuse_loss: bool = True
     transport: str = "auto"
 
     def __post_init__(self):

@@ -212,7 +212,8 @@ def _causal_lm_loss(
 class _FusedLoss:
     """What fuse_causal_lm_loss installs on one model: while a training forward with labels runs, the LM head
     passes the hidden states through and the model's loss_function computes the loss from them chunk by
-    chunk; any other call (no labels, no grad, logits_to_keep, return_dict=False) is transformers' own."""
+    chunk; any other call (no labels, no grad, logits_to_keep, return_dict=False, a head replaced since) is
+    transformers' own."""
 
     def __init__(self, model, head: nn.Linear, chunk: Optional[int]):
         self.head, self.chunk, self.active = head, chunk, False
@@ -229,7 +230,8 @@ class _FusedLoss:
     def pre(self, module, args, kwargs):  # labels as a keyword, as transformers' Trainer passes them
         keep = kwargs.get("logits_to_keep", 0)
         self.active = (
-            kwargs.get("labels") is not None
+            module.get_output_embeddings() is self.head  # not swapped since (a LoRA wrapper around it)
+            and kwargs.get("labels") is not None
             and kwargs.get("return_dict") is not False  # a tuple would hold the hidden states as its logits
             and torch.is_grad_enabled()
             and isinstance(keep, int)
