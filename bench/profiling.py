@@ -179,7 +179,7 @@ def _dims(e):
 
 def classify_trace(trace: dict, vocab: tuple) -> dict:
     """Where one step's device time goes, from a Chrome trace of it (torch.profiler, record_shapes=True):
-    {category: ms} over CATEGORIES, "idle" (the span from the first CPU op to the last GPU event minus the
+    {category: ms} over CATEGORIES, "idle" (the span from the first CPU event to the last event minus the
     union of kernel time), "span" and "busy". A GPU kernel is attributed through the CPU ops that launched it
     (a CPU-only trace: each innermost CPU op stands for a kernel). Rules, first match wins: the optimizer
     (torch's Optimizer.step range); the LM head and loss (an op with one of the `vocab` sizes among its input
@@ -263,8 +263,8 @@ def classify_trace(trace: dict, vocab: tuple) -> dict:
         elif b > t:
             busy += b - t
             t = b
-    starts = [float(e["ts"]) for e in cpu_ops] + [a for a, _ in spans]
-    ends = [b for _, b in spans] + [float(e["ts"]) + float(e["dur"]) for e in cpu_ops]
+    starts = [float(e["ts"]) for e in host] + [a for a, _ in spans]
+    ends = [b for _, b in spans] + [float(e["ts"]) + float(e["dur"]) for e in host]
     span = (max(ends) - min(starts)) / 1e3 if starts else 0.0
     out["idle"] = max(0.0, span - busy / 1e3)
     out["span"], out["busy"] = span, busy / 1e3

@@ -35,13 +35,16 @@ class Config:
         (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
+    The four fusions of the HF integration are on by default (each keeps transformers' results: < 1e-5 in
+    fp32, tests/python/test_hf.py); False opts out:
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
     fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).
     fuse_rope: rotary embeddings with one fused kernel per tensor (process-wide while on: transformers'
-        attention looks the function up in its modeling module).
+        attention looks the function up in its modeling module; moe8.disable() restores it).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
-        [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
+        [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels; any vocabulary
+        size runs aligned GEMMs, moe8.loss.padded_vocab).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).

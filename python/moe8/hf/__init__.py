@@ -5,6 +5,9 @@
     moe8.accelerate(model)   # or switch one model that already exists
     moe8.disable()           # back to transformers' own experts implementation
 
+Routers, RMSNorms, RoPE and the training loss are fused too by default (moe8.Config's fuse_* fields, each an
+opt-out: `moe8.enable(fuse_loss=False)`).
+
 transformers v5 fuses each MoE layer's experts into one module with 3D parameters (`gate_up_proj`,
 `down_proj`, GPT-OSS also biases) and looks its forward up by name in `ALL_EXPERTS_FUNCTIONS`, from
 `config._experts_implementation`. moe8 registers itself there as "moe8": the router, the parameters,

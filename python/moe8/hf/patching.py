@@ -187,8 +187,9 @@ def enable(families=None, config: Config | None = None, **fields):
 
     families: config.model_type names to accelerate (default: all of moe8.hf.FAMILIES).
     config, **fields: the moe8.Config these models get (fields override config's; see moe8.Config: fp8,
-        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). fuse_rope patches
-        the families' modeling modules right away (process-wide, until disable()).
+        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). The four fusions are
+        on by default (fuse_loss=False etc. opts out): in a training forward with labels outputs.logits is
+        None. fuse_rope patches the families' modeling modules right away (process-wide, until disable()).
     """
     cfg = _config(DEFAULT, config, fields)
     families = _families(families)
@@ -204,7 +205,9 @@ def accelerate(model, families=None, config: Config | None = None, **fields):
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
     config, **fields: the model's moe8.Config (see moe8.Config); fields change the model's current Config
-    (the one enable() gave it, or the default) when no config is given. fp8="none" switches FP8 off.
+    (the one enable() gave it, or the default: every fusion on) when no config is given. fp8="none" switches
+    FP8 off; fuse_loss=False keeps outputs.logits in training forwards; fuse_rope patches the family's
+    modeling module (process-wide, until disable()).
     """
     _transformers()
     from transformers.modeling_utils import PreTrainedModel
