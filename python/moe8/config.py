@@ -45,6 +45,9 @@ class Config:
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
         [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels; any vocabulary
         size runs aligned GEMMs, moe8.loss.padded_vocab).
+    fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
+        bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
+        measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).
@@ -59,6 +62,7 @@ class Config:
     fuse_norm: bool = True
     fuse_rope: bool = True
     fuse_loss: bool = True
+    fuse_mlp: bool = False
     transport: str = "auto"
 
     def __post_init__(self):
@@ -77,6 +81,7 @@ class Config:
             "fuse_norm",
             "fuse_rope",
             "fuse_loss",
+            "fuse_mlp",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

@@ -339,6 +339,43 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     assert mod.apply_rotary_pos_emb is own
 
 
+@pytest.mark.parametrize("family", sorted(hf.MLPS))
+def test_fused_mlp_matches_transformers(family, monkeypatch):
+    """fuse_mlp=True: each gated dense MLP (shared experts, dense layers) runs gate+up as one GEMM and moe8's
+    SwiGLU kernel; outputs and every gradient match transformers; disable() restores the class forward."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only(), fuse_mlp=True)
+    mlps = [m for m in acc.modules() if type(m).__name__ == hf.MLPS[family]]
+    n = {"act": 0}
+    act = moe8.ops.activation
+    monkeypatch.setattr(moe8.ops, "activation", lambda *a: n.__setitem__("act", n["act"] + 1) or act(*a))
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    run(hf.accelerate(twin(ref, accelerate=False), **only()).train(), ids)  # the experts' own calls
+    experts_calls, n["act"] = n["act"], 0
+    out_a, grads_a = run(acc, ids)
+    assert n["act"] - experts_calls == len(mlps)  # one per MLP
+    if family != "olmoe":  # OLMoE's MLP class exists, its models have only MoE layers
+        assert len(mlps) > 0
+    assert_same(out_r, grads_r, out_a, grads_a)
+    hf.disable()
+    assert not any(type(m).forward is hf.mlp_forward for m in mlps)
+    n["act"] = 0
+    assert_same(out_r, grads_r, *run(acc, ids))
+    assert n["act"] == 0  # transformers' experts and MLPs again
+
+
+def test_fused_mlp_leaves_wrapped_projections_alone():
+    """An MLP whose projections are not plain nn.Linear (LoRA) runs its own forward under fuse_mlp."""
+    model = hf.accelerate(build("qwen3_moe"), **only(), fuse_mlp=True)
+    mlp = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeMLP")
+    x = torch.randn(3, mlp.gate_proj.in_features)
+    want = mlp(x)
+    mlp.up_proj = torch.nn.Sequential(mlp.up_proj)
+    assert torch.allclose(mlp(x), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", hf.FAMILIES)
 def test_fused_loss_matches_transformers(family):
     """fuse_loss=True: the training loss from the hidden states, chunk by chunk, without logits (outputs.logits

@@ -12,6 +12,7 @@ from moe8.config import DEFAULT, Config
 
 from .families import (
     FAMILIES,
+    MLPS,
     NORMS,
     ROPE_FAMILIES,
     ROUTERS,
@@ -19,7 +20,7 @@ from .families import (
     experts_spec,
     is_experts_module,
 )
-from .forward import NAME, _noticed, experts_forward, norm_forward, router_forward
+from .forward import NAME, _noticed, experts_forward, mlp_forward, norm_forward, router_forward
 from .registry import registry
 
 
@@ -109,6 +110,8 @@ def _apply(model, cfg: Config) -> None:
         _fuse(model, ROUTERS, router_forward)
     if cfg.fuse_norm:
         _fuse(model, NORMS, norm_forward)
+    if cfg.fuse_mlp:
+        _fuse(model, MLPS, mlp_forward)
     if cfg.fuse_rope:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_loss:
