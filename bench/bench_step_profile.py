@@ -3,8 +3,10 @@ implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`)
 same batch: forward + backward + fused AdamW, bf16, random init.
 
 Each model is a slice of the real one: 2 decoder layers at the real hidden, expert, attention and vocabulary
-sizes; only DeepSeek-V3's expert count is cut (256 -> 32 routed experts, 8 groups of 4, top-4 groups: one
-layer of 256 would be 11.3B parameters), and its 2 layers are one dense (first_k_dense_replace) and one MoE.
+sizes (attention through SDPA; GPT-OSS eager, its only built-in one for sinks); only DeepSeek-V3's expert count
+is cut (256 -> 32 routed experts, 8 groups of 4, top-4 groups: one layer of 256 would be 11.3B parameters), and
+its 2 layers are one dense (first_k_dense_replace) and one MoE. --fusions fuse_mlp=1 measures the fused dense
+MLPs (off by default).
 After the timed steps one more step runs under torch.profiler (shapes recorded); its kernels are classified
 (bench/profiling.py classify_trace) into experts (router, moe8's plan / permute / grouped GEMM / combine, or
 transformers' grouped_mm and its index ops), dense GEMMs (attention projections, shared experts, dense MLPs),
@@ -112,6 +114,10 @@ FAMILIES = {  # name: (model_type, config at the real model's sizes; 2 layers)
     ),
 }
 
+EAGER_ONLY = {
+    "gpt_oss": "eager"
+}  # transformers' GPT-OSS has no SDPA path (its sinks); FA3 needs a hub kernel
+
 TINY = dict(  # --tiny: every family at toy sizes; an odd vocabulary takes the fused loss's padded path
     hidden_size=64,
     intermediate_size=96,
@@ -148,7 +154,7 @@ def build(name, tiny, device, dtype):
         if family == "deepseek_v3":  # MLA: as many key / value heads as query heads
             over["num_key_value_heads"] = over["num_attention_heads"]
     cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=2, max_position_embeddings=4096, **over)
-    cfg._attn_implementation = "eager" if tiny else "sdpa"
+    cfg._attn_implementation = "eager" if tiny else EAGER_ONLY.get(family, "sdpa")
     cfg._experts_implementation = "grouped_mm"  # transformers' default (get_correct_experts_implementation)
     if hasattr(cfg, "output_router_logits"):
         cfg.output_router_logits = True  # the aux loss, as the Trainer trains these models
