@@ -15,6 +15,7 @@ kernel time).
 
     python bench/bench_step_profile.py --out bench/results            # all six families, ~2.5 min on an H200
     python bench/bench_step_profile.py --families qwen3 --fusions fuse_loss=0 --out /tmp/p
+    python bench/bench_step_profile.py --families qwen3 --vocab 151669 --out /tmp/p   # an unaligned LM head
     python bench/bench_step_profile.py --tiny --out /tmp/p             # CPU smoke run: tiny configs, seconds
 
 Writes step_profile_<gpu>.json (run_info stamp, one row per family and implementation) to --out; prints a
@@ -142,7 +143,7 @@ TINY = dict(  # --tiny: every family at toy sizes; an odd vocabulary takes the f
 )
 
 
-def build(name, tiny, device, dtype):
+def build(name, tiny, device, dtype, vocab=0):
     import transformers
 
     family, over = FAMILIES[name]
@@ -153,6 +154,8 @@ def build(name, tiny, device, dtype):
         )
         if family == "deepseek_v3":  # MLA: as many key / value heads as query heads
             over["num_key_value_heads"] = over["num_attention_heads"]
+    if vocab:
+        over["vocab_size"] = vocab
     cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=2, max_position_embeddings=4096, **over)
     cfg._attn_implementation = "eager" if tiny else EAGER_ONLY.get(family, "sdpa")
     cfg._experts_implementation = "grouped_mm"  # transformers' default (get_correct_experts_implementation)
@@ -231,6 +234,13 @@ def main():
         default="default",
         help="the moe8 column's Config fields: default, none (experts only) or e.g. fuse_loss=0,fuse_norm=1",
     )
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="vocabulary size for every family (default: each model's own), e.g. 151669, Qwen3's tokenizer: "
+        "the LM head's alignment at work",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: toy configs, fp32, batch 2 x 32")
     ap.add_argument("--out", required=True, help="directory for step_profile_<device>.json")
     a = ap.parse_args()
@@ -241,6 +251,8 @@ def main():
     for flag in ("batch", "seq", "steps"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"--{flag}: expected >= 1, got {getattr(a, flag)}")
+    if a.vocab < 0:
+        raise SystemExit(f"--vocab: expected >= 1 (or 0: the models' own), got {a.vocab}")
     if a.warmup < 0:
         raise SystemExit(f"--warmup: expected >= 0, got {a.warmup}")
     fusions = fusions_of(a.fusions)
@@ -254,7 +266,7 @@ def main():
     rows = []
     for name in names:
         for impl in ("transformers", "moe8"):
-            model = build(name, a.tiny, device, dtype)
+            model = build(name, a.tiny, device, dtype, a.vocab)
             ids = torch.randint(
                 0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
             )
@@ -295,6 +307,7 @@ def main():
         "warmup": a.warmup,
         "fusions": fusions or "moe8.Config() defaults",
         "tiny": a.tiny,
+        "vocab": a.vocab or "each model's own",
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

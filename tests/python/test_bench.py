@@ -276,6 +276,13 @@ def test_bench_step_profile_tiny(tmp_path):
         assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 1001
     assert rows[1]["config"]["fuse_loss"] and rows[0]["config"] is None
     assert p.stdout.rstrip().splitlines()[-1].startswith("deepseek_v3: moe8")
+    p = run(
+        *args, "--families", "olmoe", "--vocab", "517", "--fusions", "fuse_norm=0,fuse_mlp=1", timeout=600
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "step_profile_cpu.json").read_text())["rows"]
+    assert [r["vocab"] for r in rows] == [517, 517]
+    assert rows[1]["config"]["fuse_mlp"] and not rows[1]["config"]["fuse_norm"]
     bad = run(*args, "--fusions", "fuse_everything=1")
     assert bad.returncode != 0 and "--fusions: expected" in bad.stderr
     bad = run(*args, "--families", "llama")
