@@ -249,44 +249,41 @@ def test_classify_trace_attributes_kernels():
 
 
 def test_bench_step_profile_tiny(tmp_path):
-    """bench_step_profile.py --tiny on CPU: both columns of two families (DeepSeek-V3: MLA, dense first layer,
-    shared expert), every category in the JSON, the table last; bad flags fail naming the flag."""
+    """bench_step_profile.py --tiny on CPU: both columns of two families (Qwen2-MoE: a shared expert;
+    DeepSeek-V3: MLA, a dense first layer), an odd vocabulary, fusions changed by --fusions; every category in
+    the JSON, the table last; bad flags fail naming the flag."""
     args = ("bench/bench_step_profile.py", "--tiny", "--steps", "1", "--warmup", "0", "--out", tmp_path)
-    p = run(*args, "--families", "qwen3,deepseek_v3", timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    data = json.loads((tmp_path / "step_profile_cpu.json").read_text())
-    assert data["meta"]["tiny"] and data["meta"]["commit"]
-    rows = data["rows"]
-    assert [(r["family"], r["impl"]) for r in rows] == [
-        (f, i) for f in ("qwen3", "deepseek_v3") for i in ("transformers", "moe8")
-    ]
-    for r in rows:
-        prof = r["profile_ms"]
-        cats = (
-            "experts",
-            "dense GEMMs",
-            "attention",
-            "LM head + loss",
-            "optimizer",
-            "norms/rope/elementwise",
-        )
-        assert all(prof[c] >= 0 for c in cats) and prof["idle"] >= 0
-        assert prof["experts"] > 0 and prof["LM head + loss"] > 0 and prof["optimizer"] > 0
-        assert sum(prof[c] for c in cats) == pytest.approx(prof["busy"], rel=1e-6)
-        assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 1001
-    assert rows[1]["config"]["fuse_loss"] and rows[0]["config"] is None
-    assert p.stdout.rstrip().splitlines()[-1].startswith("deepseek_v3: moe8")
+    fams = ("qwen2_moe", "deepseek_v3")
     p = run(
-        *args, "--families", "olmoe", "--vocab", "517", "--fusions", "fuse_norm=0,fuse_mlp=1", timeout=600
+        *args,
+        "--families",
+        ",".join(fams),
+        "--vocab",
+        "517",
+        "--fusions",
+        "fuse_norm=0,fuse_mlp=1",
+        timeout=600,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads((tmp_path / "step_profile_cpu.json").read_text())["rows"]
-    assert [r["vocab"] for r in rows] == [517, 517]
-    assert rows[1]["config"]["fuse_mlp"] and not rows[1]["config"]["fuse_norm"]
+    data = json.loads((tmp_path / "step_profile_cpu.json").read_text())
+    assert data["meta"]["tiny"] and data["meta"]["commit"] and data["meta"]["vocab"] == 517
+    rows = data["rows"]
+    assert [(r["family"], r["impl"]) for r in rows] == [
+        (f, i) for f in fams for i in ("transformers", "moe8")
+    ]
+    cats = ("experts", "dense GEMMs", "attention", "LM head + loss", "optimizer", "norms/rope/elementwise")
+    for r in rows:
+        prof = r["profile_ms"]
+        assert all(prof[c] >= 0 for c in cats) and prof["idle"] >= 0
+        assert prof["experts"] > 0 and prof["LM head + loss"] > 0 and prof["optimizer"] > 0
+        assert sum(prof[c] for c in cats) == pytest.approx(prof["busy"], rel=1e-3)  # trace times: ~1e15 us
+        assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 517
+    for r in rows[1::2]:
+        assert r["config"]["fuse_mlp"] and r["config"]["fuse_loss"] and not r["config"]["fuse_norm"]
+    assert rows[0]["config"] is None
+    assert p.stdout.rstrip().splitlines()[-1].startswith("deepseek_v3: moe8")
     bad = run(*args, "--fusions", "fuse_everything=1")
     assert bad.returncode != 0 and "--fusions: expected" in bad.stderr
-    bad = run(*args, "--families", "llama")
-    assert bad.returncode != 0 and "--families: unknown ['llama']" in bad.stderr
 
 
 def test_bench_host_runs(tmp_path):
