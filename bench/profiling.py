@@ -1,6 +1,9 @@
-"""Kernel-time profiles for the benchmarks: one more call under torch.profiler, its top kernels."""
+"""Kernel-time profiles for the benchmarks: one more call under torch.profiler, its top kernels; where a
+training step's time goes by category (classify_trace, for bench_step_profile.py); GPU idle intervals."""
 
 from __future__ import annotations
+
+import re
 
 
 def profile_step(step, rows):
@@ -94,6 +97,210 @@ def print_gaps(label: str, g: dict):
         print(
             f"  at {x['at_us'] / 1e3:7.3f} ms: {x['idle_us']:7.1f} us idle during {x['cpu_ops']}", flush=True
         )
+
+
+# ------------------------------------------------------------------------ where a training step's time goes
+CATEGORIES = (
+    "experts",
+    "dense GEMMs",
+    "attention",
+    "LM head + loss",
+    "optimizer",
+    "norms/rope/elementwise",
+)
+REGION = "step."  # record_function labels that region_hooks puts around modules: step.<category>
+
+_GEMM = re.compile(r"gemm|matmul|cutlass|xmma|nvjet|cublas|wgmma|aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
+_ATTN = re.compile(r"flash|fmha|attention|softmax|aten::(bmm|baddbmm|matmul)$", re.I)
+_ROPE = re.compile(r"rope|rotary", re.I)
+# kernels / ops of the experts when no region says so: moe8's (its namespace is in every kernel name) and
+# torch's grouped GEMM that transformers' grouped_mm calls
+_EXPERTS = re.compile(r"moe8::|grouped_mm|GroupProblemShape", re.I)
+
+
+def region_hooks(model, vocab_module=None):
+    """Forward hooks that put each experts / router module under `step.experts`, each attention module under
+    `step.attention` and each RMSNorm under `step.norm` (record_function ranges, visible in a trace); the
+    backward inherits them through autograd's sequence numbers (classify_trace). Returns the handles."""
+    from torch.profiler import record_function
+
+    def label(m):
+        name = type(m).__name__
+        if hasattr(m, "has_gate") and hasattr(m, "is_transposed") or name.endswith(("Router", "TopkRouter")):
+            return "experts"
+        if name.endswith("Attention"):
+            return "attention"
+        if name.endswith("RMSNorm"):
+            return "norm"
+        return None
+
+    handles = []
+    for m in model.modules():
+        what = label(m)
+        if what is None:
+            continue
+        stack = []
+
+        def pre(mod, args, _what=what, _stack=stack):
+            r = record_function(REGION + _what)
+            r.__enter__()
+            _stack.append(r)
+
+        def post(mod, args, out, _stack=stack):
+            _stack.pop().__exit__(None, None, None)
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    return handles
+
+
+def _enclosing(events):
+    """For each CPU-side event (cpu_op, user_annotation, runtime), the events that enclose it on its thread,
+    outermost first (Chrome trace X events nest by time)."""
+    by_tid, chains = {}, {}
+    for e in events:
+        by_tid.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack = []
+        for e in evs:
+            t = float(e["ts"])
+            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= t:
+                stack.pop()
+            chains[id(e)] = list(stack)
+            stack.append(e)
+    return chains
+
+
+def _dims(e):
+    out = set()
+    for d in (e.get("args") or {}).get("Input Dims", []) or []:
+        if isinstance(d, list):
+            out.update(x for x in d if isinstance(x, int))
+    return out
+
+
+def classify_trace(trace: dict, vocab: tuple) -> dict:
+    """Where one step's device time goes, from a Chrome trace of it (torch.profiler, record_shapes=True):
+    {category: ms} over CATEGORIES, "idle" (the span from the first CPU event to the last event minus the
+    union of kernel time), "span" and "busy". A GPU kernel is attributed through the CPU ops that launched it
+    (a CPU-only trace: each innermost CPU op stands for a kernel). Rules, first match wins: the optimizer
+    (torch's Optimizer.step range); the LM head and loss (an op with one of the `vocab` sizes among its input
+    dims, or a cross-entropy op; embeddings excluded); the region (region_hooks) of the op, or in the backward
+    of the forward op with the same autograd sequence number, or else moe8's kernels and torch's grouped_mm:
+    experts; attention (its GEMMs are dense, its RoPE elementwise); norm; then any GEMM is dense and the rest
+    elementwise."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
+    chains = _enclosing(host)
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    cpu_ops = [e for e in host if e.get("cat") == "cpu_op"]
+    if gpu:
+        launches = {
+            (e.get("args") or {}).get("correlation"): e
+            for e in host
+            if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        }
+        kernels = [(k, launches.get((k.get("args") or {}).get("correlation"))) for k in gpu]
+    else:  # CPU: the innermost CPU ops (no CPU op inside them) are the work
+        inner = {id(p) for e in cpu_ops for p in chains[id(e)] if p.get("cat") == "cpu_op"}
+        kernels = [(e, e) for e in cpu_ops if id(e) not in inner]
+
+    def region_of(chain):
+        names = [c["name"][len(REGION) :] for c in chain if c.get("cat") == "user_annotation"]
+        names = [n for n in names if n in ("experts", "attention", "norm")]
+        return names[-1] if names else None
+
+    # the forward region of each autograd sequence number, for the backward ops that carry it
+    seq_region = {}
+    for e in cpu_ops:
+        args = e.get("args") or {}
+        seq = args.get("Sequence number")
+        if seq is None or e["name"].startswith("autograd::engine"):
+            continue
+        r = region_of(chains[id(e)])
+        if r is not None:
+            seq_region.setdefault(seq, r)
+    vocab = set(vocab)
+
+    def category(kernel, launch):
+        chain = (chains.get(id(launch), []) + [launch]) if launch is not None else []
+        names = [c["name"] for c in chain] + [kernel["name"]]
+        if any(n.startswith("Optimizer.") for n in names):
+            return "optimizer"
+        if not any("embedding" in n for n in names):
+            if any(vocab & _dims(c) for c in chain) or any(
+                "cross_entropy" in n or "nll_loss" in n for n in names
+            ):
+                return "LM head + loss"
+        region = region_of(chain)
+        if region is None:
+            for c in reversed(chain):
+                seq = (c.get("args") or {}).get("Sequence number")
+                if c.get("cat") == "cpu_op" and seq is not None and seq in seq_region:
+                    region = seq_region[seq]
+                    break
+        gemm = any(_GEMM.search(n) for n in names)
+        if region is None and any(_EXPERTS.search(n) and not _ROPE.search(n) for n in names):
+            region = "experts"
+        if region == "experts":
+            return "experts"
+        if region == "attention":
+            if any(_ROPE.search(n) for n in names):
+                return "norms/rope/elementwise"
+            if any(_ATTN.search(n) for n in names if not n.startswith(REGION)):
+                return "attention"
+            return "dense GEMMs" if gemm else "attention"
+        if region == "norm":
+            return "norms/rope/elementwise"
+        return "dense GEMMs" if gemm else "norms/rope/elementwise"
+
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    spans = []
+    for k, launch in kernels:
+        out[category(k, launch)] += float(k["dur"]) / 1e3
+        spans.append((float(k["ts"]), float(k["ts"]) + float(k["dur"])))
+    spans.sort()
+    busy, t = 0.0, None
+    for a, b in spans:
+        if t is None or a > t:
+            busy += b - a
+            t = b
+        elif b > t:
+            busy += b - t
+            t = b
+    starts = [float(e["ts"]) for e in host] + [a for a, _ in spans]
+    ends = [b for _, b in spans] + [float(e["ts"]) + float(e["dur"]) for e in host]
+    span = (max(ends) - min(starts)) / 1e3 if starts else 0.0
+    out["idle"] = max(0.0, span - busy / 1e3)
+    out["span"], out["busy"] = span, busy / 1e3
+    return out
+
+
+def profile_breakdown(step, vocab: tuple, path=None) -> dict:
+    """One more step() under torch.profiler (shapes recorded), classified by classify_trace; the Chrome trace
+    is kept at path when given."""
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(str(path or tmp))
+        with open(path or tmp) as f:
+            return classify_trace(json.load(f), vocab)
+    finally:
+        os.unlink(tmp)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,19 @@ class Config:
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
         Off, ids out of range on a GPU join no expert (the kernels skip them: wrong numbers, never a read or
         write outside a tensor); on the CPU they are always checked (no sync there).
+    The four fusions of the HF integration are on by default (each keeps transformers' results: < 1e-5 in
+    fp32, tests/python/test_hf.py); False opts out:
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
     fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).
     fuse_rope: rotary embeddings with one fused kernel per tensor (process-wide while on: transformers'
-        attention looks the function up in its modeling module).
+        attention looks the function up in its modeling module; moe8.disable() restores it).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
-        [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
+        [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels; any vocabulary
+        size runs aligned GEMMs, moe8.loss.padded_vocab).
+    fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
+        bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
+        measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (ipc when the experts are on CUDA and the expert-parallel group is on one
@@ -61,10 +67,11 @@ class Config:
     consume_gate_up: bool = True
     fused_lora_add: bool = False
     check_ids: bool = False
-    fuse_router: bool = False
-    fuse_norm: bool = False
-    fuse_rope: bool = False
-    fuse_loss: bool = False
+    fuse_router: bool = True
+    fuse_norm: bool = True
+    fuse_rope: bool = True
+    fuse_loss: bool = True
+    fuse_mlp: bool = False
     transport: str = "auto"
     fp8_dispatch: bool = True
     ep_chunks: int = 1
@@ -86,6 +93,7 @@ class Config:
             "fuse_rope",
             "fuse_loss",
             "fp8_dispatch",
+            "fuse_mlp",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

@@ -8,6 +8,12 @@ logits are rounded to the weight's dtype and then taken to float32 exactly as tr
 forward while its logits exist (softmax - onehot written over them by one kernel, `cross_entropy_rows`), so
 a chunk costs the three GEMMs of the unfused loss and no float32 copy of anything [chunk, vocab].
 
+A vocabulary that is not a multiple of 128 (151,669 for Qwen3's tokenizer after
+`resize_token_embeddings(len(tokenizer))`) runs at a padded one: the weight gets zero rows, their logits are
+set to -inf, so they add nothing to the softmax and get a zero gradient, and every GEMM runs on aligned rows
+(cuBLAS takes a 1-element-aligned kernel otherwise, ~5x slower). The loss and gradients are those of the
+unpadded math: the extra terms are exact zeros.
+
     with moe8.loss.hidden_states_as_logits(model) as head:   # the model returns hidden states as "logits"
         out = model(input_ids=x)
     loss = moe8.loss.chunked_cross_entropy(out.logits.flatten(0, 1), head.weight, labels.flatten())
@@ -52,21 +58,28 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, chunk, ignore_index):
-        n = hidden.shape[0]
+        n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[:2]
+        padded = padded_vocab(vocab)
+        if padded != vocab:  # every GEMM on aligned rows: the weight with zero rows, their logits -inf
+            weight = _pad_rows(weight, padded)
+            beyond = (target >= vocab) & (target != ignore_index)  # still out of range (NaN) after padding
+            target = torch.where(beyond, padded + int(ignore_index == padded), target)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, n, chunk):
             h = hidden[s : s + chunk]
-            d = h @ weight.t()  # the chunk's logits, then (in place) d sum / d logits = softmax - onehot
+            d = h @ weight.t()  # the chunk's logits [rows, padded], then (in place) d sum / d logits
+            if padded != vocab:
+                d[:, vocab:] = float("-inf")  # no probability, so softmax - onehot is exactly 0 there
             total += cross_entropy_rows(d, target[s : s + chunk], ignore_index).sum()
             if need_h:
                 dh[s : s + chunk] = d @ weight
             if need_w:
                 dw.add_(d.t() @ h)
             del d
-        ctx.save_for_backward(dh, dw)
+        ctx.save_for_backward(dh, dw[:vocab] if dw is not None else None)
         ctx.weight_dtype = weight.dtype
         return total
 
@@ -76,6 +89,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dh = dh * grad if dh is not None else None  # in float32, rounded once to dh's dtype
         dw = (dw * grad).to(ctx.weight_dtype) if dw is not None else None
         return dh, dw, None, None, None
+
+
+ALIGN_ROWS = 128
+
+
+def padded_vocab(vocab: int) -> int:
+    """The vocabulary the loss's GEMMs run at: `vocab` rounded up to a multiple of ALIGN_ROWS. cuBLAS runs a
+    GEMM whose logits have a leading dimension that is not a multiple of 8 on a slow, 1-element-aligned
+    kernel (Qwen3's tokenizer, 151,669 ids: ~5x slower than at 151,936; docs/architecture.md)."""
+    return -(-vocab // ALIGN_ROWS) * ALIGN_ROWS
+
+
+def _pad_rows(weight: Tensor, rows: int) -> Tensor:
+    """weight [V, H] as [rows, H] with zero rows after its own: one copy per forward of the loss (the head
+    is trained, so its weight changes every step), freed with the forward; a few hundred microseconds for
+    a 151,669 x 2,048 bf16 head on an H200, against the tens of milliseconds the unaligned GEMMs cost."""
+    out = weight.new_empty(rows, weight.shape[1])
+    out[: weight.shape[0]].copy_(weight)
+    out[weight.shape[0] :].zero_()
+    return out
 
 
 def chunk_rows(weight: Tensor, budget: int = 1 << 31) -> int:
@@ -179,7 +212,8 @@ def _causal_lm_loss(
 class _FusedLoss:
     """What fuse_causal_lm_loss installs on one model: while a training forward with labels runs, the LM head
     passes the hidden states through and the model's loss_function computes the loss from them chunk by
-    chunk; any other call (no labels, no grad, logits_to_keep, return_dict=False) is transformers' own."""
+    chunk; any other call (no labels, no grad, logits_to_keep, return_dict=False, a head replaced since) is
+    transformers' own."""
 
     def __init__(self, model, head: nn.Linear, chunk: Optional[int]):
         self.head, self.chunk, self.active = head, chunk, False
@@ -196,7 +230,8 @@ class _FusedLoss:
     def pre(self, module, args, kwargs):  # labels as a keyword, as transformers' Trainer passes them
         keep = kwargs.get("logits_to_keep", 0)
         self.active = (
-            kwargs.get("labels") is not None
+            module.get_output_embeddings() is self.head  # not swapped since (a LoRA wrapper around it)
+            and kwargs.get("labels") is not None
             and kwargs.get("return_dict") is not False  # a tuple would hold the hidden states as its logits
             and torch.is_grad_enabled()
             and isinstance(keep, int)

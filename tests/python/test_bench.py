@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
-bench_fp8_refresh.py --tiny, finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
+bench_fp8_refresh.py --tiny, bench_step_profile.py --tiny, finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
 bench_hf_train.py, scripts/carry_prebuilt.sh)."""
 
 import json
@@ -154,6 +154,136 @@ def test_gpu_gaps_of_a_trace(tmp_path):
     p = run("bench/profiling.py", trace, "--top", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
+
+
+def _classify(events, vocab=(1001, 1024)):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from profiling import classify_trace
+    finally:
+        sys.path.pop(0)
+    return classify_trace({"traceEvents": events}, vocab)
+
+
+def test_classify_trace_attributes_kernels():
+    """bench/profiling.py classify_trace on a hand-made GPU trace: kernels reach their category through the
+    CPU op that launched them (record_function regions, autograd sequence numbers for the backward, vocabulary
+    dims for the LM head, torch's optimizer range); idle is the span minus the kernels' union."""
+    ev = []
+
+    def x(cat, name, ts, dur, tid=1, **args):
+        ev.append(
+            {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+        )
+
+    def launch(corr, ts, kernel, kts, kdur, tid=1):
+        x("cuda_runtime", "cudaLaunchKernel", ts, 1, tid, correlation=corr)
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": kernel,
+                "ts": kts,
+                "dur": kdur,
+                "pid": 1,
+                "tid": 7,
+                "args": {"correlation": corr},
+            }
+        )
+
+    x("user_annotation", "step.experts", 0, 100)
+    x("cpu_op", "moe8::experts_forward", 1, 90, **{"Sequence number": 7})
+    launch(1, 2, "grouped_gemm_sm90_kernel", 10, 20)
+    x("user_annotation", "step.attention", 100, 100)
+    x("cpu_op", "aten::linear", 101, 10, **{"Sequence number": 8})
+    x("cpu_op", "aten::addmm", 102, 5)
+    launch(2, 103, "sm90_xmma_gemm_bf16", 105, 10)
+    x("cpu_op", "aten::_scaled_dot_product_flash_attention", 120, 10)
+    launch(3, 121, "flash_fwd_kernel", 125, 15)
+    x("cpu_op", "moe8::rope", 135, 5)
+    launch(4, 136, "rope_kernel", 145, 5)
+    x("cpu_op", "aten::mm", 210, 10, **{"Input Dims": [[8, 64], [64, 1001]]})
+    launch(5, 211, "gemm_align1", 215, 40)
+    x("cpu_op", "aten::embedding_dense_backward", 230, 5, **{"Input Dims": [[8, 64], [8], [], [1001]]})
+    launch(6, 231, "embedding_backward_kernel", 260, 3)
+    x(
+        "cpu_op",
+        "autograd::engine::evaluate_function: ExpertsBackward",
+        300,
+        20,
+        tid=2,
+        **{"Sequence number": 7},
+    )
+    x("cpu_op", "ExpertsBackward", 301, 18, tid=2, **{"Sequence number": 7})
+    launch(7, 302, "wgrad_kernel", 305, 25, tid=2)
+    x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 335, 10, tid=2, **{"Sequence number": 99})
+    x("cpu_op", "aten::mm", 336, 8, tid=2)
+    launch(8, 337, "nvjet_gemm", 345, 8, tid=2)
+    x(
+        "cpu_op",
+        "autograd::engine::evaluate_function: CombineBackward",
+        350,
+        5,
+        tid=2,
+        **{"Sequence number": 5},
+    )
+    launch(10, 351, "void moe8::cuda::(anonymous namespace)::combine_rows_kernel<float>", 355, 2, tid=2)
+    x("user_annotation", "Optimizer.step#AdamW.step", 400, 30)
+    x("cpu_op", "aten::_fused_adamw_", 401, 20)
+    launch(9, 402, "multi_tensor_apply_kernel", 420, 30)
+    got = _classify(ev)
+    want = {
+        "experts": 0.047,
+        "dense GEMMs": 0.018,
+        "attention": 0.015,
+        "LM head + loss": 0.040,
+        "optimizer": 0.030,
+        "norms/rope/elementwise": 0.008,
+    }
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v), (k, got)
+    assert got["span"] == pytest.approx(0.45) and got["busy"] == pytest.approx(0.158)
+    assert got["idle"] == pytest.approx(0.45 - 0.158)
+    assert _classify(ev, vocab=(4096,))["LM head + loss"] == 0  # another vocabulary: a dense GEMM then
+    assert _classify(ev, vocab=(4096,))["dense GEMMs"] == pytest.approx(0.058)
+
+
+def test_bench_step_profile_tiny(tmp_path):
+    """bench_step_profile.py --tiny on CPU: both columns of two families (Qwen2-MoE: a shared expert;
+    DeepSeek-V3: MLA, a dense first layer), an odd vocabulary, fusions changed by --fusions; every category in
+    the JSON, the table last; bad flags fail naming the flag."""
+    args = ("bench/bench_step_profile.py", "--tiny", "--steps", "1", "--warmup", "0", "--out", tmp_path)
+    fams = ("qwen2_moe", "deepseek_v3")
+    p = run(
+        *args,
+        "--families",
+        ",".join(fams),
+        "--vocab",
+        "517",
+        "--fusions",
+        "fuse_norm=0,fuse_mlp=1",
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "step_profile_cpu.json").read_text())
+    assert data["meta"]["tiny"] and data["meta"]["commit"] and data["meta"]["vocab"] == 517
+    rows = data["rows"]
+    assert [(r["family"], r["impl"]) for r in rows] == [
+        (f, i) for f in fams for i in ("transformers", "moe8")
+    ]
+    cats = ("experts", "dense GEMMs", "attention", "LM head + loss", "optimizer", "norms/rope/elementwise")
+    for r in rows:
+        prof = r["profile_ms"]
+        assert all(prof[c] >= 0 for c in cats) and prof["idle"] >= 0
+        assert prof["experts"] > 0 and prof["LM head + loss"] > 0 and prof["optimizer"] > 0
+        assert sum(prof[c] for c in cats) == pytest.approx(prof["busy"], rel=1e-3)  # trace times: ~1e15 us
+        assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 517
+    for r in rows[1::2]:
+        assert r["config"]["fuse_mlp"] and r["config"]["fuse_loss"] and not r["config"]["fuse_norm"]
+    assert rows[0]["config"] is None
+    assert p.stdout.rstrip().splitlines()[-1].startswith("deepseek_v3: moe8")
+    bad = run(*args, "--fusions", "fuse_everything=1")
+    assert bad.returncode != 0 and "--fusions: expected" in bad.stderr
 
 
 def test_bench_host_runs(tmp_path):

@@ -29,6 +29,14 @@ STANDIN = os.environ.get("MOE8_HF_STANDIN") == "1"
 fullgraph = pytest.mark.skipif(STANDIN, reason="the stand-in loops over experts: no fullgraph compile")
 
 
+FUSIONS = ("fuse_router", "fuse_norm", "fuse_rope", "fuse_loss")  # on by default
+
+
+def only(*fusions) -> dict:
+    """accelerate() / enable() fields that turn on these fusions and no other (the experts alone: none)."""
+    return {f: f in fusions for f in FUSIONS}
+
+
 def rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -131,10 +139,11 @@ def build(family, seed=0, **over):
 
 
 def twin(model, accelerate=True, cfg=None):
-    """A second model with the same weights and its own config object (the experts implementation lives there)."""
+    """A second model with the same weights and its own config object (the experts implementation lives there);
+    accelerate: its experts on moe8 and no other fusion (the tests of each fusion turn it on by name)."""
     other = AutoModelForCausalLM.from_config(cfg or copy.deepcopy(model.config)).to(model.device, model.dtype)
     other.load_state_dict(model.state_dict())
-    return hf.accelerate(other) if accelerate else other
+    return hf.accelerate(other, **only()) if accelerate else other
 
 
 def tokens(batch=2, seq=16, seed=0):
@@ -247,7 +256,7 @@ def test_fused_router_matches_transformers(family, calls):
     """fuse_router=True: the routing runs on moe8.layer.route inside the HF router module (its hooks still
     record the router logits for the aux loss); everything still matches, and disable() restores the routers."""
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_router"))
     routers = [m for m in acc.modules() if hasattr(m, "_moe8_config")]
     assert len(routers) == len(experts_modules(acc)) > 0
     ref.train(), acc.train()
@@ -273,7 +282,7 @@ def test_fused_norm_matches_transformers(family, calls):
     """fuse_norm=True: every RMSNorm of the model runs as one fused kernel (F.rms_norm); outputs and every
     gradient still match transformers, and disable() gives the norms their own forward back."""
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_norm=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_norm"))
     norms = norms_of(acc)
     assert len(norms) >= 2 * len(experts_modules(acc)) > 0
     assert all(type(m).forward is hf.norm_forward and hasattr(m, "_moe8_config") for m in norms)
@@ -297,7 +306,7 @@ def test_fused_norm_bf16_within_one_rounding(family):
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(64, norm.weight.shape[0], dtype=torch.bfloat16)
     expected = norm(x)
-    hf.accelerate(model, fuse_norm=True)
+    hf.accelerate(model, **only("fuse_norm"))
     got = norm(x)
     assert got.dtype == expected.dtype
     assert ((got.float() - expected.float()).abs() <= 2**-7 * expected.float().abs() + 1e-6).all()
@@ -321,7 +330,7 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     calls = []
     rope = moe8.rotary.rope
     monkeypatch.setattr(moe8.rotary, "rope", lambda *a: calls.append(1) or rope(*a))
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_rope=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_rope"))
     assert mod.apply_rotary_pos_emb is moe8.ops.apply_rotary_pos_emb
     acc.train()
     assert_same(out_r, grads_r, *run(acc, ids))
@@ -330,12 +339,49 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     assert mod.apply_rotary_pos_emb is own
 
 
+@pytest.mark.parametrize("family", sorted(hf.MLPS))
+def test_fused_mlp_matches_transformers(family, monkeypatch):
+    """fuse_mlp=True: each gated dense MLP (shared experts, dense layers) runs gate+up as one GEMM and moe8's
+    SwiGLU kernel; outputs and every gradient match transformers; disable() restores the class forward."""
+    ref = build(family)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only(), fuse_mlp=True)
+    mlps = [m for m in acc.modules() if type(m).__name__ == hf.MLPS[family]]
+    n = {"act": 0}
+    act = moe8.ops.activation
+    monkeypatch.setattr(moe8.ops, "activation", lambda *a: n.__setitem__("act", n["act"] + 1) or act(*a))
+    ref.train(), acc.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)
+    run(hf.accelerate(twin(ref, accelerate=False), **only()).train(), ids)  # the experts' own calls
+    experts_calls, n["act"] = n["act"], 0
+    out_a, grads_a = run(acc, ids)
+    assert n["act"] - experts_calls == len(mlps)  # one per MLP
+    if family != "olmoe":  # OLMoE's MLP class exists, its models have only MoE layers
+        assert len(mlps) > 0
+    assert_same(out_r, grads_r, out_a, grads_a)
+    hf.disable()
+    assert not any(type(m).forward is hf.mlp_forward for m in mlps)
+    n["act"] = 0
+    assert_same(out_r, grads_r, *run(acc, ids))
+    assert n["act"] == 0  # transformers' experts and MLPs again
+
+
+def test_fused_mlp_leaves_wrapped_projections_alone():
+    """An MLP whose projections are not plain nn.Linear (LoRA) runs its own forward under fuse_mlp."""
+    model = hf.accelerate(build("qwen3_moe"), **only(), fuse_mlp=True)
+    mlp = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeMLP")
+    x = torch.randn(3, mlp.gate_proj.in_features)
+    want = mlp(x)
+    mlp.up_proj = torch.nn.Sequential(mlp.up_proj)
+    assert torch.allclose(mlp(x), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", hf.FAMILIES)
 def test_fused_loss_matches_transformers(family):
     """fuse_loss=True: the training loss from the hidden states, chunk by chunk, without logits (outputs.logits
     None); the same loss (aux loss included) and every gradient as transformers; disable() restores it."""
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_loss=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_loss"))
     ref.train(), acc.train()
     ids = tokens()
     out_r, grads_r = run(ref, ids)
@@ -348,18 +394,89 @@ def test_fused_loss_matches_transformers(family):
     assert_same(out_r, grads_r, *run(acc, ids))
 
 
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_defaults_fuse_everything_and_match_transformers(family, calls):
+    """accelerate(model) with no fields: experts, routers, norms, RoPE (its families) and the loss on moe8
+    (moe8.Config()'s defaults); the training loss (aux loss included) and every gradient match transformers,
+    outputs.logits is None in the training forward and transformers' logits otherwise; disable() undoes it
+    all, the process-wide RoPE included."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    own_rope = getattr(mod, "apply_rotary_pos_emb", None)
+    ref = build(family)
+    ref.train()
+    ids = tokens()
+    out_r, grads_r = run(ref, ids)  # before the switch: RoPE's is process-wide
+    acc = hf.accelerate(twin(ref, accelerate=False))
+    cfg = hf.config_of(acc)
+    assert cfg == moe8.Config() and all(getattr(cfg, f) for f in FUSIONS)
+    assert (mod.apply_rotary_pos_emb is moe8.ops.apply_rotary_pos_emb) == (family in hf.ROPE_FAMILIES)
+    assert all(type(m).forward is hf.norm_forward for m in norms_of(acc))
+    acc.train()
+    out_a, grads_a = run(acc, ids)
+    assert calls["route"] == calls["n"] == len(experts_modules(acc)) > 0
+    assert out_a.logits is None and rel(out_a.loss, out_r.loss) < TOL
+    if getattr(out_r, "aux_loss", None) is not None:
+        assert rel(out_a.aux_loss, out_r.aux_loss) < TOL
+    assert grads_a.keys() == grads_r.keys()
+    for name, g in grads_r.items():
+        assert rel(grads_a[name], g) < TOL, name
+    with torch.no_grad():
+        assert rel(acc(input_ids=ids).logits, ref(input_ids=ids).logits) < TOL
+    hf.disable()
+    assert getattr(mod, "apply_rotary_pos_emb", None) is own_rope
+    assert not any(type(m).forward is hf.norm_forward for m in norms_of(acc))
+    assert_same(out_r, grads_r, *run(acc, ids))
+
+
+@pytest.mark.parametrize("opt_out", FUSIONS)
+def test_each_default_fusion_has_an_opt_out(opt_out):
+    """fuse_X=False on accelerate() or enable() leaves that fusion off and the others on."""
+    import importlib
+
+    mod = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    own_rope = mod.apply_rotary_pos_emb
+    for switch in ("accelerate", "enable"):
+        if switch == "enable":
+            hf.enable(**{opt_out: False})
+            model = build("qwen3_moe")
+        else:
+            model = hf.accelerate(build("qwen3_moe"), **{opt_out: False})
+        cfg = hf.config_of(model)
+        assert [getattr(cfg, f) for f in FUSIONS] == [f != opt_out for f in FUSIONS]
+        ids = tokens()
+        out = model(input_ids=ids, labels=ids)
+        assert (out.logits is None) == (opt_out != "fuse_loss")
+        assert all((type(m).forward is hf.norm_forward) == (opt_out != "fuse_norm") for m in norms_of(model))
+        assert (mod.apply_rotary_pos_emb is own_rope) == (opt_out == "fuse_rope")
+        hf.disable()
+        assert mod.apply_rotary_pos_emb is own_rope
+
+
+def test_fused_loss_steps_aside_for_a_replaced_head():
+    """A head swapped after fusing (LoRA or another wrapper around it) gets transformers' loss and logits:
+    the fused loss only runs for the head it took apart."""
+    model = hf.accelerate(build("qwen3_moe"), **only("fuse_loss"))
+    ids = tokens()
+    want = model(input_ids=ids, labels=ids).loss
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is not None and rel(out.loss, want) < TOL
+
+
 def test_fuse_loss_warns_for_a_head_it_cannot_take_apart():
     model = build("qwen3_moe")
     model.lm_head = torch.nn.Sequential(model.lm_head)
     with pytest.warns(UserWarning, match="fuse_loss left .* Sequential"):
-        hf.accelerate(model, fuse_loss=True)
+        hf.accelerate(model, **only("fuse_loss"))
     ids = tokens()
     assert model(input_ids=ids, labels=ids).logits is not None
     hf.disable()
 
 
 def test_enable_fuse_loss():
-    hf.enable(fuse_loss=True)
+    hf.enable(**only("fuse_loss"))
     model = build("qwen3_moe")
     ids = tokens()
     assert model(input_ids=ids, labels=ids).logits is None
@@ -369,7 +486,7 @@ def test_enable_fuse_loss():
 
 
 def test_enable_fuse_router(calls):
-    hf.enable(fuse_router=True, fuse_norm=True, fuse_rope=True)
+    hf.enable(**only("fuse_router", "fuse_norm", "fuse_rope"))
     model = build("deepseek_v3")
     model(input_ids=tokens())
     assert calls["route"] == calls["n"] == len(experts_modules(model))
@@ -385,7 +502,7 @@ def test_model_compile_fullgraph(family, calls):
     """The base model of every family (experts, fused routers, norms and RoPE on moe8) compiles to one
     graph."""
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True, fuse_norm=True, fuse_rope=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_router", "fuse_norm", "fuse_rope"))
     ids = tokens()
     acc.model(
         input_ids=ids
@@ -399,7 +516,7 @@ def test_model_compile_fullgraph(family, calls):
 def test_bf16(family, calls):
     """bf16 weights and activations: close to transformers' bf16 result, gradients in bf16."""
     ref = build(family).to(torch.bfloat16)
-    acc = hf.accelerate(twin(ref, accelerate=False), fuse_router=True)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_router"))
     ids = tokens()
     (out_r, grads_r), (out_a, grads_a) = run(ref, ids), run(acc, ids)
     assert out_a.logits.dtype == out_r.logits.dtype and calls["n"] > 0
@@ -412,7 +529,7 @@ def test_bf16(family, calls):
 
 def test_enable_makes_moe8_the_default_and_disable_restores():
     ref = build("mixtral")
-    hf.enable()
+    hf.enable(**only())
     assert "moe8" in ALL_EXPERTS_FUNCTIONS
     acc = twin(ref, accelerate=False, cfg=config("mixtral"))  # built after enable(): moe8 without asking
     assert hf.is_accelerated(acc)
@@ -608,7 +725,7 @@ def test_peft_lora_on_experts(calls):
     for base in (ref, acc):
         torch.manual_seed(1)
         models.append(peft.get_peft_model(base, peft.LoraConfig(**lora)))
-    hf.accelerate(models[1])  # a PeftModel: accelerate finds the transformers model inside
+    hf.accelerate(models[1], **only())  # a PeftModel: accelerate finds the transformers model inside
     assert hf.is_accelerated(acc)
     assert list(models[0].state_dict()) == list(models[1].state_dict())
     ids = tokens()
@@ -698,7 +815,7 @@ def test_bf16_matches_transformers(family, device, calls):
             )
     assert calls["n"] == len(seen)
 
-    acc = hf.accelerate(twin(ref, accelerate=False))
+    acc = hf.accelerate(twin(ref, accelerate=False), **only())
     (o32, g32), (o_r, g_r), (o_a, g_a) = run(ref32, ids), run(ref, ids), run(acc, ids)
     assert calls["n"] > len(seen) and o_a.logits.dtype == torch.bfloat16
     assert rel(o_a.loss, o_r.loss) < 1e-2
@@ -734,15 +851,15 @@ def test_two_models_in_one_process_keep_their_own_config():
     ids = tokens()
     ref = model(input_ids=ids).logits
     fp8_model = hf.accelerate(twin(model, accelerate=False), fp8="blockwise", fuse_norm=True)
-    bf16_model = hf.accelerate(twin(model, accelerate=False))
+    bf16_model = hf.accelerate(twin(model, accelerate=False), **only())  # bf16 fusions round differently
     assert hf.config_of(fp8_model).fp8.name == "blockwise" and hf.config_of(fp8_model).fuse_norm
-    assert hf.config_of(bf16_model) == moe8.Config()
+    assert hf.config_of(bf16_model) == moe8.Config(**only())
     y8, y16 = fp8_model(input_ids=ids).logits, bf16_model(input_ids=ids).logits
     assert not torch.equal(y8, y16)
     assert rel(y16, ref) < 2e-2 and rel(y8, ref) < 0.2
     # accelerate's fields change the model's current config; a config replaces it
     hf.accelerate(fp8_model, fuse_norm=False)
-    assert hf.config_of(fp8_model) == moe8.Config(fp8="blockwise")
+    assert hf.config_of(fp8_model) == moe8.Config(fp8="blockwise", fuse_norm=False)
     hf.accelerate(fp8_model, config=moe8.Config(routed_down=False))
     assert hf.config_of(fp8_model) == moe8.Config(routed_down=False)
 

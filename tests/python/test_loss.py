@@ -39,6 +39,61 @@ def test_matches_full_logits(device, dtype, reduction, chunk):
     assert not hb[::5].any() and hb[1::5].all(dim=1).any()  # ignored rows get no gradient
 
 
+def _loss_grads(h0, w0, t, **kwargs):
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss = chunked_cross_entropy(h, w, t, **kwargs)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("vocab", [1, 7, 127, 128, 129, 1000, 1269])  # 1269 = 151669 mod 128 past 1152
+def test_padded_vocabulary_is_the_unpadded_math(device, vocab, monkeypatch):
+    """A vocabulary off a multiple of 128 runs its GEMMs at padded_vocab rows (zero rows, -inf logits): the
+    same float32 loss, bit for bit, as the unpadded computation; gradients that differ from it by no more
+    than the GEMMs' summation order (K padded with exact zeros), both as close to a float64 reference; bf16
+    close to torch's cross-entropy of the full logits."""
+    import moe8.loss as loss_mod
+
+    g = torch.Generator().manual_seed(vocab)
+    n, hdim = 37, 40
+    h0 = torch.randn(n, hdim, generator=g).to(device)
+    w0 = (torch.randn(vocab, hdim, generator=g) * 0.3).to(device)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::4] = -100
+    t = t.to(device)
+    assert loss_mod.padded_vocab(vocab) % 128 == 0 and 0 <= loss_mod.padded_vocab(vocab) - vocab < 128
+    got = _loss_grads(h0, w0, t, chunk=16)
+    with monkeypatch.context() as m:
+        m.setattr(loss_mod, "padded_vocab", lambda v: v)
+        plain = _loss_grads(h0, w0, t, chunk=16)
+    h, w = h0.double().requires_grad_(), w0.double().requires_grad_()
+    ref = F.cross_entropy(h @ w.t(), t, reduction="sum")
+    ref.backward()
+    assert torch.equal(got[0], plain[0]) and torch.isfinite(got[0])
+    for a, b, r, name in zip(got, plain, (ref.detach(), h.grad, w.grad), ("loss", "d hidden", "d weight")):
+        assert a.shape == b.shape == r.shape, name
+        scale = r.abs().max().clamp_min(1e-30)
+        err, err_plain = ((a.double() - r).abs().max() / scale), ((b.double() - r).abs().max() / scale)
+        assert err < 2e-6 and err_plain < 2e-6, (name, err, err_plain)
+        assert ((a - b).abs() <= 4 * torch.finfo(torch.float32).eps * b.abs().amax()).all(), name
+    hb, wb = h0.bfloat16().requires_grad_(), w0.bfloat16().requires_grad_()
+    full(hb, wb, t, "sum").backward()
+    lb, dh, dw = _loss_grads(h0.bfloat16(), w0.bfloat16(), t, chunk=16)
+    torch.testing.assert_close(lb, full(hb, wb, t, "sum").detach(), rtol=1e-5, atol=1e-4)
+    for a, r in ((dh, hb.grad), (dw, wb.grad)):  # bf16 roundings, placed differently: close as a whole
+        assert a.dtype == torch.bfloat16
+        assert (a.double() - r.double()).norm() <= 1e-2 * r.double().norm() + 1e-6
+
+
+@pytest.mark.parametrize("vocab", [7, 129])
+def test_padded_vocabulary_keeps_out_of_range_ids_nan(vocab):
+    """An id in [vocab, padded_vocab(vocab)) is still out of range: a NaN loss, as without padding."""
+    h, w = torch.randn(3, 8), torch.randn(vocab, 8)
+    assert torch.isnan(chunked_cross_entropy(h, w, torch.tensor([0, vocab, -100])))
+    assert torch.isfinite(chunked_cross_entropy(h, w, torch.tensor([0, vocab - 1, -100])))
+
+
 def test_ignored_rows_get_no_gradient():
     h = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(11, 8)

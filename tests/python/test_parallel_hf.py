@@ -451,10 +451,12 @@ LORA_TARGETS = ("q_proj", "v_proj", "experts")
 
 def hf_lora_build(family):
     """hf_build + moe8.lora.apply_lora (r 4, alpha 8) on q_proj, v_proj and the experts, every LoRA B factor
-    made random (they start at zero, which would leave the A factors without gradient)."""
+    made random (they start at zero, which would leave the A factors without gradient). The default fusions,
+    but fuse_loss off: hf_step compares the logits of the training forward."""
     from moe8.lora import apply_lora
 
-    model = apply_lora(hf_build(family), r=4, alpha=8, targets=LORA_TARGETS)
+    base = moe8.accelerate(hf_build(family), fuse_loss=False)  # apply_lora keeps the model's Config
+    model = apply_lora(base, r=4, alpha=8, targets=LORA_TARGETS)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -126,8 +126,7 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                # "none": bf16 experts; routing, RMSNorms and RoPE fused too (one kernel each)
-                hf.accelerate(model, fp8=cfg.fp8, fuse_router=True, fuse_norm=True, fuse_rope=True)
+                hf.accelerate(model, fp8=cfg.fp8)  # "none": bf16 experts; every fusion on (moe8.Config)
             if not hf.is_accelerated(model):
                 log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
     if cfg.activation_checkpointing:

@@ -97,17 +97,31 @@ class Family:
     route: Callable  # (router module, hidden_states) -> (logits [T, E], top_k_weights [T, K], top_k_index)
     experts: Callable  # experts module -> experts_forward keyword arguments, or why moe8 can't run it
     config_check: Optional[Callable] = _config_silu  # HF config -> None, or why moe8 can't run it
+    mlp: Optional[str] = (
+        None  # the gated dense MLP class (shared experts, dense layers), if the family has one
+    )
 
 
 # GPT-OSS applies the norm's weight in fp32 before rounding, the others round x / rms(x) to the input dtype
 # first; DeepSeek-V3 (MLA, interleaved) and GPT-OSS have their own RoPE.
 TABLE = {
     "mixtral": Family("MixtralTopKRouter", "MixtralRMSNorm", True, _route_mixtral, _experts_silu_gated),
-    "qwen2_moe": Family("Qwen2MoeTopKRouter", "Qwen2MoeRMSNorm", True, _route_softmax, _experts_silu_gated),
-    "qwen3_moe": Family("Qwen3MoeTopKRouter", "Qwen3MoeRMSNorm", True, _route_softmax, _experts_silu_gated),
-    "olmoe": Family("OlmoeTopKRouter", "OlmoeRMSNorm", True, _route_softmax, _experts_silu_gated),
+    "qwen2_moe": Family(
+        "Qwen2MoeTopKRouter", "Qwen2MoeRMSNorm", True, _route_softmax, _experts_silu_gated, mlp="Qwen2MoeMLP"
+    ),
+    "qwen3_moe": Family(
+        "Qwen3MoeTopKRouter", "Qwen3MoeRMSNorm", True, _route_softmax, _experts_silu_gated, mlp="Qwen3MoeMLP"
+    ),
+    "olmoe": Family(
+        "OlmoeTopKRouter", "OlmoeRMSNorm", True, _route_softmax, _experts_silu_gated, mlp="OlmoeMLP"
+    ),
     "deepseek_v3": Family(
-        "DeepseekV3TopkRouter", "DeepseekV3RMSNorm", False, _route_deepseek, _experts_silu_gated
+        "DeepseekV3TopkRouter",
+        "DeepseekV3RMSNorm",
+        False,
+        _route_deepseek,
+        _experts_silu_gated,
+        mlp="DeepseekV3MLP",
     ),
     "gpt_oss": Family("GptOssTopKRouter", "GptOssRMSNorm", False, _route_gpt_oss, _experts_gpt_oss, None),
 }
@@ -116,6 +130,7 @@ TABLE = {
 FAMILIES = tuple(TABLE)
 ROUTERS = {name: f.router for name, f in TABLE.items()}
 NORMS = {name: f.norm for name, f in TABLE.items()}
+MLPS = {name: f.mlp for name, f in TABLE.items() if f.mlp is not None}
 ROPE_FAMILIES = tuple(name for name, f in TABLE.items() if f.rope)
 
 

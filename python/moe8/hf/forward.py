@@ -105,3 +105,30 @@ def norm_forward(self, hidden_states):
     if not _is_moe8(self) or hidden_states.dtype != self.weight.dtype:
         return type(self)._moe8_forward(self, hidden_states)
     return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+def _plain_linear(m) -> bool:
+    return type(m) is torch.nn.Linear and m.bias is None
+
+
+def mlp_forward(self, x):
+    """The forward of a family's gated dense MLP class while MLPs are fused (Config.fuse_mlp):
+    down(act(gate(x)) * up(x)) as one GEMM on [gate; up] (the weights concatenated per call: their gradients
+    flow back through the concatenation) and moe8's SwiGLU kernel (moe8.ops.activation), forward and backward.
+    MLPs of other models, with biases, LoRA-wrapped projections or an activation other than SiLU run their
+    own forward."""
+    from transformers.activations import SiLUActivation
+
+    from moe8 import ops
+
+    gate, up = self.gate_proj, self.up_proj
+    if (
+        not _is_moe8(self)
+        or not (_plain_linear(gate) and _plain_linear(up))
+        or not isinstance(self.act_fn, (SiLUActivation, torch.nn.SiLU))
+        or x.dtype != gate.weight.dtype
+    ):
+        return type(self)._moe8_forward(self, x)
+    h = F.linear(x.reshape(-1, x.shape[-1]), torch.cat([gate.weight, up.weight]))  # [T, 2I]: gate | up
+    a = ops.activation(h, ops.ACTIVATIONS["swiglu"], False, 0.0, 0.0)  # [T, I]
+    return self.down_proj(a.view(*x.shape[:-1], a.shape[-1]))

@@ -12,6 +12,7 @@ from moe8.config import DEFAULT, Config
 
 from .families import (
     FAMILIES,
+    MLPS,
     NORMS,
     ROPE_FAMILIES,
     ROUTERS,
@@ -19,7 +20,7 @@ from .families import (
     experts_spec,
     is_experts_module,
 )
-from .forward import NAME, _noticed, experts_forward, norm_forward, router_forward
+from .forward import NAME, _noticed, experts_forward, mlp_forward, norm_forward, router_forward
 from .registry import registry
 
 
@@ -109,6 +110,8 @@ def _apply(model, cfg: Config) -> None:
         _fuse(model, ROUTERS, router_forward)
     if cfg.fuse_norm:
         _fuse(model, NORMS, norm_forward)
+    if cfg.fuse_mlp:
+        _fuse(model, MLPS, mlp_forward)
     if cfg.fuse_rope:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_loss:
@@ -187,8 +190,9 @@ def enable(families=None, config: Config | None = None, **fields):
 
     families: config.model_type names to accelerate (default: all of moe8.hf.FAMILIES).
     config, **fields: the moe8.Config these models get (fields override config's; see moe8.Config: fp8,
-        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). fuse_rope patches
-        the families' modeling modules right away (process-wide, until disable()).
+        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). The four fusions are
+        on by default (fuse_loss=False etc. opts out): in a training forward with labels outputs.logits is
+        None. fuse_rope patches the families' modeling modules right away (process-wide, until disable()).
     """
     cfg = _config(DEFAULT, config, fields)
     families = _families(families)
@@ -204,7 +208,9 @@ def accelerate(model, families=None, config: Config | None = None, **fields):
     model: a transformers PreTrainedModel, or anything that holds one (a PeftModel). A model of an unsupported
     family, or whose experts moe8 can't run, is returned untouched with a one-line warning.
     config, **fields: the model's moe8.Config (see moe8.Config); fields change the model's current Config
-    (the one enable() gave it, or the default) when no config is given. fp8="none" switches FP8 off.
+    (the one enable() gave it, or the default: every fusion on) when no config is given. fp8="none" switches
+    FP8 off; fuse_loss=False keeps outputs.logits in training forwards; fuse_rope patches the family's
+    modeling module (process-wide, until disable()).
     """
     _transformers()
     from transformers.modeling_utils import PreTrainedModel

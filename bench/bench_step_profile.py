@@ -1,0 +1,336 @@
+"""Where a Hugging Face MoE training step's GPU time goes, per family: transformers (its default experts
+implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`), same process, same weights,
+same batch: forward + backward + fused AdamW, bf16, random init.
+
+Each model is a slice of the real one: 2 decoder layers at the real hidden, expert, attention and vocabulary
+sizes (attention through SDPA; GPT-OSS eager, its only built-in one for sinks); only DeepSeek-V3's expert count
+is cut (256 -> 32 routed experts, 8 groups of 4, top-4 groups: one layer of 256 would be 11.3B parameters), and
+its 2 layers are one dense (first_k_dense_replace) and one MoE. --fusions fuse_mlp=1 measures the fused dense
+MLPs (off by default).
+After the timed steps one more step runs under torch.profiler (shapes recorded); its kernels are classified
+(bench/profiling.py classify_trace) into experts (router, moe8's plan / permute / grouped GEMM / combine, or
+transformers' grouped_mm and its index ops), dense GEMMs (attention projections, shared experts, dense MLPs),
+attention, LM head + loss, optimizer, norms/rope/elementwise, and idle (the profiled step's span minus its
+kernel time).
+
+    python bench/bench_step_profile.py --out bench/results            # all six families, ~2.5 min on an H200
+    python bench/bench_step_profile.py --families qwen3 --fusions fuse_loss=0 --out /tmp/p
+    python bench/bench_step_profile.py --families qwen3 --vocab 151669 --out /tmp/p   # an unaligned LM head
+    python bench/bench_step_profile.py --tiny --out /tmp/p             # CPU smoke run: tiny configs, seconds
+
+Writes step_profile_<gpu>.json (run_info stamp, one row per family and implementation) to --out; prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hf_train import MODELS  # noqa: E402  (Qwen3-30B-A3B and Mixtral-8x7B shapes)
+from profiling import CATEGORIES, profile_breakdown, region_hooks  # noqa: E402
+from run_info import run_info  # noqa: E402
+
+import moe8  # noqa: E402
+from moe8 import hf  # noqa: E402
+from moe8.config import fields  # noqa: E402
+from moe8.loss import padded_vocab  # noqa: E402
+
+FAMILIES = {  # name: (model_type, config at the real model's sizes; 2 layers)
+    "qwen3": (MODELS["qwen3"][0], dict(MODELS["qwen3"][1], mlp_only_layers=[], decoder_sparse_step=1)),
+    "mixtral": (MODELS["mixtral"][0], dict(MODELS["mixtral"][1])),
+    "qwen2_moe": (  # Qwen1.5-MoE-A2.7B: 60 experts top-4 and a gated shared expert
+        "qwen2_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_experts=60,
+            num_experts_per_tok=4,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=151936,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        ),
+    ),
+    "olmoe": (  # OLMoE-1B-7B: 64 experts top-8
+        "olmoe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_experts=64,
+            num_experts_per_tok=8,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=50304,
+        ),
+    ),
+    "gpt_oss": (  # GPT-OSS-20B: 32 experts top-4, biases, sinks, a sliding-window and a full layer
+        "gpt_oss",
+        dict(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "deepseek_v3": (  # DeepSeek-V3: MLA, a dense first layer, 1 shared expert; routed experts cut to 32
+        "deepseek_v3",
+        dict(
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            n_routed_experts=32,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=1,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            vocab_size=129280,
+        ),
+    ),
+}
+
+EAGER_ONLY = {
+    "gpt_oss": "eager"
+}  # transformers' GPT-OSS has no SDPA path (its sinks); FA3 needs a hub kernel
+
+TINY = dict(  # --tiny: every family at toy sizes; an odd vocabulary takes the fused loss's padded path
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=1001,
+    sliding_window=8,
+)
+
+
+def build(name, tiny, device, dtype, vocab=0):
+    import transformers
+
+    family, over = FAMILIES[name]
+    over = dict(over)
+    if tiny:
+        over.update(
+            {k: v for k, v in TINY.items() if k in over or k == "head_dim" and family != "deepseek_v3"}
+        )
+        if family == "deepseek_v3":  # MLA: as many key / value heads as query heads
+            over["num_key_value_heads"] = over["num_attention_heads"]
+    if vocab:
+        over["vocab_size"] = vocab
+    cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=2, max_position_embeddings=4096, **over)
+    cfg._attn_implementation = "eager" if tiny else EAGER_ONLY.get(family, "sdpa")
+    cfg._experts_implementation = "grouped_mm"  # transformers' default (get_correct_experts_implementation)
+    if hasattr(cfg, "output_router_logits"):
+        cfg.output_router_logits = True  # the aux loss, as the Trainer trains these models
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model
+
+
+def fusions_of(spec: str) -> dict:
+    """--fusions: "default" (moe8.Config's), "none" (the experts alone) or field=0|1 pairs."""
+    names = [f for f in fields() if f.startswith("fuse_") or f in ("routed_down", "fused_lora_add")]
+    if spec == "default":
+        return {}
+    if spec == "none":
+        return {f: False for f in names if f.startswith("fuse_")}
+    out = {}
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\w+)=([01])", item.strip())
+        if m is None or m.group(1) not in names:
+            raise SystemExit(
+                f"--fusions: expected default, none or FIELD=0|1 with FIELD from {names}, got {item!r}"
+            )
+        out[m.group(1)] = m.group(2) == "1"
+    return out
+
+
+def measure(model, ids, steps, warmup, device):
+    """Median step seconds, peak GiB, losses, and the profiled step's breakdown (ms per category)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    model.train()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(warmup + steps):
+        sync()
+        t = time.perf_counter()
+        losses.append(step())
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    vocab = model.config.vocab_size
+    hooks = region_hooks(model)
+    try:
+        split = profile_breakdown(step, (vocab, padded_vocab(vocab)))
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.median(times), peak, [float(x) for x in losses], split
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, from {list(FAMILIES)}")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per model (default 3)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--fusions",
+        default="default",
+        help="the moe8 column's Config fields: default, none (experts only) or e.g. fuse_loss=0,fuse_norm=1",
+    )
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="vocabulary size for every family (default: each model's own), e.g. 151669, Qwen3's tokenizer: "
+        "the LM head's alignment at work",
+    )
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: toy configs, fp32, batch 2 x 32")
+    ap.add_argument("--out", required=True, help="directory for step_profile_<device>.json")
+    a = ap.parse_args()
+    names = a.families.split(",")
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}, expected from {list(FAMILIES)}")
+    for flag in ("batch", "seq", "steps"):
+        if getattr(a, flag) < 1:
+            raise SystemExit(f"--{flag}: expected >= 1, got {getattr(a, flag)}")
+    if a.vocab < 0:
+        raise SystemExit(f"--vocab: expected >= 1 (or 0: the models' own), got {a.vocab}")
+    if a.warmup < 0:
+        raise SystemExit(f"--warmup: expected >= 0, got {a.warmup}")
+    fusions = fusions_of(a.fusions)
+    if a.tiny:
+        device, dtype, a.batch, a.seq = torch.device("cpu"), torch.float32, 2, 32
+    else:
+        if not moe8.cuda_available():
+            raise SystemExit("bench_step_profile: needs a CUDA GPU and moe8 built with CUDA (or --tiny)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+
+    rows = []
+    for name in names:
+        for impl in ("transformers", "moe8"):
+            model = build(name, a.tiny, device, dtype, a.vocab)
+            ids = torch.randint(
+                0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
+            )
+            ids = ids.to(device)
+            if impl == "moe8":
+                moe8.accelerate(model, **fusions)
+            print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
+            sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
+            cfg = hf.config_of(model) if impl == "moe8" else None
+            rows.append(
+                {
+                    "family": name,
+                    "model_type": model.config.model_type,
+                    "impl": impl,
+                    "config": {k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
+                    "layers": model.config.num_hidden_layers,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "vocab": model.config.vocab_size,
+                    "step_ms": sec * 1e3,
+                    "tokens_per_s": a.batch * a.seq / sec,
+                    "peak_gib": peak,
+                    "losses": losses,
+                    "profile_ms": split,
+                }
+            )
+            del model
+            moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    meta = {
+        **run_info(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "optimizer": "AdamW" + (" fused" if device.type == "cuda" else ""),
+        "batch": a.batch,
+        "seq": a.seq,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "fusions": fusions or "moe8.Config() defaults",
+        "tiny": a.tiny,
+        "vocab": a.vocab or "each model's own",
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", meta["gpu"].lower()).strip("_")
+    path = out / f"step_profile_{gpu}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\n{meta}\nwrote {path}")
+    unit = "ms (CPU op time)" if device.type == "cpu" else "ms of GPU time in the profiled step"
+    short = ["experts", "dense", "attn", "head+loss", "optim", "elementw", "idle"]
+    print(
+        f"{'family':<12} {'impl':<12} {'step ms':>8} {'tok/s':>9} {'GiB':>5} "
+        + " ".join(f"{s:>9}" for s in short)
+    )
+    for r in rows:
+        p = r["profile_ms"]
+        cells = " ".join(f"{p[c]:>9.1f}" for c in (*CATEGORIES, "idle"))
+        print(
+            f"{r['family']:<12} {r['impl']:<12} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['peak_gib']:>5.1f} {cells}"
+        )
+    for name in names:
+        hf_ms, m8_ms = (r["step_ms"] for r in rows if r["family"] == name)
+        print(f"{name}: moe8 {hf_ms / m8_ms:.2f}x transformers' step ({unit} per category above)")
+
+
+if __name__ == "__main__":
+    main()
