@@ -61,7 +61,7 @@ moe8_pip_build() {
   # pipefail: the status is pip's, not grep's
   if (set -o pipefail && "$@" -v 2>&1 | tee "$log" |
     grep --line-buffered -E '^ *(-- moe8:|\[[1-9][0-9]*/[0-9]+\] )' |
-    sed -u -E 's/^ *-- /   /; s/^ *(\[[0-9]+\/[0-9]+\]) [A-Za-z ]* object [^ ]*\.dir\/(.*)\.o$/   \1 \2/; s/^ *(\[[0-9]+\/[0-9]+\]) Linking [A-Za-z+ ]* (.*)$/   \1 linking \2/'); then
+    sed -u -E 's/^ *-- /   /; s/^ *(\[[0-9]+\/[0-9]+\]) [A-Za-z ]* object [^ ]*\.dir\/(.*)\.o$/   \1 \2/; s/^ *(\[[0-9]+\/[0-9]+\]) Linking [A-Za-z+ ]* (.*)$/   \1 linking \2/; s#(\] ).*/site-packages/#\1#'); then
     return 0
   fi
   echo "moe8: the build failed; the last lines of $log:" >&2
