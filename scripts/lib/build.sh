@@ -1,7 +1,9 @@
 # scripts/lib/build.sh — shell functions shared by scripts/demo.sh and scripts/test.sh (source it):
-#   moe8_jobs [MEMINFO]   build parallelism: $JOBS when set, else the core count (nproc) capped by memory,
-#                         one job per 4 GiB of MemAvailable (a CUTLASS sm90a unit takes ~4 GB in nvcc),
-#                         at least 1. MEMINFO: the meminfo file to read (default /proc/meminfo).
+#   moe8_jobs [MEMINFO]   build parallelism: $JOBS when set, else the core count (nproc) capped by memory:
+#                         one job per 4 GiB of MemAvailable beyond the first 6 GiB, at least 1. (nvcc's cicc
+#                         peaked at 8.6 GB on grouped_gemm_sm90.cu and 5.9 GB on grouped_gemm_fp8_sm90.cu,
+#                         the two CUTLASS units; the 6 GiB held back is for them.)
+#                         MEMINFO: the meminfo file to read (default /proc/meminfo).
 #   moe8_nvcc             the nvcc the build will use ($CUDACXX, nvcc on PATH, then $CUDA_HOME/bin/nvcc,
 #                         /usr/local/cuda/bin/nvcc), exported as CUDACXX; prints nothing, fails when none.
 #   moe8_build_minutes cuda|cpu JOBS
@@ -11,6 +13,7 @@
 #                         and ninja's [n/N] progress (one line per compiled file); on failure, LOG's tail.
 
 MOE8_GIB_PER_JOB=4
+MOE8_GIB_RESERVED=6
 
 moe8_jobs() {
   if [ -n "${JOBS:-}" ]; then
@@ -27,7 +30,7 @@ moe8_jobs() {
   cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
   mem_kb=$(awk '$1 == "MemAvailable:" { print $2 }' "$meminfo" 2>/dev/null)
   by_mem=$cores
-  if [ -n "$mem_kb" ]; then by_mem=$((mem_kb / (MOE8_GIB_PER_JOB * 1024 * 1024))); fi
+  if [ -n "$mem_kb" ]; then by_mem=$(((mem_kb - MOE8_GIB_RESERVED * 1024 * 1024) / (MOE8_GIB_PER_JOB * 1024 * 1024))); fi
   local jobs=$((cores < by_mem ? cores : by_mem))
   echo $((jobs < 1 ? 1 : jobs))
 }

@@ -202,9 +202,11 @@ GIB = 1024 * 1024  # kB
     "cores, mem_kb, expected",
     [
         (16, 128 * GIB, 16),  # the cores, when memory allows
-        (16, 20 * GIB, 5),  # capped by memory: 4 GiB a job
+        (16, 20 * GIB, 3),  # capped by memory: 4 GiB a job beyond 6 GiB
+        (16, 40 * GIB, 8),
         (2, 24165236, 2),
         (64, 3 * GIB, 1),  # at least one
+        (64, 9 * GIB, 1),
         (8, None, 8),  # no MemAvailable line: the cores
     ],
 )
