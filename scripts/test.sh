@@ -2,10 +2,11 @@
 # Runs every moe8 test on a fresh machine: installs the pinned dependencies, checks formatting (ruff,
 # clang-format), builds libmoe8 with its GoogleTest suite (CUDA kernels too when nvcc is present) and runs
 # ctest, installs the Python package and runs pytest. CUDA tests skip, saying why, without a GPU.
-#   bash scripts/test.sh            (JOBS=N to set build parallelism, default 2)
+#   bash scripts/test.sh            (JOBS=N to set build parallelism; default: the cores the memory allows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-JOBS=${JOBS:-2}
+source scripts/lib/build.sh
+JOBS=$(moe8_jobs)
 PY=${PYTHON:-python3}
 
 echo "== dependencies"

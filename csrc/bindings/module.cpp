@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
 #include <optional>
 
@@ -50,6 +51,31 @@ moe8::WeightLayout layout_of(int layout) {
   return static_cast<moe8::WeightLayout>(layout);
 }
 
+// What this build holds (CMakeLists.txt defines these for this file): "cpu" (CUDA-less: csrc/cuda_stub),
+// "cuda" (CUDA kernels, no CUTLASS) or "cuda+cutlass" (the sm90a CUTLASS kernels too); the nvcc -gencode flags
+// the kernels were compiled with; the CUDA toolkit and CUTLASS versions. Empty strings where absent.
+nb::dict build_info() {
+  nb::dict d;
+#if defined(MOE8_WITH_CUDA) && defined(MOE8_BUILD_CUTLASS_VERSION)
+  d["backend"] = "cuda+cutlass";
+  d["cutlass_version"] = std::string(MOE8_BUILD_CUTLASS_VERSION);
+#elif defined(MOE8_WITH_CUDA)
+  d["backend"] = "cuda";
+  d["cutlass_version"] = std::string();
+#else
+  d["backend"] = "cpu";
+  d["cutlass_version"] = std::string();
+#endif
+#if defined(MOE8_WITH_CUDA) && defined(MOE8_BUILD_GENCODE) && defined(MOE8_BUILD_CUDA_VERSION)
+  d["gencode"] = std::string(MOE8_BUILD_GENCODE);
+  d["cuda_version"] = std::string(MOE8_BUILD_CUDA_VERSION);
+#else
+  d["gencode"] = std::string();
+  d["cuda_version"] = std::string();
+#endif
+  return d;
+}
+
 }  // namespace
 
 #define V(x) view(x, #x)
@@ -64,6 +90,7 @@ NB_MODULE(_C, m) {
     }
   });
   m.def("cuda_available", &moe8::api::cuda_available);
+  m.def("build_info", &build_info);
   m.def("reload_sm90_overrides", &moe8::api::reload_sm90_overrides);
   bind_ipc(m);
   m.def(

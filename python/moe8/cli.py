@@ -1,17 +1,47 @@
-"""The `moe8` command. `moe8 demo` trains a tiny MoE model; `moe8 finetune` fine-tunes a Hugging Face MoE model;
-`moe8 info` prints the build and device."""
+"""The `moe8` command (also `python -m moe8`). `moe8 demo` trains a tiny MoE model; `moe8 finetune` fine-tunes
+a Hugging Face MoE model; `moe8 info` prints the build (CPU / CUDA / CUTLASS, architectures, versions), torch
+and the GPU, and warns when they don't match."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: moe8 COMMAND [options]
+USAGE = """usage: moe8 COMMAND [options]     (or: python -m moe8 COMMAND [options])
 
 commands:
-  demo      train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
-  finetune  fine-tune a Hugging Face MoE model (full or LoRA), metrics and an HTML report (moe8 finetune --help)
-  info      print the moe8 version, the torch version and whether CUDA kernels are usable
+  demo       train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
+  finetune   fine-tune a Hugging Face MoE model (full or LoRA), metrics and an HTML report (moe8 finetune --help)
+  info       print what this moe8 build holds (CPU only / CUDA / CUTLASS sm90a, GPU architectures, CUDA and
+             CUTLASS versions), the torch version and the GPU; warns when the GPU can't run the build's kernels
+
+options:
+  -h, --help     this text
+  --version      print the moe8 version
 """
+
+
+def info() -> int:
+    import torch
+
+    import moe8
+    from moe8 import build_info
+
+    build = build_info.read()
+    device = build_info.visible_device()
+    cuda = torch.version.cuda or "none (CPU build)"
+    print(f"moe8     {moe8.__version__} ({moe8.__path__[0]})")
+    print(f"build    {build.describe()}")
+    print(f"torch    {torch.__version__} (CUDA {cuda})")
+    if device is None:
+        print("GPU      none visible")
+    else:
+        name, cc = device
+        usable = "yes" if moe8.cuda_available() else "no"
+        print(f"GPU      {name} (compute capability {cc[0]}.{cc[1]}); moe8 CUDA kernels usable: {usable}")
+    warning = build_info.mismatch(build, device)
+    if warning:
+        print(f"warning: {warning}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -20,6 +50,11 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "--version":
+        from . import __version__
+
+        print(f"moe8 {__version__}")
+        return 0
     if cmd == "demo":
         from .demo import main as demo
 
@@ -29,16 +64,7 @@ def main(argv=None) -> int:
 
         return finetune(rest)
     if cmd == "info":
-        import torch
-
-        import moe8
-
-        gpu = torch.cuda.get_device_name(0) if moe8.cuda_available() else "none"
-        print(
-            f"moe8 {moe8.__version__}, torch {torch.__version__}, CUDA kernels usable: {moe8.cuda_available()}, "
-            f"GPU: {gpu}"
-        )
-        return 0
+        return info()
     print(f"moe8: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -8,6 +8,7 @@ import importlib
 import warnings
 import weakref
 
+from moe8.build_info import warn_once
 from moe8.config import DEFAULT, Config
 
 from .families import (
@@ -196,6 +197,7 @@ def enable(families=None, config: Config | None = None, **fields):
     """
     cfg = _config(DEFAULT, config, fields)
     families = _families(families)
+    warn_once()  # a visible GPU this build can't run at full speed: one warning a process
     register()
     registry.families, registry.auto, registry.default = families, True, cfg
     if cfg.fuse_rope:
