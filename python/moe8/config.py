@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from ._env import ENV
 from .fp8 import Float8Recipe, _recipe
+from .fp8_rules import dense_kinds
 
 TRANSPORTS = ("auto", "nccl", "ipc")
 
@@ -24,7 +25,8 @@ class Config:
 
     fp8: None (expert GEMMs in the model's dtype) or an FP8 recipe for them: "blockwise" (1x128 / 128x128
         scales, the DeepSeek-V3 recipe), "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe (dgrad / wgrad in
-        FP8 too). Experts with moe8 LoRA stay in bf16.
+        FP8 too), or "auto" (blockwise with FP8 dgrad, only for the GEMMs whose shape makes FP8 pay,
+        moe8.fp8_rules.fp8_pays). Experts with moe8 LoRA run their base GEMMs in it, the adapters in bf16.
     routed_down: run the experts' activation, down projection and combine as one op
         (moe8.fused.activation_down_combine) when the down projection has no bias and no LoRA: neither the
         activations nor the expert outputs are kept for the backward (default on; MOE8_ROUTED_DOWN=0).
@@ -42,6 +44,10 @@ class Config:
         attention looks the function up in its modeling module).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
         [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels).
+    fp8_dense: the dense layers in FP8 too, with fp8's recipe (moe8.fp8_linear.convert_to_fp8): True (the
+        attention projections, shared experts and dense MLPs), or the kinds to convert, a subset of
+        ("attention", "shared_expert", "mlp"); routers, embeddings, norms and the LM head stay as they are.
+        Needs fp8. fp8_dense_skip_first_last: the first and last decoder layers stay in the model's dtype.
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).
@@ -57,6 +63,9 @@ class Config:
     fuse_rope: bool = False
     fuse_loss: bool = False
     transport: str = "auto"
+    # FP8 for the dense layers (moe8.fp8_linear)
+    fp8_dense: Union[bool, str, tuple] = False
+    fp8_dense_skip_first_last: bool = False
 
     def __post_init__(self):
         fp8 = self.fp8
@@ -79,6 +88,17 @@ class Config:
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
+        self._check_fp8_dense()
+
+    def _check_fp8_dense(self) -> None:
+        kinds = dense_kinds(self.fp8_dense)
+        object.__setattr__(self, "fp8_dense", kinds)  # normalised: () off, else the kinds converted
+        if kinds and self.fp8 is None:
+            raise ValueError(f"fp8_dense: {self.fp8_dense!r} needs an FP8 recipe in fp8, got fp8=None")
+        if not isinstance(self.fp8_dense_skip_first_last, bool):
+            raise ValueError(
+                f"fp8_dense_skip_first_last: expected True or False, got {self.fp8_dense_skip_first_last!r}"
+            )
 
     def replace(self, **changes) -> Config:
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})

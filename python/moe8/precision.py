@@ -18,13 +18,16 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .fp8_rules import fp8_pays
 from .fp8 import (
     RECIPES,
     Float8Recipe,
     Fp8Weight,
     Fp8WeightCache,
     _recipe,
+    check_not_frozen,
     default_cache,
+    frozen_fp8,
     grouped_gemm_fp8,
     grouped_gemm_fp8_wgrad,
     quantize_activation,
@@ -46,10 +49,12 @@ class Bf16Gemms:
     bias_in_kernel = True  # the GEMM adds the bias (and its wgrad gives d bias)
 
     def quantized(self, w: Tensor, layout: int) -> tuple:
+        check_not_frozen("w", w)
         return NO_WEIGHT
 
     def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
         """a [R, K] . op(w[e]) (+ bias[e]) per expert group -> [R, N]."""
+        check_not_frozen("w", w)
         return ops.grouped_gemm(a, w.contiguous(), offsets, layout, bias)
 
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
@@ -58,6 +63,7 @@ class Bf16Gemms:
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         """d a of c = a . op(w) from g = d c (`gathered`: g's rows are a gather, unused here)."""
+        check_not_frozen("w", w)
         return ops._input_grad(g, w, offsets, layout)
 
     def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
@@ -66,6 +72,11 @@ class Bf16Gemms:
 
 
 BF16 = Bf16Gemms()
+
+
+def code_of(recipe: Float8Recipe) -> int:
+    """The int a fused op's `precision` argument carries for an FP8 recipe (from_code's inverse)."""
+    return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3
 
 
 class Fp8Gemms:
@@ -80,7 +91,7 @@ class Fp8Gemms:
         self.cache = cache
         r = self.recipe
         self.name = r.name
-        self.code = r.id | (r.dgrad == "fp8") << 2 | (r.wgrad == "fp8") << 3
+        self.code = code_of(r)
         # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
         self.pad_multiple = 16 if r.wgrad == "fp8" else 1
 
@@ -89,6 +100,9 @@ class Fp8Gemms:
 
     def quantized(self, w: Tensor, layout: int) -> Fp8Weight:
         if self.cache is None:
+            frozen = frozen_fp8(w)  # stored in FP8 only: the cache's rule for its copy
+            if frozen is not None:
+                return default_cache.get(w, layout, self.recipe)
             return quantize_weight(w, layout, self.recipe)
         return self.cache.get(w, layout, self.recipe)
 
@@ -105,7 +119,8 @@ class Fp8Gemms:
         return _fp8_forward(ops.activation(h, *act), wq, offsets, self.recipe)
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
-        if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
+        # g quantised like an activation, w like a weight, transposed (a weight stored in FP8 only: always)
+        if self.recipe.dgrad == "fp8" or frozen_fp8(w) is not None:
             wt = default_cache.get(w, 1 - layout, self.recipe)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
@@ -128,6 +143,16 @@ def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Prec
     if isinstance(fp8, (Bf16Gemms, Fp8Gemms)):
         return fp8
     return Fp8Gemms(fp8, cache)
+
+
+def for_shape(prec: Precision, rows: int, n: int, k: int, w: Optional[Tensor] = None) -> Precision:
+    """prec, or BF16 where prec's recipe is `auto` and FP8 does not pay for a GEMM of rows x n x k
+    (moe8.fp8_rules.fp8_pays); a weight w stored in FP8 only keeps FP8."""
+    if not isinstance(prec, Fp8Gemms) or not prec.recipe.auto:
+        return prec
+    if w is not None and frozen_fp8(w) is not None:
+        return prec
+    return prec if fp8_pays(rows, n, k, prec.name) else BF16
 
 
 def from_code(code: int) -> Precision:
