@@ -35,7 +35,6 @@ from .fp8 import (
     quantize_weight,
     transposed,
 )
-
 from .fp8_rules import DENSE_KINDS, MOE8, SCALED_MM, dense_backend, dense_kinds, fp8_pays
 from .precision import _fp8_forward, _fp8_wgrad, code_of, from_code
 

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .fp8_rules import fp8_pays
 from .fp8 import (
     RECIPES,
     Float8Recipe,
@@ -36,6 +35,7 @@ from .fp8 import (
     quantize_weight,
     swiglu_quant,
 )
+from .fp8_rules import fp8_pays
 
 NO_WEIGHT = (None, None, None)  # the quantised-weight arguments of the fused ops when nothing is quantised
 

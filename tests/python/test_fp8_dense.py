@@ -170,7 +170,8 @@ def test_config_fp8_dense_fields():
 
 def test_enable_fp8_dense_on_hf_model():
     pytest.importorskip("transformers", minversion="5.0", reason="the HF front needs transformers>=5")
-    from test_hf import build, rel as hf_rel, tokens
+    from test_hf import build, tokens
+    from test_hf import rel as hf_rel
 
     from moe8 import hf
 
