@@ -164,9 +164,10 @@ def _precisions(prec: Precision, slots: int, gate_up: Tensor, down: Tensor, lay:
 
 def _permuted(x: Tensor, x_rows: tuple, prec: Precision, others: tuple) -> Tensor:
     """x's rows in expert order (ops.permute), unless nothing will read them: without autograd the FP8
-    blockwise GEMM quantises its rows straight from x (x stands in for them, read only for its dtype)."""
-    if getattr(prec, "name", None) == "blockwise":
-        tensors = [x, *others[:5]] + (list(others[5][:4]) if others[5] is not None else [])
+    blockwise GEMM quantises its rows straight from x (x stands in for them, read only for its dtype). The
+    LoRA branch reads them."""
+    if getattr(prec, "name", None) == "blockwise" and others[5] is None:
+        tensors = [x, *others[:5]]
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
             return x
     return ops.permute(*x_rows[:2], x_rows[3], x_rows[2])

@@ -29,9 +29,9 @@ DENSE_KINDS = ("attention", "shared_expert", "mlp")  # the dense layers FP8 can 
 
 
 def dense_kinds(fp8_dense) -> tuple:
-    """The dense module kinds a Config's fp8_dense names: False -> (), True -> all of DENSE_KINDS, a kind or
-    a sequence of kinds -> those (ValueError naming fp8_dense otherwise)."""
-    if fp8_dense is False or fp8_dense is None:
+    """The dense module kinds a Config's fp8_dense names: False (or ()) -> (), True -> all of DENSE_KINDS, a
+    kind or a sequence of kinds -> those (ValueError naming fp8_dense otherwise)."""
+    if fp8_dense is False or fp8_dense is None or fp8_dense == ():
         return ()
     if fp8_dense is True:
         return DENSE_KINDS

@@ -126,3 +126,62 @@ def test_frozen_base_bytes_halve():
     held = f.untyped_storage().nbytes() + fp8.fp8_nbytes(fp8.frozen_fp8(f).value)
     assert held == 2 + 8 * 512 * 384 + 4 * 8 * 4 * 3
     assert held < 0.51 * w.untyped_storage().nbytes()
+
+
+def test_experts_lora_over_fp8_without_grad():
+    """In eval (no autograd) the LoRA branch still reads the permuted rows (the FP8 GEMM alone would not)."""
+    torch.manual_seed(5)
+    T, H, I, E, K, r = 40, 128, 64, 4, 2, 4
+    x, ids, weights = torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K)
+    gu, dn = torch.randn(E, 2 * I, H) * H**-0.5, torch.randn(E, H, I) * I**-0.5
+    lora = [torch.randn(s) * 0.3 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    fgu, fdn = fp8.freeze_fp8(gu), fp8.freeze_fp8(dn)
+    with torch.no_grad():
+        y = layer.experts_forward(
+            x, ids, weights, fgu, fdn, lora=layer.ExpertLoRA(*lora, 1.0), fp8="blockwise"
+        )
+    d = [t.double() for t in lora]
+    y_ref = ref.experts_forward(
+        x.double(), ids, weights.double(), dequantized(fgu) + d[1] @ d[0], dequantized(fdn) + d[3] @ d[2]
+    )
+    assert rel(y, y_ref) < TOL
+
+
+def test_hf_lora_over_fp8_base_halves_frozen_bytes(tmp_path):
+    pytest.importorskip("transformers", minversion="5.0", reason="moe8.lora needs transformers>=5")
+    from safetensors.torch import load_file
+    from test_hf import build, tokens
+
+    from moe8 import hf, lora
+
+    model = build("qwen3_moe").to(torch.bfloat16)
+    lora.apply_lora(model, r=4, alpha=8)
+    hf.accelerate(model, fp8="blockwise")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    ids = tokens()
+    before_out = model(input_ids=ids).logits
+    before = lora.base_nbytes(model)
+    n = lora.freeze_base_fp8(model)
+    linear = [m for m in model.modules() if isinstance(m, lora.LoraLinear)]
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_lora_A")]
+    assert linear and experts and n == len(linear) + 2 * len(experts)
+    assert lora.freeze_base_fp8(model) == 0  # already in FP8
+    after = lora.base_nbytes(model)
+    quantised = sum(
+        m.weight.numel() if isinstance(m, lora.LoraLinear) else m.gate_up_proj.numel() + m.down_proj.numel()
+        for m in model.modules()
+        if isinstance(m, lora.LoraLinear) or hasattr(m, "gate_up_lora_A")
+    )
+    # each quantised bf16 value (2 bytes) now takes 1 byte (+ one fp32 scale per 128x128 block, 2-byte stand-in)
+    saved = before - after
+    assert quantised - 64 * n <= saved <= quantised
+    out = model(input_ids=ids, labels=ids)
+    assert ((out.logits.float() - before_out.float()).norm() / before_out.float().norm()) < 0.1
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    lora.save_adapter(model, tmp_path)
+    keys = load_file(str(tmp_path / "adapter_model.safetensors")).keys()
+    assert keys and all("lora_A" in k or "lora_B" in k for k in keys)
