@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ._env import ENV
-from .fp8 import Float8Recipe, _recipe
+from .fp8 import Float8Recipe, _recipe, cache_named
 from .fp8_rules import dense_kinds
 
 TRANSPORTS = ("auto", "nccl", "ipc")
@@ -48,6 +48,10 @@ class Config:
         attention projections, shared experts and dense MLPs), or the kinds to convert, a subset of
         ("attention", "shared_expert", "mlp"); routers, embeddings, norms and the LM head stay as they are.
         Needs fp8. fp8_dense_skip_first_last: the first and last decoder layers stay in the model's dtype.
+    fp8_cache: what the FP8 weight copies cost between calls: "both" (the forward's and, with FP8 dgrad, the
+        backward's layout, made in one pass, kept until the next optimizer step: fastest), "one" (one layout
+        kept, the other derived from it for each use: at most half the bf16 weights' bytes), "none"
+        (quantised at every call, nothing kept between calls).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (nccl for now; see moe8.parallel.parallelize).
@@ -66,6 +70,7 @@ class Config:
     # FP8 for the dense layers (moe8.fp8_linear)
     fp8_dense: Union[bool, str, tuple] = False
     fp8_dense_skip_first_last: bool = False
+    fp8_cache: str = "both"
 
     def __post_init__(self):
         fp8 = self.fp8
@@ -95,6 +100,7 @@ class Config:
         object.__setattr__(self, "fp8_dense", kinds)  # normalised: () off, else the kinds converted
         if kinds and self.fp8 is None:
             raise ValueError(f"fp8_dense: {self.fp8_dense!r} needs an FP8 recipe in fp8, got fp8=None")
+        cache_named(self.fp8_cache)  # raises on an unknown name
         if not isinstance(self.fp8_dense_skip_first_last, bool):
             raise ValueError(
                 f"fp8_dense_skip_first_last: expected True or False, got {self.fp8_dense_skip_first_last!r}"

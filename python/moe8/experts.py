@@ -122,7 +122,7 @@ def experts_forward(
     if check_ids is None:
         check_ids = True if config is None else config.check_ids
     cfg = DEFAULT if config is None else config
-    prec = precision(cfg.fp8 if fp8 is None else fp8)
+    prec = precision(cfg.fp8 if fp8 is None else fp8, cfg.fp8_cache)
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
     if lora is not None:  # the adapters run in bf16 beside the base GEMMs, whatever their precision
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)

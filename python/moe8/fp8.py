@@ -482,5 +482,15 @@ class Fp8WeightCache:
 
 
 default_cache = Fp8WeightCache()
+one_layout_cache = Fp8WeightCache(keep_transposed=False)  # Config(fp8_cache="one")
+CACHES = ("both", "one", "none")  # Config.fp8_cache: default_cache, one_layout_cache, no cache
+
+
+def cache_named(name: str) -> Optional[Fp8WeightCache]:
+    """The weight cache a Config's fp8_cache names."""
+    if name not in CACHES:
+        raise ValueError(f"fp8_cache: expected one of {list(CACHES)}, got {name!r}")
+    return {"both": default_cache, "one": one_layout_cache, "none": None}[name]
+
 
 make_direct(globals())  # after every op's registrations (moe8._core: direct calls)

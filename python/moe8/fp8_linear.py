@@ -28,6 +28,7 @@ from .fp8 import (
     Fp8Weight,
     Fp8WeightCache,
     _recipe,
+    cache_named,
     default_cache,
     frozen_fp8,
     quantize_rowwise,
@@ -252,12 +253,16 @@ def convert_to_fp8(
     recipe="blockwise",
     modules=KINDS,
     skip_first_last: bool = False,
-    cache: Optional[Fp8WeightCache] = default_cache,
+    cache=default_cache,
 ) -> list:
     """Swap the nn.Linear layers of `model` whose module_kind is in `modules` for Float8Linear (in place);
     returns their names. skip_first_last: the first and the last decoder layer (`layers.<i>.`) stay in the
-    model's dtype. Layers already converted are left as they are."""
+    model's dtype. cache: an Fp8WeightCache, None, or a Config.fp8_cache name ("both" and "one" keep one
+    layout of a dense weight: its dgrad copy is the same blocks transposed; "none"). Layers already converted
+    are left as they are."""
     recipe = _recipe(recipe)
+    if isinstance(cache, str):
+        cache = cache_named(cache)
     if isinstance(modules, bool) or not modules:
         raise ValueError(f"modules: expected a non-empty subset of {list(KINDS)}, got {modules!r}")
     try:

@@ -24,11 +24,13 @@ from .fp8 import (
     Fp8Weight,
     Fp8WeightCache,
     _recipe,
+    cache_named,
     check_not_frozen,
     default_cache,
     frozen_fp8,
     grouped_gemm_fp8,
     grouped_gemm_fp8_wgrad,
+    one_layout_cache,
     quantize_activation,
     quantize_cols_1x128,
     quantize_rows_1x128,
@@ -74,15 +76,20 @@ class Bf16Gemms:
 BF16 = Bf16Gemms()
 
 
-def code_of(recipe: Float8Recipe) -> int:
-    """The int a fused op's `precision` argument carries for an FP8 recipe (from_code's inverse)."""
-    return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3
+_CACHE_CODES = {id(default_cache): 0, id(one_layout_cache): 1, id(None): 2}
+
+
+def code_of(recipe: Float8Recipe, cache: Optional[Fp8WeightCache] = default_cache) -> int:
+    """The int a fused op's `precision` argument carries for an FP8 recipe and one of moe8.fp8's named
+    caches (from_code's inverse); any other cache is carried as default_cache (its backward's copies)."""
+    c = _CACHE_CODES.get(id(cache), 0)
+    return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3 | c << 4
 
 
 class Fp8Gemms:
     """The grouped GEMMs in FP8 with `recipe` (a moe8.fp8 recipe name or Float8Recipe). cache: where the
-    weights' FP8 copies come from in the forward (None: quantised at every call); the backward's copies (FP8
-    dgrad) come from moe8.fp8.default_cache."""
+    weights' FP8 copies come from (None: quantised at every call, forward and FP8 dgrad; the backward's copies
+    come from the same named cache of moe8.fp8, default_cache for any other)."""
 
     bias_in_kernel = False  # the bias is added in fp32 after the GEMM (see add_bias)
 
@@ -91,7 +98,7 @@ class Fp8Gemms:
         self.cache = cache
         r = self.recipe
         self.name = r.name
-        self.code = code_of(r)
+        self.code = code_of(r, cache)
         # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
         self.pad_multiple = 16 if r.wgrad == "fp8" else 1
 
@@ -121,7 +128,7 @@ class Fp8Gemms:
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         # g quantised like an activation, w like a weight, transposed (a weight stored in FP8 only: always)
         if self.recipe.dgrad == "fp8" or frozen_fp8(w) is not None:
-            wt = default_cache.get(w, 1 - layout, self.recipe)
+            wt = self.quantized(w, 1 - layout)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
 
@@ -136,8 +143,11 @@ Precision = Union[Bf16Gemms, Fp8Gemms]
 
 
 def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
-    """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms;
-    a strategy object is returned as it is."""
+    """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms
+    with `cache` (or the cache a Config's fp8_cache names: "both", "one", "none"); a strategy object is
+    returned as it is."""
+    if isinstance(cache, str):
+        cache = cache_named(cache)
     if fp8 is None or isinstance(fp8, str) and fp8 in ("none", "bf16"):
         return BF16
     if isinstance(fp8, (Bf16Gemms, Fp8Gemms)):
@@ -161,7 +171,8 @@ def from_code(code: int) -> Precision:
         return BF16
     name = next(n for n, i in RECIPES.items() if i == code & 3)
     fp8 = ("bf16", "fp8")
-    return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]))
+    cache = (default_cache, one_layout_cache, None)[code >> 4 & 3]
+    return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]), cache)
 
 
 # ------------------------------------------------------------------------------------ FP8 internals

@@ -259,3 +259,29 @@ def test_frozen_weights_survive_optimizer_steps():
     with torch.no_grad():
         frozen.mul_(2)  # in place: the version counter moves
     assert cache.get(frozen, 0, r) is not a
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp8_cache_policies_same_bits_less_memory(device):
+    """Config.fp8_cache "both" / "one" / "none": the same outputs and gradients bit for bit; "one" holds half
+    of "both"'s bytes (one layout per weight), "none" nothing between calls."""
+    torch.manual_seed(4)
+    E, H, I, T = 4, 256, 128, 96
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    ids, w = torch.randint(0, E, (T, 2), device=device), torch.rand(T, 2, device=device)
+    gu = (torch.randn(E, 2 * I, H, device=device) * 0.1).requires_grad_()
+    dn = (torch.randn(E, H, I, device=device) * 0.1).requires_grad_()
+    r = Float8Recipe("blockwise", dgrad="fp8")
+    results, held = [], {}
+    for name in fp8.CACHES:
+        fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+        cfg = moe8.Config(fp8=r, fp8_cache=name)
+        y = layer.experts_forward(x, ids, w, gu, dn, config=cfg)
+        results.append((y, *torch.autograd.grad(y.square().sum(), [x, gu, dn])))
+        held[name] = fp8.default_cache.nbytes() + fp8.one_layout_cache.nbytes()
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    one_copy = sum(t.numel() for t in (gu, dn)) + 4 * 4 * (2 * 2 + 2 * 1)
+    assert held == {"both": 2 * one_copy, "one": one_copy, "none": 0}
+    with pytest.raises(ValueError, match="fp8_cache: expected one of"):
+        moe8.Config(fp8="blockwise", fp8_cache="all")
