@@ -51,12 +51,16 @@ def fp8_pays(M: int, N: int, K: int, recipe: str = "blockwise") -> bool:
     return M >= MIN_ROWS[recipe] and N * K / (N + K) >= MIN_HARMONIC[recipe]
 
 
-def dense_backend(recipe: str, device: str, capability: tuple = (0, 0)) -> str:
+def dense_backend(
+    recipe: str, device: str, capability: tuple = (0, 0), n: int = ALIGN, k: int = ALIGN
+) -> str:
     """The FP8 GEMM of a dense layer: "scaled_mm" (torch._scaled_mm, cuBLAS) for rowwise / tensorwise
     scales on an sm_89+ GPU, where torch's rowwise kernel with fast accumulation sustains more than moe8's
     blockwise one (1202 against 1009 TFLOP/s at Mixtral's gate_up, docs/fp8.md) and moe8 applies row scales
     in an extra pass; "moe8" (the grouped GEMM with one group) for blockwise scales, which _scaled_mm has no
-    sm_90 kernel for in the torch moe8 pins, and on the CPU (moe8's reference kernels)."""
-    if device == "cuda" and tuple(capability) >= (8, 9) and recipe in ("rowwise", "tensorwise"):
+    sm_90 kernel for in the torch moe8 pins, and on the CPU (moe8's reference kernels). n, k: the weight's
+    [N, K]; cuBLAS FP8 needs both multiples of 16 (the forward's K and the dgrad's N), else "moe8"."""
+    aligned = n % ALIGN == 0 and k % ALIGN == 0
+    if device == "cuda" and aligned and tuple(capability) >= (8, 9) and recipe in ("rowwise", "tensorwise"):
         return SCALED_MM
     return MOE8

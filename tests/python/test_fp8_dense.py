@@ -207,6 +207,10 @@ def test_dense_backend():
     assert b("rowwise", "cuda", (9, 0)) == "scaled_mm" and b("tensorwise", "cuda", (8, 9)) == "scaled_mm"
     assert b("blockwise", "cuda", (9, 0)) == "moe8" and b("rowwise", "cpu") == "moe8"
     assert b("rowwise", "cuda", (8, 0)) == "moe8"
+    assert (
+        b("rowwise", "cuda", (9, 0), 200, 128) == "moe8"
+        and b("rowwise", "cuda", (9, 0), 208, 128) == "scaled_mm"
+    )
 
 
 def test_auto_experts_pick_per_gemm(monkeypatch):
