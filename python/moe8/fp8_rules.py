@@ -20,8 +20,11 @@ per shape and recipe to set these; docs/fp8.md says how.
 
 from __future__ import annotations
 
-MIN_ROWS = {"blockwise": 256, "rowwise": 256, "tensorwise": 256}  # rows per GEMM (per expert group)
-MIN_HARMONIC = {"blockwise": 1024, "rowwise": 1024, "tensorwise": 1024}  # N·K / (N + K)
+from types import MappingProxyType
+
+# read-only: thresholds are measured constants, not switches
+MIN_ROWS = MappingProxyType({"blockwise": 256, "rowwise": 256, "tensorwise": 256})  # rows per GEMM (group)
+MIN_HARMONIC = MappingProxyType({"blockwise": 1024, "rowwise": 1024, "tensorwise": 1024})  # N·K / (N + K)
 ALIGN = 16  # N and K multiples of 16: the Hopper FP8 kernels' TMA loads and torch._scaled_mm need it
 
 MOE8, SCALED_MM = "moe8", "scaled_mm"

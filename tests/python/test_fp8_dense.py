@@ -222,12 +222,12 @@ def test_auto_experts_pick_per_gemm(monkeypatch):
     gu, dn = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     auto = layer.experts_forward(x, ids, w, gu, dn, fp8="auto")
     assert torch.equal(auto, layer.experts_forward(x, ids, w, gu, dn))
-    monkeypatch.setitem(fp8_rules.MIN_ROWS, "blockwise", 1)
-    monkeypatch.setitem(fp8_rules.MIN_HARMONIC, "blockwise", 60)  # gate_up (128x128: 64) only
+    monkeypatch.setattr(fp8_rules, "MIN_ROWS", dict(fp8_rules.MIN_ROWS, blockwise=1))
+    monkeypatch.setattr(fp8_rules, "MIN_HARMONIC", dict(fp8_rules.MIN_HARMONIC, blockwise=60))  # gate_up only
     fp8.default_cache.clear()
     mixed = layer.experts_forward(x, ids, w, gu, dn, fp8="auto")
     assert not torch.equal(mixed, auto) and rel(mixed, auto) < FP8_TOL
-    monkeypatch.setitem(fp8_rules.MIN_HARMONIC, "blockwise", 1)
+    monkeypatch.setattr(fp8_rules, "MIN_HARMONIC", dict(fp8_rules.MIN_HARMONIC, blockwise=1))
     full = layer.experts_forward(x, ids, w, gu, dn, fp8="auto")
     assert torch.equal(full, layer.experts_forward(x, ids, w, gu, dn, fp8=Float8Recipe("blockwise", "fp8")))
     assert not torch.equal(full, mixed)
