@@ -26,7 +26,8 @@ class Config:
     fp8: None (expert GEMMs in the model's dtype) or an FP8 recipe for them: "blockwise" (1x128 / 128x128
         scales, the DeepSeek-V3 recipe), "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe (dgrad / wgrad in
         FP8 too), or "auto" (blockwise with FP8 dgrad, only for the GEMMs whose shape makes FP8 pay,
-        moe8.fp8_rules.fp8_pays). Experts with moe8 LoRA run their base GEMMs in it, the adapters in bf16.
+        moe8.fp8_rules.fp8_pays). Experts with moe8 LoRA run their base GEMMs in it, the adapters' GEMMs in
+        the model's dtype.
     routed_down: run the experts' activation, down projection and combine as one op
         (moe8.fused.activation_down_combine) when the down projection has no bias and no LoRA: neither the
         activations nor the expert outputs are kept for the backward (default on; MOE8_ROUTED_DOWN=0).

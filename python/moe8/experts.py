@@ -124,7 +124,7 @@ def experts_forward(
     cfg = DEFAULT if config is None else config
     prec = precision(cfg.fp8 if fp8 is None else fp8, cfg.fp8_cache)
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation)
-    if lora is not None:  # the adapters run in bf16 beside the base GEMMs, whatever their precision
+    if lora is not None:  # the adapters' GEMMs run in x's dtype, whatever the base GEMMs' precision
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
         _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
     prec, prec_down = _precisions(prec, x.shape[0] * ids.shape[1], gate_up, down, lay)
