@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ._env import ENV
-from .fp8 import Float8Recipe, _recipe
+from .fp8 import Float8Recipe, _recipe, cache_named
+from .fp8_rules import dense_kinds
 
 TRANSPORTS = ("auto", "nccl", "ipc")
 
@@ -24,7 +25,9 @@ class Config:
 
     fp8: None (expert GEMMs in the model's dtype) or an FP8 recipe for them: "blockwise" (1x128 / 128x128
         scales, the DeepSeek-V3 recipe), "rowwise", "tensorwise" or a moe8.fp8.Float8Recipe (dgrad / wgrad in
-        FP8 too). Experts with moe8 LoRA stay in bf16.
+        FP8 too), or "auto" (blockwise with FP8 dgrad, only for the GEMMs whose shape makes FP8 pay,
+        moe8.fp8_rules.fp8_pays). Experts with moe8 LoRA run their base GEMMs in it, the adapters' GEMMs in
+        the model's dtype.
     routed_down: run the experts' activation, down projection and combine as one op
         (moe8.fused.activation_down_combine) when the down projection has no bias and no LoRA: neither the
         activations nor the expert outputs are kept for the backward (default on; MOE8_ROUTED_DOWN=0).
@@ -50,6 +53,14 @@ class Config:
     fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
         bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
         measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
+    fp8_dense: the dense layers in FP8 too, with fp8's recipe (moe8.fp8_linear.convert_to_fp8): True (the
+        attention projections, shared experts and dense MLPs), or the kinds to convert, a subset of
+        ("attention", "shared_expert", "mlp"); routers, embeddings, norms and the LM head stay as they are.
+        Needs fp8. fp8_dense_skip_first_last: the first and last decoder layers stay in the model's dtype.
+    fp8_cache: what the FP8 weight copies cost between calls: "both" (the forward's and, with FP8 dgrad, the
+        backward's layout, made in one pass, kept until the next optimizer step: fastest), "one" (one layout
+        kept, the other derived from it for each use: at most half the bf16 weights' bytes), "none"
+        (quantised at every call, nothing kept between calls).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (ipc when the experts are on CUDA and the expert-parallel group is on one
@@ -75,6 +86,10 @@ class Config:
     transport: str = "auto"
     fp8_dispatch: bool = True
     ep_chunks: int = 1
+    # FP8 for the dense layers (moe8.fp8_linear)
+    fp8_dense: Union[bool, str, tuple] = False
+    fp8_dense_skip_first_last: bool = False
+    fp8_cache: str = "both"
 
     def __post_init__(self):
         fp8 = self.fp8
@@ -101,6 +116,18 @@ class Config:
             raise ValueError(f"ep_chunks: expected an integer >= 1, got {self.ep_chunks!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
+        self._check_fp8_dense()
+
+    def _check_fp8_dense(self) -> None:
+        kinds = dense_kinds(self.fp8_dense)
+        object.__setattr__(self, "fp8_dense", kinds)  # normalised: () off, else the kinds converted
+        if kinds and self.fp8 is None:
+            raise ValueError(f"fp8_dense: {self.fp8_dense!r} needs an FP8 recipe in fp8, got fp8=None")
+        cache_named(self.fp8_cache)  # raises on an unknown name
+        if not isinstance(self.fp8_dense_skip_first_last, bool):
+            raise ValueError(
+                f"fp8_dense_skip_first_last: expected True or False, got {self.fp8_dense_skip_first_last!r}"
+            )
 
     def replace(self, **changes) -> Config:
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})

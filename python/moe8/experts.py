@@ -18,7 +18,7 @@ from . import _checks as _c
 from . import fused, ops
 from ._core import ACTIVATIONS, LAYOUTS, choice
 from .config import DEFAULT, Config
-from .precision import BF16, Precision, precision
+from .precision import Precision, for_shape, precision
 
 
 class ExpertLoRA(NamedTuple):
@@ -186,14 +186,14 @@ def experts_forward(
     if check_ids is None:
         check_ids = True if config is None else config.check_ids
     cfg = DEFAULT if config is None else config
-    prec = precision(cfg.fp8 if fp8 is None else fp8)
+    prec = precision(cfg.fp8 if fp8 is None else fp8, cfg.fp8_cache)
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation, gate_up_bias, down_bias)
-    if lora is not None and prec is not BF16:
-        raise ValueError(f"fp8: FP8 experts with LoRA are not supported yet; got {prec!r} with lora")
-    if lora is not None:
+    if lora is not None:  # the adapters' GEMMs run in x's dtype, whatever the base GEMMs' precision
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
         _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)
-    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, prec.pad_multiple, check_ids)
+    prec, prec_down = _precisions(prec, x.shape[0] * ids.shape[1], gate_up, down, lay)
+    pad = max(prec.pad_multiple, prec_down.pad_multiple)
+    x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
     x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)
     xp = _permuted(x, x_rows, prec, (weights, gate_up, down, gate_up_bias, down_bias, lora))  # [R, H]
     h = fused.expert_linear(xp, gate_up, offsets, lay, gate_up_bias, prec, x_rows)  # [R, 2I]
@@ -204,22 +204,34 @@ def experts_forward(
     consume = cfg.consume_gate_up
     if cfg.routed_down and lora is None and down_bias is None:  # neither activations nor expert outputs kept
         return fused.activation_down_combine(
-            h, down, offsets, lay, w, slot_to_row, row_to_slot, *act_args, consume, prec
+            h, down, offsets, lay, w, slot_to_row, row_to_slot, *act_args, consume, prec_down
         )
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
-        o = fused.activation_linear(h, down, offsets, lay, down_bias, *act_args, consume, prec)  # [R, H]
+        o = fused.activation_linear(h, down, offsets, lay, down_bias, *act_args, consume, prec_down)
     else:  # the LoRA branch keeps them anyway
         a = (ops.activation_consuming if consume else ops.activation)(h, *act_args)  # [R, I]
-        o = fused.expert_linear(a, down, offsets, lay, down_bias, prec)  # [R, H]
+        o = fused.expert_linear(a, down, offsets, lay, down_bias, prec_down)  # [R, H]
         o = _plus_low_rank(o, a, lora.down_A, lora.down_B, offsets, lay, lora, cfg.fused_lora_add)
     return ops.combine(o, w, slot_to_row, row_to_slot)  # [T, H]
 
 
+def _precisions(prec: Precision, slots: int, gate_up: Tensor, down: Tensor, lay: int) -> tuple:
+    """(gate_up's, down's precision): prec for both, unless its recipe is auto (moe8.precision.for_shape, with
+    the rows per expert of balanced routing, slots / E)."""
+    rows = slots // max(gate_up.shape[0], 1)
+
+    def nk(w):  # (N, K) of the GEMM c = a . op(w[e])
+        return (w.shape[1], w.shape[2]) if lay == 0 else (w.shape[2], w.shape[1])
+
+    return for_shape(prec, rows, *nk(gate_up), gate_up), for_shape(prec, rows, *nk(down), down)
+
+
 def _permuted(x: Tensor, x_rows: tuple, prec: Precision, others: tuple) -> Tensor:
     """x's rows in expert order (ops.permute), unless nothing will read them: without autograd the FP8
-    blockwise GEMM quantises its rows straight from x (x stands in for them, read only for its dtype)."""
-    if getattr(prec, "name", None) == "blockwise":
-        tensors = [x, *others[:5]] + (list(others[5][:4]) if others[5] is not None else [])
+    blockwise GEMM quantises its rows straight from x (x stands in for them, read only for its dtype). The
+    LoRA branch reads them."""
+    if getattr(prec, "name", None) == "blockwise" and others[5] is None:
+        tensors = [x, *others[:5]]
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
             return x
     return ops.permute(*x_rows[:2], x_rows[3], x_rows[2])

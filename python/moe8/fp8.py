@@ -48,11 +48,14 @@ class Float8Recipe:
     the backward's GEMMs run in bf16 (default) or FP8 too: dgrad="fp8" (the output gradient quantised like an
     activation, the weight like a weight, transposed), wgrad="fp8" (both operands quantised 1x128 along the
     rows, grouped_gemm_fp8_wgrad; on a GPU it needs the Hopper kernel and expert row offsets that are
-    multiples of 16, which the experts pipeline plans for, and falls back to bf16 without the kernel)."""
+    multiples of 16, which the experts pipeline plans for, and falls back to bf16 without the kernel).
+    auto: FP8 only for the GEMMs whose shape makes it pay (moe8.fp8_rules.fp8_pays), bf16 for the others;
+    the recipe "auto" is blockwise with FP8 dgrad and auto on."""
 
     name: str = "blockwise"
     dgrad: str = "bf16"
     wgrad: str = "bf16"
+    auto: bool = False
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -61,15 +64,24 @@ class Float8Recipe:
             raise ValueError(f"dgrad: expected one of {list(DGRAD)}, got {self.dgrad!r}")
         if self.wgrad not in DGRAD:
             raise ValueError(f"wgrad: expected one of {list(DGRAD)}, got {self.wgrad!r}")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"auto: expected True or False, got {self.auto!r}")
 
     @property
     def id(self) -> int:
         return RECIPES[self.name]
 
 
+AUTO = "auto"  # the recipe name of Float8Recipe("blockwise", dgrad="fp8", auto=True)
+
+
 def _recipe(recipe) -> Float8Recipe:
     if isinstance(recipe, Float8Recipe):
         return recipe
+    if recipe == AUTO:
+        return Float8Recipe("blockwise", dgrad="fp8", auto=True)
+    if str(recipe) not in RECIPES:
+        raise ValueError(f"recipe: expected one of {sorted(RECIPES) + [AUTO]}, got {recipe!r}")
     return Float8Recipe(str(recipe))
 
 
@@ -306,9 +318,15 @@ class Fp8Weight(NamedTuple):
     row_scale: Optional[Tensor]  # rowwise only: [E, N] f32, applied to the GEMM's output columns
 
 
+def _nk(w: Tensor, layout: int) -> Tensor:
+    """w [E, N, K] (layout 0), [E, K, N] (layout 1) or a dense weight [N, K] ([K, N]) -> [E or 1, N, K]."""
+    w = w if w.dim() == 3 else w.unsqueeze(0)
+    return (w if layout == 0 else w.transpose(1, 2)).detach().contiguous()
+
+
 def quantize_weight(w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
-    """w [E, N, K] (layout 0) or [E, K, N] (layout 1) -> Fp8Weight."""
-    w = (w if layout == 0 else w.transpose(1, 2)).detach().contiguous()
+    """w [E, N, K] (layout 0) or [E, K, N] (layout 1) -> Fp8Weight; a dense weight [N, K] is one expert."""
+    w = _nk(w, layout)
     E, N, K = w.shape
     if recipe.name == "blockwise":
         q, scale = quantize_weight_128x128(w)
@@ -343,6 +361,59 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def transposed(wq: Fp8Weight) -> Fp8Weight:
+    """A blockwise copy in the other layout: the same 128x128 blocks, so the same codes and scales, transposed."""
+    return Fp8Weight(wq.q.transpose(1, 2).contiguous(), wq.scale.transpose(1, 2).contiguous(), None)
+
+
+def fp8_nbytes(value) -> int:
+    """Bytes held by an Fp8Weight (or None)."""
+    return 0 if value is None else sum(t.nbytes for t in value if t is not None)
+
+
+class FrozenFp8(NamedTuple):
+    """A frozen weight stored in FP8 only (freeze_fp8): its blockwise copy in one layout."""
+
+    layout: int
+    recipe: Float8Recipe
+    value: Fp8Weight
+
+
+FROZEN = "_moe8_fp8"  # the attribute of a placeholder weight that carries its FrozenFp8
+
+
+def frozen_fp8(w: Tensor) -> Optional[FrozenFp8]:
+    """The FP8 copy of a weight whose bf16 values were freed by freeze_fp8 (None for any other tensor)."""
+    return getattr(w, FROZEN, None)
+
+
+def freeze_fp8(w: Tensor, layout: int = 0, recipe="blockwise") -> Tensor:
+    """A frozen weight stored in FP8 only (LoRA over FP8 base weights): returns a placeholder of w's shape,
+    dtype and device that holds no values (a zero-stride view of one element) and carries w's blockwise copy
+    in `layout` (0: the GEMM reads w as [E, N, K], 1: as its transpose); the caller drops w itself. The moe8
+    FP8 GEMMs read the copy (the input gradient too, through the same blocks transposed); anything that reads
+    the placeholder's values reads zeros, and moe8's bf16 paths refuse it (ValueError)."""
+    recipe = _recipe(recipe)
+    if recipe.name != "blockwise":
+        raise ValueError(f"recipe: frozen FP8 weights are blockwise (layout-symmetric), got {recipe.name!r}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w: expected a 2-d or 3-d weight, got shape {tuple(w.shape)}")
+    value = quantize_weight(w, layout, recipe)
+    placeholder = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+    placeholder = torch.nn.Parameter(placeholder, requires_grad=False)
+    setattr(placeholder, FROZEN, FrozenFp8(layout, recipe, value))
+    return placeholder
+
+
+def check_not_frozen(name: str, w: Tensor) -> None:
+    """ValueError when a bf16 path is about to read a weight that only exists in FP8."""
+    if frozen_fp8(w) is not None:
+        raise ValueError(
+            f"{name}: this weight is stored in FP8 only (moe8.fp8.freeze_fp8); run it with an FP8 recipe "
+            f"(fp8='blockwise'), not in bf16"
+        )
+
+
 class Fp8WeightCache:
     """Quantised copies of weights, keyed by the weight, its layout and the recipe; a copy is recomputed
     when the weight's version counter moves (an in-place update) or a torch.optim optimizer has stepped
@@ -351,10 +422,16 @@ class Fp8WeightCache:
     the other layout's copy transposed: when the recipe's FP8 dgrad will want the other layout (grad on), the
     first get makes both in one kernel pass; otherwise a later get transposes the cached copy. Weights changed in place some other way without moving their version counter (through
     .data, or by code outside torch.optim) need clear(). Eager only (reading the version counter breaks a
-    graph)."""
+    graph).
 
-    def __init__(self):
+    keep_transposed: keep the other layout's blockwise copy once made (default); False keeps one layout per
+    weight and derives the other from it for each use (a transient copy: FP8 weights then cost at most half
+    the bf16 weights' bytes). A weight that does not require grad is not refreshed by optimizer steps (no
+    optimizer changes it; in-place changes still move its version counter)."""
+
+    def __init__(self, keep_transposed: bool = True):
         self._entries: dict = {}
+        self.keep_transposed = bool(keep_transposed)
 
     def _current(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp) -> Optional[Fp8Weight]:
         hit = self._entries.get((id(w), layout, recipe.name))
@@ -363,20 +440,28 @@ class Fp8WeightCache:
         return None
 
     def get(self, w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
-        stamp = (w._version, w.data_ptr(), _optimizer_steps)
+        frozen = frozen_fp8(w)
+        if frozen is not None:  # stored in FP8 only: its own copy, or that copy's transpose
+            return frozen.value if frozen.layout == layout else transposed(frozen.value)
+        stamp = (w._version, w.data_ptr(), _optimizer_steps if w.requires_grad else -1)
         value = self._current(w, layout, recipe, stamp)
         if value is not None:
             return value
         blockwise = recipe.name == "blockwise"
         other = self._current(w, 1 - layout, recipe, stamp) if blockwise else None
         if other is not None:  # the same 128x128 blocks transposed: the same scales and codes, transposed
-            value = Fp8Weight(
-                other.q.transpose(1, 2).contiguous(), other.scale.transpose(1, 2).contiguous(), None
-            )
-        elif blockwise and recipe.dgrad == "fp8" and w.requires_grad and torch.is_grad_enabled():
+            value = transposed(other)
+            if not self.keep_transposed:
+                return value
+        elif (
+            blockwise
+            and self.keep_transposed
+            and recipe.dgrad == "fp8"
+            and w.requires_grad
+            and torch.is_grad_enabled()
+        ):
             # the backward's FP8 dgrad will ask for the other layout: both copies from one pass over w
-            nk = (w if layout == 0 else w.transpose(1, 2)).detach().contiguous()
-            q, scale, q_t, scale_t = quantize_weight_128x128_pair(nk)
+            q, scale, q_t, scale_t = quantize_weight_128x128_pair(_nk(w, layout))
             value = Fp8Weight(q, scale, None)
             self._put(w, 1 - layout, recipe, stamp, Fp8Weight(q_t, scale_t, None))
         else:
@@ -405,7 +490,24 @@ class Fp8WeightCache:
     def clear(self) -> None:
         self._entries.clear()
 
+    def nbytes(self) -> int:
+        """Bytes of the FP8 copies the cache holds (codes and scales; stale copies included until replaced)."""
+        return sum(fp8_nbytes(hit[2]) for hit in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
 
 default_cache = Fp8WeightCache()
+one_layout_cache = Fp8WeightCache(keep_transposed=False)  # Config(fp8_cache="one")
+CACHES = ("both", "one", "none")  # Config.fp8_cache: default_cache, one_layout_cache, no cache
+
+
+def cache_named(name: str) -> Optional[Fp8WeightCache]:
+    """The weight cache a Config's fp8_cache names."""
+    if name not in CACHES:
+        raise ValueError(f"fp8_cache: expected one of {list(CACHES)}, got {name!r}")
+    return {"both": default_cache, "one": one_layout_cache, "none": None}[name]
+
 
 make_direct(globals())  # after every op's registrations (moe8._core: direct calls)

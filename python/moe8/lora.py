@@ -26,6 +26,8 @@ from torch import Tensor, nn
 
 from . import _checks as _c
 from . import hf
+from .fp8 import FROZEN, fp8_nbytes, freeze_fp8, frozen_fp8
+from .fp8_linear import Float8Linear, fp8_linear
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -39,11 +41,14 @@ def _lora_dtype(w: Tensor) -> torch.dtype:
 
 class LoraLinear(nn.Linear):
     """An nn.Linear with a low-rank update. It shares the base layer's weight and bias, so their state_dict
-    keys stay the same; adds lora_A [r, in] (kaiming-uniform) and lora_B [out, r] (zeros: no change yet)."""
+    keys stay the same; adds lora_A [r, in] (kaiming-uniform) and lora_B [out, r] (zeros: no change yet).
+    The base GEMM runs in FP8 when the base layer was a moe8 Float8Linear (its recipe) or its weight is stored
+    in FP8 only (freeze_base_fp8); the adapters stay in their own dtype."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
         super().__init__(base.in_features, base.out_features, bias=False, device="meta")
         self.weight, self.bias = base.weight, base.bias
+        self.fp8_recipe = getattr(base, "fp8_recipe", None)
         f = dict(dtype=_lora_dtype(base.weight), device=base.weight.device)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **f))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **f))
@@ -51,8 +56,13 @@ class LoraLinear(nn.Linear):
         self.scaling = alpha / r
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
+    def _base_forward(self, x: Tensor) -> Tensor:
+        if self.fp8_recipe is None and frozen_fp8(self.weight) is None:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe or "blockwise")
+
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._base_forward(x)
         if self.lora_A.dtype != y.dtype:  # e.g. fp32 adapters on a bf16 model: the update is cast, then added
             d = F.linear(F.linear(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B)
             return y + (self.scaling * d).to(y.dtype)
@@ -66,6 +76,11 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scaling={self.scaling}"
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear LoRA may wrap: a plain one, or moe8's Float8Linear (its FP8 recipe kept)."""
+    return type(m) in (nn.Linear, Float8Linear)
 
 
 def _is_experts(m: nn.Module) -> bool:
@@ -143,7 +158,7 @@ def apply_lora(
     matched = set()
     for name, m in list(base.named_modules()):
         hit = next((t for t in linear if name == t or name.endswith("." + t)), None)
-        if hit is not None and type(m) is nn.Linear:
+        if hit is not None and _plain_linear(m):
             parent, _, child = name.rpartition(".")
             setattr(base.get_submodule(parent), child, LoraLinear(m, r, alpha, dropout))
             matched.add(hit)
@@ -162,6 +177,44 @@ def apply_lora(
         r=r, alpha=alpha, dropout=dropout, target_modules=sorted(matched), target_parameters=params
     )
     return model
+
+
+# ----------------------------------------------------------------------------------- FP8 base weights
+def freeze_base_fp8(model: nn.Module, recipe="blockwise") -> int:
+    """LoRA over FP8 base weights: the frozen weights of every LoraLinear and of every experts module with
+    moe8 LoRA are quantised once (blockwise, moe8.fp8.freeze_fp8) and their bf16 values freed; the base
+    GEMMs, forward and input gradient, then read the FP8 copies, the adapters stay as they are. Call it after
+    apply_lora / load_adapter and after the model is on its device (the copies don't move with .to()); the
+    experts must run with an FP8 recipe (moe8.accelerate(model, fp8="blockwise")). save_adapter writes the
+    adapters as before (the base is not in them). Returns how many weights were quantised."""
+    base = _base(model)
+    _settings(base)
+    n = 0
+    for _, m in base.named_modules():
+        if isinstance(m, LoraLinear):
+            names, layout = ("weight",), 0
+        elif _is_experts(m) and hasattr(m, "gate_up_lora_A"):
+            names, layout = ("gate_up_proj", "down_proj"), 1 if m.is_transposed else 0
+        else:
+            continue
+        for name in names:
+            w = getattr(m, name)
+            if frozen_fp8(w) is None:
+                setattr(m, name, freeze_fp8(w.detach(), layout, recipe))
+                n += 1
+    return n
+
+
+def base_nbytes(model: nn.Module) -> int:
+    """Bytes the model's parameters hold (each storage once), the FP8 copies of frozen weights included."""
+    seen, total = set(), 0
+    for p in _base(model).parameters():
+        storage = p.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        total += fp8_nbytes(getattr(p, FROZEN, None) and getattr(p, FROZEN).value)
+    return total
 
 
 # ------------------------------------------------------------------------------------------ PEFT adapters
@@ -334,4 +387,12 @@ def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Mod
     return model
 
 
-__all__ = ["TARGETS", "LoraLinear", "apply_lora", "load_adapter", "save_adapter"]
+__all__ = [
+    "TARGETS",
+    "LoraLinear",
+    "apply_lora",
+    "base_nbytes",
+    "freeze_base_fp8",
+    "load_adapter",
+    "save_adapter",
+]

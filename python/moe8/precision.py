@@ -24,15 +24,20 @@ from .fp8 import (
     Fp8Weight,
     Fp8WeightCache,
     _recipe,
+    cache_named,
+    check_not_frozen,
     default_cache,
+    frozen_fp8,
     grouped_gemm_fp8,
     grouped_gemm_fp8_wgrad,
+    one_layout_cache,
     quantize_activation,
     quantize_cols_1x128,
     quantize_rows_1x128,
     quantize_weight,
     swiglu_quant,
 )
+from .fp8_rules import fp8_pays
 
 NO_WEIGHT = (None, None, None)  # the quantised-weight arguments of the fused ops when nothing is quantised
 
@@ -46,10 +51,12 @@ class Bf16Gemms:
     bias_in_kernel = True  # the GEMM adds the bias (and its wgrad gives d bias)
 
     def quantized(self, w: Tensor, layout: int) -> tuple:
+        check_not_frozen("w", w)
         return NO_WEIGHT
 
     def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
         """a [R, K] . op(w[e]) (+ bias[e]) per expert group -> [R, N]."""
+        check_not_frozen("w", w)
         return ops.grouped_gemm(a, w.contiguous(), offsets, layout, bias)
 
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
@@ -58,6 +65,7 @@ class Bf16Gemms:
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         """d a of c = a . op(w) from g = d c (`gathered`: g's rows are a gather, unused here)."""
+        check_not_frozen("w", w)
         return ops._input_grad(g, w, offsets, layout)
 
     def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
@@ -68,10 +76,20 @@ class Bf16Gemms:
 BF16 = Bf16Gemms()
 
 
+_CACHE_CODES = {id(default_cache): 0, id(one_layout_cache): 1, id(None): 2}
+
+
+def code_of(recipe: Float8Recipe, cache: Optional[Fp8WeightCache] = default_cache) -> int:
+    """The int a fused op's `precision` argument carries for an FP8 recipe and one of moe8.fp8's named
+    caches (from_code's inverse); any other cache is carried as default_cache (its backward's copies)."""
+    c = _CACHE_CODES.get(id(cache), 0)
+    return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3 | c << 4
+
+
 class Fp8Gemms:
     """The grouped GEMMs in FP8 with `recipe` (a moe8.fp8 recipe name or Float8Recipe). cache: where the
-    weights' FP8 copies come from in the forward (None: quantised at every call); the backward's copies (FP8
-    dgrad) come from moe8.fp8.default_cache."""
+    weights' FP8 copies come from (None: quantised at every call, forward and FP8 dgrad; the backward's copies
+    come from the same named cache of moe8.fp8, default_cache for any other)."""
 
     bias_in_kernel = False  # the bias is added in fp32 after the GEMM (see add_bias)
 
@@ -80,7 +98,7 @@ class Fp8Gemms:
         self.cache = cache
         r = self.recipe
         self.name = r.name
-        self.code = r.id | (r.dgrad == "fp8") << 2 | (r.wgrad == "fp8") << 3
+        self.code = code_of(r, cache)
         # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
         self.pad_multiple = 16 if r.wgrad == "fp8" else 1
 
@@ -89,6 +107,9 @@ class Fp8Gemms:
 
     def quantized(self, w: Tensor, layout: int) -> Fp8Weight:
         if self.cache is None:
+            frozen = frozen_fp8(w)  # stored in FP8 only: the cache's rule for its copy
+            if frozen is not None:
+                return default_cache.get(w, layout, self.recipe)
             return quantize_weight(w, layout, self.recipe)
         return self.cache.get(w, layout, self.recipe)
 
@@ -105,8 +126,9 @@ class Fp8Gemms:
         return _fp8_forward(ops.activation(h, *act), wq, offsets, self.recipe)
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
-        if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
-            wt = default_cache.get(w, 1 - layout, self.recipe)
+        # g quantised like an activation, w like a weight, transposed (a weight stored in FP8 only: always)
+        if self.recipe.dgrad == "fp8" or frozen_fp8(w) is not None:
+            wt = self.quantized(w, 1 - layout)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
 
@@ -121,13 +143,26 @@ Precision = Union[Bf16Gemms, Fp8Gemms]
 
 
 def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
-    """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms;
-    a strategy object is returned as it is."""
+    """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms
+    with `cache` (or the cache a Config's fp8_cache names: "both", "one", "none"); a strategy object is
+    returned as it is."""
+    if isinstance(cache, str):
+        cache = cache_named(cache)
     if fp8 is None or isinstance(fp8, str) and fp8 in ("none", "bf16"):
         return BF16
     if isinstance(fp8, (Bf16Gemms, Fp8Gemms)):
         return fp8
     return Fp8Gemms(fp8, cache)
+
+
+def for_shape(prec: Precision, rows: int, n: int, k: int, w: Optional[Tensor] = None) -> Precision:
+    """prec, or BF16 where prec's recipe is `auto` and FP8 does not pay for a GEMM of rows x n x k
+    (moe8.fp8_rules.fp8_pays); a weight w stored in FP8 only keeps FP8."""
+    if not isinstance(prec, Fp8Gemms) or not prec.recipe.auto:
+        return prec
+    if w is not None and frozen_fp8(w) is not None:
+        return prec
+    return prec if fp8_pays(rows, n, k, prec.name) else BF16
 
 
 def from_code(code: int) -> Precision:
@@ -136,7 +171,8 @@ def from_code(code: int) -> Precision:
         return BF16
     name = next(n for n, i in RECIPES.items() if i == code & 3)
     fp8 = ("bf16", "fp8")
-    return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]))
+    cache = (default_cache, one_layout_cache, None)[code >> 4 & 3]
+    return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]), cache)
 
 
 # ------------------------------------------------------------------------------------ FP8 internals

@@ -560,8 +560,8 @@ def test_lora_without_moe8_runs_peft(tmp_path, text_file, capsys):
 
 
 def test_fp8_full_finetune_runs_and_is_checked(tmp_path, text_file, capsys):
-    """--fp8 blockwise runs the experts' GEMMs in FP8 (loss still falls); with LoRA or --no-moe8 it is refused
-    before anything is written."""
+    """--fp8 blockwise runs the experts' GEMMs in FP8 (loss still falls), with LoRA too (the adapter saved in
+    PEFT format); with --no-moe8 it is refused before anything is written."""
     out = tmp_path / "fp8"
     rc, text = finetune_rc(capsys, flags(out, text_file, "--fp8", "blockwise", "--lr", "0.003"))
     assert rc == 0, text
@@ -570,12 +570,12 @@ def test_fp8_full_finetune_runs_and_is_checked(tmp_path, text_file, capsys):
         json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
     ]
     assert losses[-1] < losses[0]
-    for extra, match in (
-        (["--method", "lora"], "with LoRA are not supported"),
-        (["--no-moe8"], "drop --no-moe8"),
-    ):
-        bad = tmp_path / extra[-1].strip("-")
-        rc, text = finetune_rc(capsys, flags(bad, text_file, "--fp8", "blockwise", *extra))
-        assert rc != 0 and match in text and not bad.exists()
+    lora = tmp_path / "lora"
+    rc, text = finetune_rc(capsys, flags(lora, text_file, "--fp8", "blockwise", "--method", "lora"))
+    assert rc == 0 and "experts on moe8 (FP8 blockwise)" in text, text
+    assert json.loads((lora / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    bad = tmp_path / "no-moe8"
+    rc, text = finetune_rc(capsys, flags(bad, text_file, "--fp8", "blockwise", "--no-moe8"))
+    assert rc != 0 and "drop --no-moe8" in text and not bad.exists()
     rc, text = finetune_rc(capsys, flags(tmp_path / "x", text_file, "--fp8", "e5m2"))
     assert rc != 0 and "fp8 = 'e5m2': expected one of" in text

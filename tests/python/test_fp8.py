@@ -785,3 +785,56 @@ def test_experts_forward_fp8_checks_its_arguments():
         experts_fp8(x, ids, w, gate_up, down, layout="nn")
     with pytest.raises(ValueError, match="weights: expected shape"):
         experts_fp8(x, ids, w[:, :1], gate_up, down)
+
+
+# ------------------------------------------------------------------------------ FP8 benchmark scripts
+def _bench(*args, timeout=240):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = str(Path(moe8.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=root
+    )
+
+
+def test_bench_fp8_dense_tiny(tmp_path):
+    import json
+
+    p = _bench("bench/bench_fp8_dense.py", "--tiny", "--out", tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads((tmp_path / "fp8_dense.json").read_text())
+    assert len(result["gemms"]) == 3 and all(r["bf16_ms"] > 0 for r in result["gemms"])
+    assert set(result["suggested"]) == {"blockwise", "rowwise", "tensorwise"}
+    assert "| shape | M | N | K |" in p.stdout
+    bad = _bench("bench/bench_fp8_dense.py", "--tiny", "--memory", "--out", tmp_path)
+    assert bad.returncode != 0 and "--memory: needs a CUDA GPU" in bad.stderr
+
+
+def test_bench_fp8_convergence_tiny(tmp_path):
+    import json
+
+    from moe8.finetune.data import shared
+
+    if shared("tokenizers", "qwen3", "tokenizer.json") is None or shared("text", "sentences.txt") is None:
+        pytest.skip("the shared corpus and Qwen3 tokenizer are absent (MOE8_SHARED_DATA)")
+    pytest.importorskip("transformers", minversion="5.0", reason="the script builds a transformers model")
+    p = _bench("bench/bench_fp8_convergence.py", "--tiny", "--out", tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads((tmp_path / "fp8_convergence.json").read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    assert set(runs) == {"bf16", "fp8_experts", "fp8_experts_dense"}
+    assert all(len(r["losses"]) == 8 for r in runs.values())
+    assert runs["bf16"]["float8_linear_layers"] == 0 == runs["fp8_experts"]["float8_linear_layers"]
+    assert runs["fp8_experts_dense"]["float8_linear_layers"] == 2 * 4  # q/k/v/o in each of the 2 layers
+    assert runs["bf16"]["losses"] != runs["fp8_experts"]["losses"]  # FP8 changes the numbers ...
+    assert abs(runs["bf16"]["losses"][-1] - runs["fp8_experts"]["losses"][-1]) < 0.05  # ... a little
+
+
+def test_bench_fp8_convergence_without_data(tmp_path):
+    p = _bench("bench/bench_fp8_convergence.py", "--out", tmp_path, "--data-dir", tmp_path / "none")
+    assert p.returncode == 2 and "no corpus and Qwen3 tokenizer" in p.stderr and str(tmp_path) in p.stderr

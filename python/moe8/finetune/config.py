@@ -237,10 +237,6 @@ def validate(cfg: Config) -> None:
     need(cfg.lora_dropout < 1, f"lora_dropout = {cfg.lora_dropout}: expected < 1")
     need(not (cfg.resume and cfg.overwrite), "resume and overwrite exclude each other")
     need(not cfg.resume or bool(cfg.output_dir), "resume: name the run to continue with output_dir")
-    need(
-        cfg.fp8 == "none" or cfg.method == "full",
-        f"fp8 = {cfg.fp8!r}: FP8 experts with LoRA are not supported yet",
-    )
     need(cfg.fp8 == "none" or cfg.moe8, f"fp8 = {cfg.fp8!r}: FP8 experts run on moe8; drop --no-moe8")
     world = world_size()
     need(

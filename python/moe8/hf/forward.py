@@ -67,7 +67,6 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
             self.lora_scaling,
             self.lora_dropout if self.training else 0.0,
         )
-        extra["fp8"] = "none"  # FP8 experts with LoRA are not supported yet: these stay in bf16
     return _experts.experts_forward(
         hidden_states.to(self.gate_up_proj.dtype),
         top_k_index,

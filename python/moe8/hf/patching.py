@@ -117,6 +117,10 @@ def _apply(model, cfg: Config) -> None:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_loss:
         _fuse_loss(model)
+    if cfg.fp8_dense:  # the dense layers' nn.Linear -> moe8.fp8_linear.Float8Linear (in place)
+        from moe8.fp8_linear import convert_to_fp8
+
+        convert_to_fp8(model, cfg.fp8, cfg.fp8_dense, cfg.fp8_dense_skip_first_last, cfg.fp8_cache)
 
 
 def is_accelerated(model) -> bool:

@@ -66,7 +66,6 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
             self.lora_scaling,
             self.lora_dropout if self.training else 0.0,
         )
-        extra["fp8"] = "none"  # FP8 experts with LoRA are not supported yet (as on one GPU)
     y = ep_experts_forward(
         hidden_states,
         top_k_index,

@@ -1,0 +1,307 @@
+"""moe8.fp8_linear — FP8 for the dense layers (attention projections, shared experts, dense MLPs), opt-in per
+module kind, with the experts' recipes (blockwise, rowwise, tensorwise):
+
+    y = fp8_linear(x, w, recipe)                  x [.., K] . w [N, K]^T in FP8, forward and backward
+    convert_to_fp8(model, "blockwise", modules=("attention", "shared_expert", "mlp"), skip_first_last=False)
+    Float8Linear                                  the nn.Linear whose forward runs fp8_linear (swapped in place)
+
+Routers, embeddings, norms and the LM head stay in the model's dtype. The GEMMs run through moe8's FP8
+grouped GEMM with one group (blockwise; the CPU) or torch._scaled_mm (rowwise / tensorwise on sm_89+):
+moe8.fp8_rules.dense_backend chooses. The dgrad runs in FP8 when the recipe says dgrad="fp8" (a blockwise
+weight's transposed copy is its copy transposed: the same 128x128 blocks), the wgrad when wgrad="fp8".
+Weights come from moe8.fp8.default_cache in eager mode and are quantised inside the op under torch.compile
+(the cache reads version counters, which a graph can't). One op, moe8::fp8_linear, with its backward as one
+op too, so torch.compile traces both without graph breaks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .fp8 import (
+    Float8Recipe,
+    Fp8Weight,
+    Fp8WeightCache,
+    _recipe,
+    cache_named,
+    default_cache,
+    frozen_fp8,
+    quantize_rowwise,
+    quantize_tensorwise,
+    quantize_weight,
+    transposed,
+)
+from .fp8_rules import DENSE_KINDS, MOE8, SCALED_MM, dense_backend, dense_kinds, fp8_pays
+from .precision import _fp8_forward, _fp8_wgrad, code_of, from_code
+
+KINDS = DENSE_KINDS
+BACKENDS = (MOE8, SCALED_MM)
+E4M3 = torch.float8_e4m3fn
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _one_group(rows: int, like: Tensor) -> Tensor:
+    """offsets [2] = [0, rows] of a grouped GEMM with one group, made on the device (no host copy, no sync)."""
+    if rows == 0:
+        return torch.zeros(2, dtype=torch.int32, device=like.device)
+    return torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=like.device)
+
+
+def _capability(x: Tensor) -> tuple:
+    return torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
+
+
+def _weight(w: Tensor, w_q, w_scale, w_row_scale, layout: int, recipe: Float8Recipe) -> Fp8Weight:
+    """The FP8 copy of the dense weight w [N, K] as the GEMM reads it: layout 0 [1, N, K] (the forward),
+    1 [1, K, N] (the dgrad). From the op's inputs when given (the forward's copy; the dgrad's for blockwise,
+    transposed), else quantised from w."""
+    frozen = frozen_fp8(w)
+    if frozen is not None:
+        return frozen.value if layout == frozen.layout else transposed(frozen.value)
+    if w_q is not None:
+        given = Fp8Weight(w_q, w_scale, w_row_scale)
+        if layout == 0:
+            return given
+        if recipe.name == "blockwise":
+            return transposed(given)
+    return quantize_weight(w, layout, recipe)
+
+
+def _gemm(a: Tensor, wq: Fp8Weight, recipe: Float8Recipe, backend: str) -> Tensor:
+    """a [M, K] . wq [1, N, K] -> [M, N] in a's dtype."""
+    if backend != SCALED_MM or recipe.name == "blockwise":
+        return _fp8_forward(a, wq, _one_group(a.shape[0], a), recipe)
+    if recipe.name == "rowwise":
+        aq, a_s = quantize_rowwise(a)
+        a_s, b_s = a_s.view(-1, 1), wq.row_scale.view(1, -1)  # [M, 1], [1, N]
+    else:
+        aq, a_s = quantize_tensorwise(a)
+        a_s, b_s = a_s.view(()), wq.scale.reshape(-1)[0]  # one scale each
+    b = wq.q[0].view(E4M3)  # [N, K] row-major: its transpose is the column-major [K, N] cuBLAS reads
+    return torch._scaled_mm(
+        aq.view(E4M3), b.t(), scale_a=a_s, scale_b=b_s, out_dtype=a.dtype, use_fast_accum=True
+    )
+
+
+@torch.library.custom_op("moe8::fp8_linear", mutates_args=())
+def _fp8_linear(
+    x: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    precision: int,
+    backend: str,
+) -> Tensor:
+    """x [M, K] . w [N, K]^T in FP8 (precision: moe8.precision code) -> [M, N] in x's dtype."""
+    recipe = from_code(precision).recipe
+    return _gemm(x, _weight(w, w_q, w_scale, w_row_scale, 0, recipe), recipe, backend)
+
+
+@_fp8_linear.register_fake
+def _(x, w, w_q, w_scale, w_row_scale, precision, backend):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("moe8::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward(
+    g: Tensor,
+    x: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    precision: int,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[Tensor, Tensor]:
+    """(dx [M, K], dw [N, K]) of fp8_linear from g [M, N]; an unneeded one is returned empty."""
+    recipe = from_code(precision).recipe
+    dx = dw = g.new_empty(0)
+    if need_dx:
+        if recipe.dgrad == "fp8":
+            dx = _gemm(g, _weight(w, w_q, w_scale, w_row_scale, 1, recipe), recipe, backend)
+        else:
+            dx = g @ w.to(g.dtype)  # [M, N] . [N, K]
+    if need_dw:
+        wgrad = None
+        if recipe.wgrad == "fp8" and (not g.is_cuda or g.shape[0] % 16 == 0):
+            wgrad = _fp8_wgrad(x, g, _one_group(g.shape[0], g), 0, 1)  # [1, N, K] or None
+        dw = (g.t() @ x if wgrad is None else wgrad[0]).to(w.dtype)
+    return dx, dw
+
+
+@_fp8_linear_backward.register_fake
+def _(g, x, w, w_q, w_scale, w_row_scale, precision, backend, need_dx, need_dw):
+    dx = torch.empty_like(x) if need_dx else g.new_empty(0)
+    dw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_dw else g.new_empty(0)
+    return dx, dw
+
+
+def _setup(ctx, inputs, output):
+    x, w, w_q, w_scale, w_row_scale, precision, backend = inputs
+    ctx.precision, ctx.backend = precision, backend
+    ctx.save_for_backward(x, w, w_q, w_scale, w_row_scale)
+
+
+def _backward(ctx, g):
+    x, w, w_q, w_scale, w_row_scale = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _fp8_linear_backward(
+        g.contiguous(), x, w, w_q, w_scale, w_row_scale, ctx.precision, ctx.backend, need_dx, need_dw
+    )
+    return (dx if need_dx else None, dw if need_dw else None, None, None, None, None, None)
+
+
+_fp8_linear.register_autograd(_backward, setup_context=_setup)
+
+
+def fp8_linear(
+    x: Tensor,
+    w: Tensor,
+    bias: Optional[Tensor] = None,
+    recipe="blockwise",
+    cache: Optional[Fp8WeightCache] = default_cache,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """F.linear(x, w, bias) with its GEMMs in FP8: x [.., K], w [N, K], bias [N] -> [.., N] in x's dtype.
+
+    recipe: a moe8.fp8 recipe name or Float8Recipe (its dgrad / wgrad say which backward GEMMs run in FP8).
+    cache: where w's FP8 copy comes from in eager mode (None: quantised at every call, holding no copy
+        between calls; under torch.compile always quantised inside the op).
+    backend: "moe8" or "scaled_mm" (default: moe8.fp8_rules.dense_backend for x's device).
+    """
+    recipe = _recipe(recipe)
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x, w: expected x [.., K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if backend is None:
+        backend = dense_backend(recipe.name, x.device.type, _capability(x), w.shape[0], w.shape[1])
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    wq = (None, None, None)
+    frozen = frozen_fp8(w)
+    if frozen is not None:  # stored in FP8 only: its copy (layout 0), the dgrad from its blocks transposed
+        if frozen.layout != 0:
+            raise ValueError("w: a dense weight stored in FP8 is frozen in layout 0 (freeze_fp8(w, 0))")
+        wq, recipe = frozen.value, Float8Recipe("blockwise", dgrad="fp8")
+    elif cache is not None and not torch.compiler.is_compiling():
+        wq = cache.get(w, 0, recipe)
+    x2 = x.reshape(-1, x.shape[-1]).to(w.dtype).contiguous()  # [M, K]
+    y = _fp8_linear(x2, w, *wq, code_of(recipe), backend)  # [M, N]
+    y = y.view(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias
+
+
+class Float8Linear(nn.Linear):
+    """An nn.Linear whose GEMMs run in FP8 (fp8_linear). convert_to_fp8 swaps the class of existing layers
+    in place (parameters, hooks and state_dict keys unchanged); Float8Linear.from_linear does it for one.
+    With an `auto` recipe, shapes where FP8 does not pay (moe8.fp8_rules.fp8_pays) run F.linear."""
+
+    fp8_recipe: Float8Recipe
+    fp8_cache: Optional[Fp8WeightCache]
+
+    @classmethod
+    def from_linear(
+        cls, m: nn.Linear, recipe="blockwise", cache: Optional[Fp8WeightCache] = default_cache
+    ) -> Float8Linear:
+        if not isinstance(m, nn.Linear):
+            raise TypeError(f"m: expected an nn.Linear, got {type(m).__name__}")
+        m.__class__ = cls
+        m.fp8_recipe, m.fp8_cache = _recipe(recipe), cache
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        r = self.fp8_recipe
+        rows = x.numel() // max(x.shape[-1], 1)
+        frozen = frozen_fp8(self.weight) is not None
+        if r.auto and not frozen and not fp8_pays(rows, self.out_features, self.in_features, r.name):
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, r, self.fp8_cache)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}{' auto' if self.fp8_recipe.auto else ''}"
+
+
+def module_kind(name: str) -> Optional[str]:
+    """The kind of the nn.Linear called `name` in a transformers model: "attention" (q/k/v/o projections),
+    "shared_expert", "mlp" (a dense layer's MLP), or None (router, LM head, anything else)."""
+    parts = name.split(".")
+    leaf, parents = parts[-1], parts[:-1]
+    if leaf == "lm_head" or "router" in leaf or leaf.endswith("gate"):  # routers: gate, shared_expert_gate
+        return None
+    if any("attn" in p or "attention" in p for p in parents):
+        return "attention"
+    if any(p.startswith("shared_expert") for p in parents):
+        return "shared_expert"
+    if any(p in ("mlp", "feed_forward", "ffn") for p in parents) and "experts" not in parents:
+        return "mlp"
+    return None
+
+
+def layer_index(name: str) -> Optional[int]:
+    """i of the first `layers.<i>.` in a module name (None outside the decoder layers)."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe="blockwise",
+    modules=KINDS,
+    skip_first_last: bool = False,
+    cache=default_cache,
+) -> list:
+    """Swap the nn.Linear layers of `model` whose module_kind is in `modules` for Float8Linear (in place);
+    returns their names. skip_first_last: the first and the last decoder layer (`layers.<i>.`) stay in the
+    model's dtype. cache: an Fp8WeightCache, None, or a Config.fp8_cache name ("both" and "one" keep one
+    layout of a dense weight: its dgrad copy is the same blocks transposed; "none"). Layers already converted
+    are left as they are."""
+    recipe = _recipe(recipe)
+    if isinstance(cache, str):
+        cache = cache_named(cache)
+    if isinstance(modules, bool) or not modules:
+        raise ValueError(f"modules: expected a non-empty subset of {list(KINDS)}, got {modules!r}")
+    try:
+        kinds = dense_kinds(modules)
+    except ValueError:
+        raise ValueError(f"modules: expected a non-empty subset of {list(KINDS)}, got {modules!r}") from None
+    if not isinstance(skip_first_last, bool):
+        raise ValueError(f"skip_first_last: expected True or False, got {skip_first_last!r}")
+    named = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and module_kind(n) in kinds]
+    layers = [i for i in (layer_index(n) for n, _ in model.named_modules()) if i is not None]
+    ends = {min(layers), max(layers)} if skip_first_last and layers else set()
+    done = []
+    for name, m in named:
+        if layer_index(name) in ends:
+            continue
+        Float8Linear.from_linear(m, recipe, cache)
+        done.append(name)
+    return done
+
+
+def convert_from_fp8(model: nn.Module) -> int:
+    """Turn every Float8Linear of `model` back into an nn.Linear; returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.__class__ = nn.Linear
+            del m.fp8_recipe, m.fp8_cache
+            n += 1
+    return n
+
+
+__all__ = [
+    "KINDS",
+    "Float8Linear",
+    "convert_from_fp8",
+    "convert_to_fp8",
+    "fp8_linear",
+    "layer_index",
+    "module_kind",
+]
