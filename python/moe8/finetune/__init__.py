@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from .config import Config, FinetuneError, add_flags, make_config, snake_flags, to_toml
+from .memory import MemoryCheckError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, on_step=None) -> int:
-    """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory, 130: interrupted)."""
+    """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory or an
+    estimated peak over the GPU's memory, 130: interrupted)."""
     args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
     path, show = args.pop("config"), args.pop("print_config")
     import torch
@@ -45,6 +47,9 @@ def main(argv=None, on_step=None) -> int:
         from .train import run
 
         trainer = run(cfg, on_step=on_step)
+    except MemoryCheckError as e:  # before anything is loaded or written
+        print(f"moe8 finetune: error: {e}", file=sys.stderr)
+        return 1
     except FinetuneError as e:
         print(f"moe8 finetune: error: {e}", file=sys.stderr)
         return 2
