@@ -149,7 +149,10 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             tok.eos_token_id,
         )
         config.bos_token_id = None
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # a built-in model is initialised on the CPU (its LoRA export rebuilds the base from the seed there);
+        # a model_config one where it will train: a random 30B model initialised on the CPU takes minutes
+        with torch.device(device if cfg.model_config else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))

@@ -368,7 +368,8 @@ class Trainer:
             if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
                 from transformers import AutoModelForCausalLM
 
-                with torch.random.fork_rng(devices=[]):
+                where = self.device if self.cfg.model_config else torch.device("cpu")  # as build_model
+                with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
                     torch.manual_seed(self.cfg.seed)
                     base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
                 with _quiet_saving():
