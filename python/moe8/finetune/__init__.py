@@ -3,10 +3,14 @@
     moe8 finetune                          a quick run on a built-in tiny model (CPU: about a minute)
     moe8 finetune CONFIG.toml [--KEY VALUE ...]    keys from the file, flags override them
     moe8 finetune CONFIG.toml --resume     continue after a kill, from the last checkpoint
+    moe8 finetune recipes/NAME.toml --model DIR --data FILE    a recipe for a real checkpoint (recipes/)
 
+Data: text, JSONL / JSON, parquet / arrow (with datasets) files of text, messages, alpaca or ShareGPT records;
+chats have loss on the assistant turns only; documents are packed with per-document position_ids. The peak GPU
+memory is estimated before loading (--no-memory-check to skip the refusal).
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
-metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, per-expert
-token fraction of every MoE layer), report.html (charts and expert-load heatmaps), checkpoints for --resume.
+metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
+per-expert token fraction of every MoE layer; also to report_to = tensorboard / wandb / mlflow), report.html (charts and expert-load heatmaps), checkpoints for --resume.
 Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`).
 See docs/finetune.md."""
 
