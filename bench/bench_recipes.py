@@ -76,7 +76,7 @@ def model_config_json(recipe: str, tiny: bool) -> str:
 
 
 def peak_gib(device) -> float:
-    from moe8.finetune.train import memory_gib
+    from moe8.finetune.memory import memory_gib
 
     return memory_gib(device)
 

@@ -394,7 +394,7 @@ def test_report_to_dispatch_z_loss_and_eval_data(tmp_path, capsys, monkeypatch):
 
 
 def test_router_z_loss_by_hand():
-    from moe8.finetune.train import router_z_loss
+    from moe8.finetune.routing import router_z_loss
 
     a, b = torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
     want = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in torch.cat([a, b]).tolist()) / 8

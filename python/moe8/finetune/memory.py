@@ -15,6 +15,7 @@ The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimat
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,15 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     parts = max(backward, step, key=lambda d: sum(d.values()))
     parts = dict(parts, overhead=sum(parts.values()) // 20)
     return Estimate(parts, sum(parts.values()))
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak: KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def device_memory(device: torch.device) -> int | None:

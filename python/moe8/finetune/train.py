@@ -14,7 +14,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +28,7 @@ from . import memory, report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
+from .memory import memory_gib
 from .model import (
     BUILTIN,
     TINY,
@@ -39,7 +39,7 @@ from .model import (
     model_config,
     peak_flops,
 )
-from .routing import RoutingStats
+from .routing import RoutingStats, router_z_loss
 
 STATE = "training_state.pt"
 # how long a collective waits for a peer before the run ends with an error (a dead rank: no hang)
@@ -122,15 +122,6 @@ def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first (incomplete ones are hidden .tmp directories)."""
     found = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
-
-
-def memory_gib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak: KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 @contextlib.contextmanager
@@ -614,20 +605,6 @@ class Trainer:
         if d.on:
             line["memory_gib_ranks"] = memory
         return line
-
-
-def router_z_loss(router_logits) -> torch.Tensor | None:
-    """ST-MoE's router z-loss: the mean over the tokens of every MoE layer of logsumexp(router logits)^2
-    (router_logits: the per-layer [T, E] logits a model returns with output_router_logits)."""
-    if not router_logits:
-        return None
-    if isinstance(router_logits, torch.Tensor):
-        router_logits = [router_logits]
-    logits = [r for r in router_logits if isinstance(r, torch.Tensor) and r.ndim >= 2]
-    if not logits:
-        return None
-    z = torch.cat([r.reshape(-1, r.shape[-1]).float() for r in logits]).logsumexp(-1)
-    return z.square().mean()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
