@@ -412,3 +412,27 @@ def test_tensorboard(tmp_path, capsys):
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2] and "eval_loss" in acc.Tags()["scalars"]
+
+
+def test_parquet_without_datasets_names_the_pip_command(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(FinetuneError, match=r"needs the datasets library: pip install 'datasets>=3'"):
+        Data(Config(data=str(tmp_path / "d.parquet")), byte_tokenizer())
+
+
+def test_attention_flops_by_hand():
+    from transformers import AutoConfig
+
+    from moe8.finetune.model import attention_flops, attention_layers
+
+    config = AutoConfig.for_model(
+        "gpt_oss", num_hidden_layers=2, num_attention_heads=4, head_dim=8, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    layers = attention_layers(config)
+    assert layers == [(6 * 4 * 16, 3), (6 * 4 * 16, None)]
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1]])  # two packed documents: 5 and 2 tokens
+    keys_full = (1 + 2 + 3 + 4 + 5) + (1 + 2)
+    keys_window = (1 + 2 + 3 + 3 + 3) + (1 + 2)
+    assert attention_flops(layers, pos) == 384 * (keys_full + keys_window)
