@@ -18,8 +18,9 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune need
 from moe8 import cuda_available as moe8_cuda  # noqa: E402
 from moe8 import finetune  # noqa: E402
 from moe8.finetune import report, routing  # noqa: E402
+from moe8.finetune.chat import tokenize_chat  # noqa: E402
 from moe8.finetune.config import KEYS, Config, FinetuneError, make_config  # noqa: E402
-from moe8.finetune.data import IGNORE, Data, byte_tokenizer, shared, tokenize_chat  # noqa: E402
+from moe8.finetune.data import IGNORE, Data, byte_tokenizer, shared  # noqa: E402
 from moe8.finetune.train import lr_factor, run  # noqa: E402
 
 HAS_LORA = importlib.util.find_spec("moe8.lora") is not None
@@ -154,7 +155,11 @@ def test_text_formats(tmp_path, text_file):
     assert d.tokens == sum(len(x.encode()) + 1 for x in lines)  # bytes + one eos per document
     ids = torch.cat([d.train[0], d.eval[0]]).flatten().tolist()
     assert tok.decode(ids[: len(lines[0]) + 1]) == lines[0] + "<|im_end|>"
-    assert torch.equal(d.train[0], d.train[1]) and len(d.eval[0]) == round(d.tokens // 32 * 0.1)
+    x, y, pos = (t.flatten() for t in d.train)
+    starts = torch.cat([torch.tensor([True]), x[:-1] == tok.eos_token_id])  # a document's first token
+    assert (y[starts] == IGNORE).all() and torch.equal(x[~starts], y[~starts])  # loss on every other token
+    assert (pos[starts] == 0).all() and (pos[::32] == 0).all()  # positions restart per document and row
+    assert len(d.eval[0]) == round(d.tokens // 32 * 0.1)
     whole = Data(Config(data=str(text_file), data_format="text", seq_len=32, micro_batch=2), tok)
     assert whole.documents == 1 and whole.tokens == len(text_file.read_bytes()) + 1
     jl = write_jsonl(tmp_path / "t.jsonl", [{"text": x, "id": i} for i, x in enumerate(lines)])
@@ -205,10 +210,15 @@ def test_chat_loss_only_on_assistant_tokens(tmp_path, tokenizer):
 
     tok = load_tokenizer(Config(tokenizer=tokenizer), None)
     chat = chats(1)[0]
-    ids, labels = tokenize_chat(tok, chat)
-    want = [m["content"] + "<|im_end|>" for m in chat if m["role"] == "assistant"]
-    assert assistant_runs(tok, ids, labels) == want
-    assert tok.decode(ids).count("What is") == 1  # the prompt is there, without loss
+    docs, stats = tokenize_chat(tok, chat)
+    assert (stats.turns, stats.matched) == (2, 2)
+    # Qwen3's template gives the reply being generated an (empty) think block and drops it from earlier
+    # turns: the conversation is split there, each turn trained as the template renders it when generated
+    think = "<think>\n\n</think>\n\n" if tokenizer == "qwen3" else ""
+    assert len(docs) == (2 if think else 1) and stats.split == len(docs) - 1
+    want = [think + m["content"] + "<|im_end|>" for m in chat if m["role"] == "assistant"]
+    assert [r for ids, labels in docs for r in assistant_runs(tok, ids, labels)] == want
+    assert all(tok.decode(ids).count("What is") == 1 for ids, _ in docs)  # the prompt, without loss
     jl = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in chats()])
     d = Data(Config(data=str(jl), tokenizer=tokenizer, seq_len=64, micro_batch=2, eval_fraction=0), tok)
     assert d.kind == "chat"
@@ -377,8 +387,14 @@ def bad_inputs(tmp_path, text_file):
             ["--seq_len", 5000],
             "seq_len = 5000 is over the model's max_position_embeddings (4096)",
         ),
-        "no field": (["--data", tmp_path / "nofield.jsonl"], "has neither a 'text' nor a 'messages' field"),
-        "partial field": (["--data", tmp_path / "partial.jsonl"], "record 2: field 'text' missing"),
+        "no field": (
+            ["--data", tmp_path / "nofield.jsonl"],
+            "has the keys ['prompt'], which match none of the formats known: text",
+        ),
+        "partial field": (
+            ["--data", tmp_path / "partial.jsonl"],
+            "record 2 (text format): field 'text' is missing",
+        ),
         "empty jsonl": (["--data", tmp_path / "empty.jsonl"], "empty dataset"),
         "empty text": (["--data", tmp_path / "empty.txt"], "empty dataset"),
         "no assistant": (["--data", tmp_path / "noasst.jsonl"], "no assistant tokens"),

@@ -3,10 +3,14 @@
     moe8 finetune                          a quick run on a built-in tiny model (CPU: about a minute)
     moe8 finetune CONFIG.toml [--KEY VALUE ...]    keys from the file, flags override them
     moe8 finetune CONFIG.toml --resume     continue after a kill, from the last checkpoint
+    moe8 finetune recipes/NAME.toml --model DIR --data FILE    a recipe for a real checkpoint (recipes/)
 
+Data: text, JSONL / JSON, parquet / arrow (with datasets) files of text, messages, alpaca or ShareGPT records;
+chats have loss on the assistant turns only; documents are packed with per-document position_ids. The peak GPU
+memory is estimated before loading (--no-memory-check to skip the refusal).
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
-metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, per-expert
-token fraction of every MoE layer), report.html (charts and expert-load heatmaps), checkpoints for --resume.
+metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
+per-expert token fraction of every MoE layer; also to report_to = tensorboard / wandb / mlflow), report.html (charts and expert-load heatmaps), checkpoints for --resume.
 Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`).
 See docs/finetune.md."""
 
@@ -16,6 +20,7 @@ import argparse
 import sys
 
 from .config import Config, FinetuneError, add_flags, make_config, snake_flags, to_toml
+from .memory import MemoryCheckError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, on_step=None) -> int:
-    """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory, 130: interrupted)."""
+    """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory or an
+    estimated peak over the GPU's memory, 130: interrupted)."""
     args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
     path, show = args.pop("config"), args.pop("print_config")
     import torch
@@ -45,6 +51,9 @@ def main(argv=None, on_step=None) -> int:
         from .train import run
 
         trainer = run(cfg, on_step=on_step)
+    except MemoryCheckError as e:  # before anything is loaded or written
+        print(f"moe8 finetune: error: {e}", file=sys.stderr)
+        return 1
     except FinetuneError as e:
         print(f"moe8 finetune: error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,13 @@ class Config:
         "model with random weights: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe (for trying things out) or "
         "qwen3-moe-1b (Qwen3-30B-A3B proportions, ~1B parameters with the qwen3 tokenizer)",
     )
+    model_config: str = _key(
+        "",
+        "build the model with random weights from a transformers config instead of loading one (for measuring): "
+        "a model type (qwen3_moe: its config class's defaults), a config.json path, or inline JSON "
+        '({"model_type": "mixtral", "num_local_experts": 8}); model then only names the run',
+    )
+    num_layers: int = _key(0, "with model_config: this many decoder layers instead of the config's (0: keep)")
     tokenizer: str = _key(
         "auto",
         "auto: the model directory's tokenizer (a built-in model: byte); byte: moe8's byte-level tokenizer "
@@ -39,13 +46,24 @@ class Config:
     )
     data: str = _key(
         "auto",
-        "training text: a text file, or JSONL with a text field or chat messages; auto: the first 20,000 lines "
-        "of ../shared/data/text/sentences.txt when present, else generated sentences",
+        "training data: a text file, a JSONL / JSON file, or (with the datasets library) a parquet or arrow "
+        "file, of records in one of the formats (see format); auto: the first 20,000 lines of "
+        "../shared/data/text/sentences.txt when present, else generated sentences",
+    )
+    eval_data: str = _key(
+        "", "a separate evaluation file (read like data); empty: hold out eval_fraction of the training data"
     )
     data_format: str = _key(
         "auto",
-        "auto (.jsonl/.json: jsonl, else lines), lines (one document per line), text (the whole file is one "
-        "document), jsonl (one JSON object per line)",
+        "auto (by suffix: .jsonl/.json: jsonl, .parquet, .arrow, else lines), lines (one document per line), "
+        "text (the whole file is one document), jsonl (one JSON object per line, or one JSON array), parquet, "
+        "arrow (these two through the datasets library)",
+    )
+    format: str = _key(
+        "auto",
+        "the records' format: auto (detected from the first record's keys), text (text_field), messages "
+        "(messages_field: [{role, content, reasoning_content?}]), alpaca (instruction, input, output, system), "
+        "sharegpt (conversations: [{from: human/gpt/system, value}])",
     )
     text_field: str = _key("text", "JSONL field holding a document's text")
     messages_field: str = _key(
@@ -54,7 +72,9 @@ class Config:
         "loss on the assistant turns only",
     )
     max_documents: int = _key(0, "read at most this many documents (0: all)")
-    eval_fraction: float = _key(0.05, "share of the packed sequences held out for evaluation (0: none)")
+    eval_fraction: float = _key(
+        0.05, "share of the packed sequences held out for evaluation, without eval_data (0: none)"
+    )
     eval_every: int = _key(50, "evaluate every N steps (and at the start and the end; 0: start and end only)")
     eval_batches: int = _key(8, "micro-batches per evaluation (0: the whole eval split)")
     # training
@@ -84,6 +104,9 @@ class Config:
     max_grad_norm: float = _key(1.0, "clip the gradient norm to this (0: no clipping)")
     aux_loss_coef: Optional[float] = _key(
         None, "weight of the router load-balancing loss (default: the model's router_aux_loss_coef; 0: off)"
+    )
+    router_z_loss_coef: float = _key(
+        0.0, "weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 per layer (0: off)"
     )
     activation_checkpointing: bool = _key(False, "recompute activations in the backward (less memory)")
     dtype: str = _key("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
@@ -120,13 +143,22 @@ class Config:
         None, "peak TFLOP/s for MFU (default: 989 on H100/H200, bf16 dense; else MFU is not reported)"
     )
     progress: bool = _key(True, "show a progress bar")
+    report_to: List[str] = _key(
+        [], "also log to these (comma-separated): tensorboard (output_dir/tensorboard), wandb, mlflow"
+    )
+    memory_check: bool = _key(
+        True,
+        "estimate the peak GPU memory from the config before loading and stop when it cannot fit "
+        "(--no-memory-check: run anyway)",
+    )
 
 
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
 # keys that decide the model, the data order or the optimizer: a resumed run must keep them
 RESUME_KEYS = (
-    "model tokenizer data data_format text_field messages_field max_documents eval_fraction method lora_r "
+    "model model_config num_layers tokenizer data data_format format text_field messages_field max_documents eval_fraction method lora_r "
     "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8 fp8"
 ).split()
 
@@ -209,7 +241,8 @@ def validate(cfg: Config) -> None:
         ("method", ("full", "lora")),
         ("dtype", ("auto", "bf16", "fp32")),
         ("device", ("auto", "cuda", "cpu")),
-        ("data_format", ("auto", "lines", "text", "jsonl")),
+        ("data_format", ("auto", "lines", "text", "jsonl", "parquet", "arrow")),
+        ("format", ("auto", "text", "messages", "alpaca", "sharegpt")),
         ("fp8", ("none", "blockwise", "rowwise", "tensorwise")),
         ("transport", ("auto", "nccl", "ipc")),
     ):
@@ -226,6 +259,8 @@ def validate(cfg: Config) -> None:
         "eval_batches",
         "save_every",
         "lora_dropout",
+        "num_layers",
+        "router_z_loss_coef",
     ):
         need(getattr(cfg, name) >= 0, f"{name} = {getattr(cfg, name)}: expected >= 0")
     for name in ("weight_decay", "max_grad_norm", "min_lr_ratio", "warmup_steps", "aux_loss_coef"):
@@ -235,6 +270,9 @@ def validate(cfg: Config) -> None:
     need(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops = {cfg.peak_tflops}: expected > 0")
     need(0 <= cfg.eval_fraction < 1, f"eval_fraction = {cfg.eval_fraction}: expected in [0, 1)")
     need(cfg.lora_dropout < 1, f"lora_dropout = {cfg.lora_dropout}: expected < 1")
+    bad = sorted(set(cfg.report_to) - set(REPORT_TO))
+    need(not bad, f"report_to = {cfg.report_to}: unknown {bad}; expected some of {list(REPORT_TO)}")
+    need(cfg.num_layers == 0 or bool(cfg.model_config), "num_layers: only with model_config")
     need(not (cfg.resume and cfg.overwrite), "resume and overwrite exclude each other")
     need(not cfg.resume or bool(cfg.output_dir), "resume: name the run to continue with output_dir")
     need(cfg.fp8 == "none" or cfg.moe8, f"fp8 = {cfg.fp8!r}: FP8 experts run on moe8; drop --no-moe8")

@@ -1,20 +1,22 @@
-"""Data for `moe8 finetune`: tokenizers (the model's, or a byte-level fallback), documents from text or JSONL
-files, chat rendering with loss on the assistant turns only, packing into fixed-length sequences, and a
-loader whose order is a pure function of (seed, micro-batch index), so a resumed run sees the same data."""
+"""Data for `moe8 finetune`: tokenizers (the model's, or a byte-level fallback), documents (formats.py),
+chats with loss on the assistant turns only (chat.py), packing into fixed-length sequences that keep the
+documents apart (packing.py), and a loader whose order is a pure function of (seed, micro-batch index), so
+a resumed run sees the same data."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import torch
 
 from .._env import ENV
+from .chat import ChatStats, tokenize_chat
 from .config import Config, FinetuneError
+from .formats import SUFFIXES, documents, read_records
+from .packing import IGNORE, pack
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout root (python/moe8/finetune/data.py)
-IGNORE = -100  # label of tokens without loss
 AUTO_DOCUMENTS = 20000  # documents read from the shared sample text when data = "auto"
 
 
@@ -101,19 +103,22 @@ def _generated(n: int = AUTO_DOCUMENTS) -> list[str]:
     return [f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(n)]
 
 
-def read_documents(cfg: Config) -> tuple[str, list, str]:
-    """("text", [str], source) or ("chat", [[{role, content}]], source)."""
+def read_documents(cfg: Config, data: str | None = None) -> tuple[str, list, str]:
+    """("text", [str], source) or ("chat", [[{role, content}]], source) of `data` (default: cfg.data)."""
+    data = cfg.data if data is None else data
     limit = cfg.max_documents or None
-    if cfg.data == "auto":
+    if data == "auto":
         path = shared("text", "sentences.txt")
         if path is None:
             return "text", _generated(limit or AUTO_DOCUMENTS), "generated sentences"
         fmt, limit = "lines", limit or AUTO_DOCUMENTS
     else:
-        path = Path(cfg.data)
+        path = Path(data)
         fmt = cfg.data_format
         if fmt == "auto":
-            fmt = "jsonl" if path.suffix in (".jsonl", ".json") else "lines"
+            fmt = SUFFIXES.get(path.suffix, "lines")
+    if fmt not in ("lines", "text"):
+        return (*documents(cfg, read_records(cfg, path, fmt, limit), str(path)), str(path))
     try:
         with open(path, encoding="utf-8") as f:
             if fmt == "text":
@@ -123,130 +128,102 @@ def read_documents(cfg: Config) -> tuple[str, list, str]:
         raise FinetuneError(f"data: file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FinetuneError(f"data: cannot read {path}: {e}") from None
-    if fmt == "lines":
-        return "text", lines[:limit], str(path)
-    return _jsonl(cfg, path, lines, limit)
-
-
-def _jsonl(cfg: Config, path: Path, lines: list[str], limit: int | None) -> tuple[str, list, str]:
-    """Records of a JSONL file (or of a .json file holding one array of objects)."""
-    array = bool(lines) and lines[0].lstrip().startswith("[")
-    records = []
-    for i, line in enumerate(["\n".join(lines)] if array else lines[:limit], 1):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FinetuneError(f"data: {path}: {'' if array else f'record {i} '}is not JSON: {e}") from None
-        records.extend(rec[:limit] if array and isinstance(rec, list) else [rec])
-    for i, rec in enumerate(records, 1):
-        if not isinstance(rec, dict):
-            raise FinetuneError(f"data: {path}: record {i} is a {type(rec).__name__}, expected a JSON object")
-    if not records:
-        raise FinetuneError(f"data: {path}: empty dataset (no records)")
-    tf, mf = cfg.text_field, cfg.messages_field
-    field = mf if mf in records[0] else tf if tf in records[0] else None
-    if field is None:
-        raise FinetuneError(
-            f"data: {path}: record 1 has neither a {tf!r} nor a {mf!r} field (it has {sorted(records[0])}); "
-            "set text_field or messages_field"
-        )
-    for i, rec in enumerate(records, 1):
-        value = rec.get(field)
-        ok = isinstance(value, str) if field == tf else _is_chat(value)
-        if not ok:
-            want = "a string" if field == tf else "a list of {role, content} objects with string values"
-            raise FinetuneError(f"data: {path}: record {i}: field {field!r} missing or not {want}")
-    return ("text" if field == tf else "chat"), [r[field] for r in records], str(path)
-
-
-def _is_chat(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
+    return "text", lines[:limit], str(path)
 
 
 # ------------------------------------------------------------------------------------- tokenize and pack
-def tokenize_text(tok, docs: list[str]) -> torch.Tensor:
-    """Documents, each followed by eos, as one int32 tensor (built a thousand documents at a time)."""
-    parts = [torch.zeros(0, dtype=torch.int32)]
+def tokenize_text(tok, docs: list[str]) -> list[tuple[list[int], list[int]]]:
+    """[(ids, labels)]: each document followed by eos, loss on every token (a thousand documents at a time)."""
+    out = []
     for i in range(0, len(docs), 1000):
-        ids = tok(docs[i : i + 1000], add_special_tokens=False)["input_ids"]
-        parts.append(torch.tensor([t for doc in ids for t in (*doc, tok.eos_token_id)], dtype=torch.int32))
-    return torch.cat(parts)
+        for doc in tok(docs[i : i + 1000], add_special_tokens=False)["input_ids"]:
+            ids = [*doc, tok.eos_token_id]
+            out.append((ids, ids))
+    return out
 
 
-def tokenize_chat(tok, chat: list[dict]) -> tuple[list[int], list[int]]:
-    """A chat rendered with the tokenizer's chat template; labels: the tokens of each assistant message's
-    content and the special token closing it, IGNORE elsewhere. The rendered text is matched back to the
-    messages by position (offsets), so any template works that keeps the assistant text verbatim."""
-    text = tok.apply_chat_template(chat, tokenize=False)
-    specials = sorted(tok.all_special_tokens, key=len, reverse=True)
-    spans, cursor = [], 0
-    for m in chat:
-        content = m["content"].strip()
-        at = text.find(content, cursor) if content else -1
-        if at < 0:
-            continue
-        end = at + len(content)
-        cursor = end
-        if m["role"] == "assistant":
-            end += next((len(s) for s in specials if s and text.startswith(s, end)), 0)
-            spans.append((at, end))
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
-        t if any(a <= s and e <= b and s < e for a, b in spans) else IGNORE
-        for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
-    ]
-    return enc["input_ids"], labels
+def tokenize(cfg: Config, tok, data: str) -> tuple[str, int, list, str, ChatStats | None]:
+    """(kind, documents read, [(ids, labels)] documents, source, chat turn statistics or None)."""
+    kind, docs, source = read_documents(cfg, data)
+    if kind == "text":
+        return kind, len(docs), tokenize_text(tok, [d for d in docs if d.strip()]), source, None
+    if not getattr(tok, "chat_template", None):
+        raise FinetuneError(f"data: {source}: chat messages, but the tokenizer has no chat template")
+    stats, out = ChatStats(), []
+    for chat in docs:
+        pieces, s = tokenize_chat(tok, chat)
+        out += pieces
+        stats.add(s)
+    return kind, len(docs), out, source, stats
 
 
 class Data:
-    """Packed sequences: train / eval `ids` and `labels` [N, seq_len] (int32)."""
+    """Packed sequences: train / eval `ids`, `labels` and `positions` [N, seq_len] (int32). The eval split is
+    the eval_data file when set, else the last eval_fraction of the packed training sequences."""
 
     def __init__(self, cfg: Config, tok):
-        kind, docs, self.source = read_documents(cfg)
-        if kind == "chat":
-            if not getattr(tok, "chat_template", None):
-                raise FinetuneError("data: chat messages, but the tokenizer has no chat template")
-            if not tok.is_fast:
-                raise FinetuneError("data: chat messages need a fast tokenizer (offsets), this one is slow")
-            pairs = [tokenize_chat(tok, c) for c in docs]
-            ids = torch.tensor([t for p in pairs for t in p[0]], dtype=torch.int32)
-            labels = torch.tensor([t for p in pairs for t in p[1]], dtype=torch.int32)
-        else:
-            ids = labels = tokenize_text(tok, [d for d in docs if d.strip()])
-        self.kind, self.documents, self.tokens = kind, len(docs), len(ids)
-        if not len(ids) or bool((labels == IGNORE).all()):
-            what = "no assistant tokens to train on" if len(ids) else "no tokens"
-            raise FinetuneError(f"data: {self.source}: empty dataset ({what})")
+        self.kind, self.documents, docs, self.source, self.chat = tokenize(cfg, tok, cfg.data)
+        self.tokens = sum(len(d[0]) for d in docs)
+        if not self.tokens or all(x == IGNORE for d in docs for x in d[1]):
+            what = "no assistant tokens to train on" if self.tokens or self.kind == "chat" else "no tokens"
+            raise FinetuneError(f"data: {self.source}: empty dataset ({what}){self._unmatched()}")
         S = cfg.seq_len
-        n = len(ids) // S
-        n_eval = max(1, round(n * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+        packed = pack(docs, S)
+        n = len(packed[0])
+        n_eval = max(1, round(n * cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_data else 0
         if n - n_eval < cfg.micro_batch:
             raise FinetuneError(
-                f"data: {self.source}: {len(ids):,} tokens make {n} sequences of seq_len {S}; the training split "
-                f"({n - n_eval}) needs at least micro_batch = {cfg.micro_batch}"
+                f"data: {self.source}: {self.tokens:,} tokens make {n} sequences of seq_len {S}; the training "
+                f"split ({n - n_eval}) needs at least micro_batch = {cfg.micro_batch}"
             )
-        ids, labels = ids[: n * S].view(n, S), labels[: n * S].view(n, S)
-        self.train = (ids[: n - n_eval], labels[: n - n_eval])
-        self.eval = (ids[n - n_eval :], labels[n - n_eval :])
+        self.train = tuple(t[: n - n_eval] for t in packed)
+        self.eval = tuple(t[n - n_eval :] for t in packed)
+        self.eval_source = f"{n_eval} held-out sequences" if n_eval else "none"
+        if cfg.eval_data:
+            kind, _, edocs, esource, estats = tokenize(cfg, tok, cfg.eval_data)
+            self.eval = pack(edocs, S)
+            if not len(self.eval[0]):
+                raise FinetuneError(
+                    f"eval_data: {esource}: {sum(len(d[0]) for d in edocs):,} tokens, less than one sequence "
+                    f"of seq_len {S}"
+                )
+            self.eval_source = esource
         self.micro_batch, self.seed = cfg.micro_batch, cfg.seed
         self.per_epoch = len(self.train[0]) // cfg.micro_batch
         self._perm = (None, None)
 
-    def batch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unmatched(self) -> str:
+        c = self.chat
+        if c is None or c.matched == c.turns:
+            return ""
+        return (
+            f"; {c.turns - c.matched} of {c.turns} assistant turns not found in the chat template's rendering "
+            f"(for example {c.unmatched_examples[:2]})"
+        )
+
+    def describe_chat(self) -> str:
+        """'assistant turns: 40 of 40 matched' (with splits and examples of unmatched turns), or ''."""
+        c = self.chat
+        if c is None:
+            return ""
+        text = f"assistant turns with loss: {c.matched} of {c.turns}"
+        if c.split:
+            text += f" ({c.split} conversations split where the template rewrites earlier turns)"
+        if c.matched < c.turns:
+            text += f"; unmatched, for example: {c.unmatched_examples}"
+        return text
+
+    def batch(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Micro-batch number m of the whole run: epoch m // per_epoch, in a shuffled order of that epoch."""
         epoch, j = divmod(m, self.per_epoch)
         if self._perm[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = (epoch, torch.randperm(len(self.train[0]), generator=g))
         idx = self._perm[1][j * self.micro_batch : (j + 1) * self.micro_batch]
-        return self.train[0][idx].long(), self.train[1][idx].long()
+        return tuple(t[idx].long() for t in self.train)
 
     def eval_batches(self, limit: int):
-        ids, labels = self.eval
-        n = (len(ids) + self.micro_batch - 1) // self.micro_batch
+        n = (len(self.eval[0]) + self.micro_batch - 1) // self.micro_batch
         for i in range(min(n, limit) if limit else n):
             s = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
-            yield ids[s].long(), labels[s].long()
+            yield tuple(t[s].long() for t in self.eval)

@@ -60,7 +60,10 @@ def model_config(cfg: Config, tok=None):
     directory, a model that is not a supported MoE family, or seq_len over max_position_embeddings."""
     from transformers import AutoConfig
 
-    if cfg.model in BUILTIN:
+    if cfg.model_config:
+        config, path = config_from(cfg.model_config, cfg.num_layers), None
+        family = config.model_type
+    elif cfg.model in BUILTIN:
         family, kw = BUILTIN[cfg.model]
         # tiny models use a stronger balance loss than Qwen3's 0.001: otherwise they collapse onto few experts
         config, path = AutoConfig.for_model(family, **kw), None
@@ -89,19 +92,67 @@ def model_config(cfg: Config, tok=None):
     return config, path
 
 
+def config_from(spec: str, num_layers: int = 0):
+    """A transformers config from a model type (its config class's defaults), a config.json path or inline
+    JSON, with num_layers decoder layers when > 0 (per-layer lists such as gpt-oss' layer_types cut to fit)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if spec.lstrip().startswith("{"):
+        try:
+            kw = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise FinetuneError(f"model_config: not valid JSON: {e}") from None
+    elif spec in CONFIG_MAPPING:
+        kw = {"model_type": spec}
+    elif Path(spec).is_file():
+        try:
+            kw = json.loads(Path(spec).read_text())
+        except (OSError, ValueError) as e:
+            raise FinetuneError(f"model_config: cannot read {spec}: {e}") from None
+    else:
+        raise FinetuneError(
+            f"model_config = {spec!r}: expected a transformers model type ({', '.join(hf.FAMILIES)}), a "
+            "config.json file or inline JSON"
+        )
+    if not isinstance(kw, dict) or not isinstance(kw.get("model_type"), str):
+        raise FinetuneError(f"model_config: {spec[:80]!r} has no model_type")
+    kw = dict(kw)
+    model_type = kw.pop("model_type")
+    for k in ("architectures", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
+        kw.pop(k, None)
+    try:
+        config = AutoConfig.for_model(model_type, **kw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise FinetuneError(f"model_config: {model_type}: {e}") from None
+    if num_layers:
+        config.num_hidden_layers = num_layers
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:num_layers]
+        if hasattr(config, "first_k_dense_replace"):
+            config.first_k_dense_replace = min(config.first_k_dense_replace, num_layers - 1)
+        if isinstance(getattr(config, "mlp_only_layers", None), list):
+            config.mlp_only_layers = [i for i in config.mlp_only_layers if i < num_layers]
+    return config
+
+
 def build_model(cfg: Config, config, path, tok, dtype, device, log):
     """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
-    if path is None:
+    if path is None:  # random weights: a built-in model (vocabulary: the tokenizer's) or model_config
+        vocab = max(len(tok), config.vocab_size) if cfg.model_config else len(tok)
         config.vocab_size, config.pad_token_id, config.eos_token_id = (
-            len(tok),
+            vocab,
             tok.pad_token_id,
             tok.eos_token_id,
         )
         config.bos_token_id = None
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # a built-in model is initialised on the CPU (its LoRA export rebuilds the base from the seed there);
+        # a model_config one where it will train: a random 30B model initialised on the CPU takes minutes
+        with torch.device(device if cfg.model_config else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
@@ -114,8 +165,12 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
     coef = cfg.aux_loss_coef
     if coef is None:
         coef = getattr(config, "router_aux_loss_coef", 0.0)
+    # the model returns aux_loss (and router_logits, for the z-loss) only with output_router_logits; its own
+    # loss would add router_aux_loss_coef x aux_loss given labels: the trainer adds it, with the same coefficient
     if hasattr(model.config, "output_router_logits"):
-        model.config.output_router_logits = coef > 0
+        model.config.output_router_logits = coef > 0 or cfg.router_z_loss_coef > 0
+    if hasattr(model.config, "router_aux_loss_coef"):
+        model.config.router_aux_loss_coef = coef
     if not experts_modules(model):
         raise FinetuneError(f"model: {cfg.model} has no fused MoE experts modules (transformers v5)")
     if cfg.moe8:
@@ -196,3 +251,31 @@ def peak_flops(cfg: Config, device) -> float | None:
         if "H100" in name or "H200" in name:
             return 989e12  # dense bf16
     return None
+
+
+def attention_layers(config) -> list[tuple[int, int | None]]:
+    """Per decoder layer (training FLOPs per attended key, sliding window or None): 3 passes x 2 FLOPs x
+    heads x (qk head dim + v head dim), the QK^T and PV products of one query against one key."""
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qk = getattr(config, "qk_head_dim", None) or hd
+    v = getattr(config, "v_head_dim", None) or hd
+    types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    out = []
+    for i in range(config.num_hidden_layers):
+        sliding = i < len(types) and types[i] == "sliding_attention" and window
+        out.append((6 * heads * (qk + v), window if sliding else None))
+    return out
+
+
+def attention_flops(layers: list[tuple[int, int | None]], position_ids: torch.Tensor) -> float:
+    """Training FLOPs of the attention products over a batch: per layer, its FLOPs per key times the keys each
+    query attends to under the causal (per packed document) mask: position + 1, at most the window."""
+    keys = position_ids.double() + 1
+    total, cache = 0.0, {}
+    for per_key, window in layers:
+        if window not in cache:
+            cache[window] = float((keys if window is None else keys.clamp(max=window)).sum())
+        total += per_key * cache[window]
+    return total

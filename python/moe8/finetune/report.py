@@ -175,6 +175,10 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
             ],
         ),
         line_chart("tokens / s", [dict(label="tokens/s", points=pts("tokens_per_s"))]),
+        line_chart(
+            "router losses (aux, z)",
+            [dict(label="aux", points=pts("aux_loss")), dict(label="z", points=pts("z_loss"))],
+        ),
         line_chart("MFU (%)", [dict(label="MFU", points=pts("mfu", 100.0))]),
         line_chart("memory (GiB, peak)", [dict(label="GiB", points=pts("memory_gib"))]),
         line_chart("grad norm (before clipping)", [dict(label="grad norm", points=pts("grad_norm"))]),
@@ -210,6 +214,15 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         "eval loss": " -> ".join(_fmt(e) for e in (evals[:1] + evals[-1:] if len(evals) > 1 else evals))
         or "-",
     }
+    for k in ("eval_data", "assistant turns", "aux_loss_coef", "z_loss_coef"):
+        if info.get(k) is not None:
+            facts[k.replace("_", " ")] = info[k]
+    if "memory_estimate_gib" in info:
+        peaks = [h["memory_gib"] for h in train if h.get("memory_gib") is not None]
+        measured = f"{max(peaks):.2f} GiB" if peaks else "not measured"
+        facts["memory: estimate vs measured peak"] = (
+            f"{info['memory_estimate_gib']:.2f} GiB vs {measured} ({info.get('memory_parts', '')})"
+        )
     ranks_mem = next((h["memory_gib_ranks"] for h in reversed(train) if h.get("memory_gib_ranks")), None)
     if ranks_mem:
         facts["peak memory per rank (GiB)"] = ", ".join(f"{r}: {g:.2f}" for r, g in enumerate(ranks_mem))

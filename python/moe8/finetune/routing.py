@@ -99,3 +99,17 @@ def summary(h: dict[str, dict]) -> dict:
         dead_experts=sum(len(v["dead"]) for v in h.values()),
         experts=sum(v["experts"] for v in h.values()),
     )
+
+
+def router_z_loss(router_logits) -> torch.Tensor | None:
+    """ST-MoE's router z-loss: the mean over the tokens of every MoE layer of logsumexp(router logits)^2
+    (router_logits: the per-layer [T, E] logits a model returns with output_router_logits)."""
+    if not router_logits:
+        return None
+    if isinstance(router_logits, torch.Tensor):
+        router_logits = [router_logits]
+    logits = [r for r in router_logits if isinstance(r, torch.Tensor) and r.ndim >= 2]
+    if not logits:
+        return None
+    z = torch.cat([r.reshape(-1, r.shape[-1]).float() for r in logits]).logsumexp(-1)
+    return z.square().mean()

@@ -14,7 +14,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,11 +24,22 @@ import torch.nn.functional as F
 from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
-from . import report
+from . import memory, report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
-from .model import BUILTIN, TINY, active_params, build_model, model_config, peak_flops
-from .routing import RoutingStats
+from .loggers import Progress, Trackers, check_installed, dumps
+from .memory import memory_gib
+from .model import (
+    BUILTIN,
+    TINY,
+    active_params,
+    attention_flops,
+    attention_layers,
+    build_model,
+    model_config,
+    peak_flops,
+)
+from .routing import RoutingStats, router_z_loss
 
 STATE = "training_state.pt"
 # how long a collective waits for a peer before the run ends with an error (a dead rank: no hang)
@@ -114,15 +124,6 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-def memory_gib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak: KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
-
-
 @contextlib.contextmanager
 def _quiet_saving():
     """No "Writing model shards" bar from save_pretrained (it would break ours)."""
@@ -137,47 +138,6 @@ def _quiet_saving():
             logging.enable_progress_bar()
 
 
-class Progress:
-    """tqdm when installed, else one carriage-return line: step, loss, tokens/s, MFU, ETA."""
-
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.total, self.initial, self.enabled = total, initial, enabled
-        self.t0, self.text, self.bar = time.perf_counter(), "", None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(
-                    total=total, initial=initial, unit="step", desc="finetune", dynamic_ncols=True
-                )
-            except ImportError:
-                pass
-
-    def update(self, step: int, text: str | None) -> None:
-        if text is not None:
-            self.text = text
-        if self.bar is not None:
-            if text is not None:
-                self.bar.set_postfix_str(text, refresh=False)
-            self.bar.update(1)
-        elif self.enabled:
-            eta = (time.perf_counter() - self.t0) / max(1, step - self.initial) * (self.total - step)
-            sys.stderr.write(f"\r{step}/{self.total}  {self.text}  ETA {int(eta) // 60}:{int(eta) % 60:02d} ")
-            sys.stderr.flush()
-
-    def write(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            print(("\n" if self.enabled and self.text else "") + msg, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\n")
-
-
 class Trainer:
     """Everything validated and built, nothing written: `run()` writes."""
 
@@ -187,8 +147,10 @@ class Trainer:
         self.dist = Dist(self.device)
         world = self.dist.world
         self.log = log if self.dist.main else lambda *a, **k: None  # rank 0 logs
+        check_installed(cfg)
         self.hf_config, self.model_path = config, path = model_config(cfg)
         self.tok = load_tokenizer(cfg, path)
+        self.memory = self._memory_estimate(config, path)
         self.data = Data(cfg, self.tok)
         if len(self.data.train[0]) < cfg.micro_batch * world:
             raise FinetuneError(
@@ -206,6 +168,7 @@ class Trainer:
         self.model, self.aux_coef = build_model(
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )
+        self.attention = attention_layers(self.model.config)
         self.total_params, self.active_params = active_params(self.model)
         self.stats = RoutingStats(self.model)  # before parallelize: counts over all E experts
         self.mesh, self.expert_ids = None, set()
@@ -239,6 +202,20 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, warmup, self.steps, cfg.min_lr_ratio)
         )
+
+    def _memory_estimate(self, config, path) -> memory.Estimate:
+        """The peak per GPU from the config (memory.py); refuses a run that cannot fit, unless memory_check is
+        off. The vocabulary of a random-weight model is set as build_model will set it."""
+        import copy
+
+        cfg = self.cfg
+        config = copy.deepcopy(config)
+        if path is None:
+            config.vocab_size = max(len(self.tok), config.vocab_size) if cfg.model_config else len(self.tok)
+        est = memory.estimate(config, cfg, memory.count_params(config, cfg), self.dtype)
+        if cfg.memory_check:
+            memory.check(est, memory.device_memory(self.device), cfg)
+        return est
 
     def _parallelize(self) -> None:
         """ep > 1: experts split over each group of ep ranks (moe8.parallel.parallelize); fsdp: dense
@@ -286,30 +263,31 @@ class Trainer:
         return state
 
     # ------------------------------------------------------------------------------------------ pieces
-    def loss_sum(self, x, y):
-        """(summed cross-entropy of next-token predictions, aux loss or None); x, y [B, S] on the device."""
+    def loss_sum(self, x, y, pos):
+        """(summed cross-entropy of next-token predictions, aux loss or None, router z-loss or None); x, y, pos
+        [B, S] on the device (pos: each token's position in its packed document)."""
         target = torch.cat([y[:, 1:], torch.full_like(y[:, :1], IGNORE)], 1)  # position t predicts y[t + 1]
         if (
             not self.cfg.fsdp and plain_lm_head(self.model) is not None
         ):  # logits a chunk at a time: no [tokens, vocab] fp32 tensors
             with hidden_states_as_logits(self.model) as head:
-                out = self.model(input_ids=x)
+                out = self.model(input_ids=x, position_ids=pos)
             ce = chunked_cross_entropy(
                 out.logits.flatten(0, 1), head.weight, target.flatten(), ignore_index=IGNORE
             )
         else:
-            out = self.model(input_ids=x)
+            out = self.model(input_ids=x, position_ids=pos)
             ce = F.cross_entropy(
                 out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
             )
-        return ce, getattr(out, "aux_loss", None)
+        return ce, getattr(out, "aux_loss", None), router_z_loss(getattr(out, "router_logits", None))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         self.model.eval()
         total, n = 0.0, 0
-        for x, y in self.data.eval_batches(self.cfg.eval_batches):
-            ce, _ = self.loss_sum(x.to(self.device), y.to(self.device))
+        for x, y, pos in self.data.eval_batches(self.cfg.eval_batches):
+            ce, _, _ = self.loss_sum(x.to(self.device), y.to(self.device), pos.to(self.device))
             total, n = total + ce.item(), n + int((y[:, 1:] != IGNORE).sum())
         self.model.train()
         return total / n if n else None
@@ -396,7 +374,8 @@ class Trainer:
         if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
             from transformers import AutoModelForCausalLM
 
-            with torch.random.fork_rng(devices=[]):
+            where = self.device if self.cfg.model_config else torch.device("cpu")  # as build_model
+            with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
                 torch.manual_seed(self.cfg.seed)
                 base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             with _quiet_saving():
@@ -413,9 +392,12 @@ class Trainer:
         return (
             f"moe8 finetune: {c.model} ({self.total_params / 1e6:.1f}M params, {self.active_params / 1e6:.1f}M "
             f"active per token), {c.method}, {self.device.type} {str(self.dtype).replace('torch.', '')}, "
-            f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} {d.kind} documents, {d.tokens:,} tokens -> "
-            f"{len(d.train[0])} train / {len(d.eval[0])} eval sequences of {c.seq_len}\n  {self.steps} steps of "
-            f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}{ranks}"
+            f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} "
+            f"{d.kind} documents, {d.tokens:,} tokens -> {len(d.train[0])} train / {len(d.eval[0])} eval "
+            f"sequences of {c.seq_len}{'' if not c.eval_data else f' (eval: {d.eval_source})'}"
+            f"{f'; {d.describe_chat()}' if d.chat else ''}\n  {self.steps} steps of "
+            f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}{ranks}\n"
+            f"  memory estimate per {self.device.type}: {self.memory.table()}"
         )
 
     # -------------------------------------------------------------------------------------------- run
@@ -445,7 +427,7 @@ class Trainer:
             history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
             history = [h for h in history if h["step"] <= start]
         if d.main:
-            (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+            (out / "metrics.jsonl").write_text("".join(dumps(h) + "\n" for h in history))
             (out / "finetune.toml").write_text(to_toml(cfg))
         metrics = open(out / "metrics.jsonl" if d.main else os.devnull, "a")
         self.log(self.describe())
@@ -456,15 +438,27 @@ class Trainer:
             model=cfg.model, method=cfg.method, device=f"{dev.type} {self.dtype}", params=self.total_params
         )
         info.update(active=self.active_params, moe8=hf.is_accelerated(self.model), steps=self.steps)
+        info.update(memory_estimate_gib=round(self.memory.total / 2**30, 3), memory_parts=self.memory.table())
+        if self.data.chat is not None:
+            c = self.data.chat
+            info["assistant turns"] = f"{c.matched} of {c.turns} with loss" + (
+                f" ({c.split} conversations split)" if c.split else ""
+            )
+        info.update(
+            eval_data=self.data.eval_source, aux_loss_coef=self.aux_coef, z_loss_coef=cfg.router_z_loss_coef
+        )
+        trackers = Trackers(cfg, out, vars(cfg).copy()) if d.main else None
         if d.on:
             info["ranks"] = f"{d.world} ({f'ep {cfg.ep}' if cfg.ep > 1 else 'data-parallel'})" + (
                 ", FSDP2" if cfg.fsdp else ""
             )
 
         def emit(line):
-            history.append(line)
-            metrics.write(json.dumps(line) + "\n")
+            history.append(json.loads(dumps(line)))
+            metrics.write(dumps(line) + "\n")
             metrics.flush()
+            if trackers is not None:
+                trackers.log(line)
 
         def write_report():
             if d.main:
@@ -477,8 +471,9 @@ class Trainer:
             accum, S = cfg.grad_accum, cfg.seq_len
 
             def new_window():  # what a metrics line averages over
+                zero = torch.zeros((), device=dev)
                 return dict(
-                    loss=torch.zeros((), device=dev), label_tokens=0, tokens=0, t0=time.perf_counter()
+                    loss=zero, aux=zero, z=zero, label_tokens=0, tokens=0, flops=0.0, t0=time.perf_counter()
                 )
 
             window = new_window()
@@ -491,16 +486,21 @@ class Trainer:
                 # order, one per rank: disjoint shards, and together the batch of one process with W x
                 # micro_batch sequences
                 batches = [self.data.batch(((step - 1) * accum + a) * W + R) for a in range(accum)]
-                n_label = sum(int((y[:, 1:] != IGNORE).sum()) for _, y in batches)
+                n_label = sum(int((y[:, 1:] != IGNORE).sum()) for _, y, _ in batches)
                 if d.on:  # every rank divides by the global count: the averaged gradient is the global one
                     n_label = int(d.sum(torch.tensor(n_label, device=dev)))
-                for x, y in batches:
-                    ce, aux = self.loss_sum(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                for x, y, pos in batches:
+                    ce, aux, z = self.loss_sum(*(t.to(dev, non_blocking=True) for t in (x, y, pos)))
                     loss = ce * W / max(n_label, 1)
                     if self.aux_coef and aux is not None:
                         loss = loss + self.aux_coef * aux / accum
+                        window["aux"] = window["aux"] + aux.detach() / accum
+                    if cfg.router_z_loss_coef and z is not None:
+                        loss = loss + cfg.router_z_loss_coef * z / accum
+                        window["z"] = window["z"] + z.detach() / accum
                     loss.backward()
                     window["loss"] += ce.detach()
+                    window["flops"] += attention_flops(self.attention, pos) * W
                 if d.on and not cfg.fsdp:  # FSDP averages in its backward
                     from ..parallel.fsdp import average_grads
 
@@ -549,6 +549,8 @@ class Trainer:
         finally:
             progress.close()
             metrics.close()
+            if trackers is not None:
+                trackers.close()
         last = next((h for h in reversed(history) if h.get("memory_gib_ranks")), None)
         if last is not None:
             per_rank = ", ".join(f"rank {r} {g:.2f}" for r, g in enumerate(last["memory_gib_ranks"]))
@@ -588,20 +590,30 @@ class Trainer:
     def _line(self, step: int, window: dict, lr: float, grad_norm) -> dict:
         d = self.dist
         loss = float(d.sum(window["loss"].detach().clone().float())) / max(window["label_tokens"], 1)
-        tps = window["tokens"] / max(time.perf_counter() - window["t0"], 1e-9)
-        mfu = 6 * self.active_params * tps / self.peak if self.peak else None
+        seconds = max(time.perf_counter() - window["t0"], 1e-9)
+        tps = window["tokens"] / seconds
+        # model FLOPs: 6 x active parameters per token, plus the attention products (model.attention_flops)
+        flops = (6 * self.active_params * window["tokens"] + window["flops"]) / seconds
+        mfu = flops / self.peak if self.peak else None
+        c = self.cfg
+        n_steps = max(1, window["tokens"] // (c.grad_accum * c.micro_batch * c.seq_len * d.world))
         memory = d.gather(round(memory_gib(self.device), 4))
         line = dict(
             step=step,
             loss=loss,
             lr=lr,
             tokens_per_s=tps,
+            tflops=flops / 1e12,
             mfu=mfu,
             memory_gib=max(memory),
             grad_norm=float(grad_norm),
             tokens=step * self.cfg.grad_accum * self.cfg.micro_batch * self.cfg.seq_len * d.world,
             routing=self.stats.take(d.sum if d.on else None, self.device),
         )
+        if self.aux_coef:
+            line["aux_loss"] = float(window["aux"]) / n_steps
+        if c.router_z_loss_coef:
+            line["z_loss"] = float(window["z"]) / n_steps
         if d.on:
             line["memory_gib_ranks"] = memory
         return line

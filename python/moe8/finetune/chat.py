@@ -1,0 +1,109 @@
+"""Chat masking from the chat template's own structure: loss on the tokens each assistant turn adds.
+
+For assistant turn i the template renders the conversation up to the turn with the generation prompt
+(G = messages[:i] + "<|im_start|>assistant\\n" or whatever the template's header is) and up to and
+including the turn (R = messages[:i+1]). When the tokens of G are a prefix of the tokens of R, the turn
+is R's tokens after G (its content, reasoning included, and the token closing it; trailing whitespace
+tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found.
+
+The turns of one conversation go into one sequence as long as each R extends the previous one. A
+template that rewrites earlier turns (Qwen3 drops the <think> block of assistant turns before the last
+user message) breaks that: the conversation then continues as a new document, R of that turn, with
+only that turn labelled, so every assistant turn is trained as the template renders it when it is the
+reply being generated. A turn whose G is not a prefix of R is matched through the template's
+{% generation %} tags (return_assistant_tokens_mask) when it has them; otherwise it is counted as
+unmatched and gets no loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+IGNORE = -100  # label of tokens without loss
+
+
+@dataclass
+class ChatStats:
+    """Assistant turns seen / given a loss (over every conversation tokenized)."""
+
+    turns: int = 0
+    matched: int = 0
+    split: int = 0  # conversations split because the template rewrote an earlier turn
+    unmatched_examples: list = field(default_factory=list)
+
+    def add(self, other: ChatStats) -> None:
+        self.turns += other.turns
+        self.matched += other.matched
+        self.split += other.split
+        self.unmatched_examples += other.unmatched_examples[: max(0, 3 - len(self.unmatched_examples))]
+
+
+def _render(tok, messages, generation_prompt: bool) -> list[int]:
+    out = tok.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
+def _trailing_whitespace(tok, ids: list[int], start: int) -> int:
+    """The end of ids[start:] without its trailing whitespace-only (non-special) tokens."""
+    special = set(tok.all_special_ids)
+    end = len(ids)
+    while end > start and ids[end - 1] not in special and not tok.decode(ids[end - 1 : end]).strip():
+        end -= 1
+    return end
+
+
+def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int]]], ChatStats]:
+    """[(ids, labels)] documents of one conversation (usually one), and the turn statistics."""
+    stats = ChatStats()
+    docs: list[tuple[list[int], list[int]]] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    template = getattr(tok, "chat_template", None) or ""
+    for i, m in enumerate(chat):
+        if m.get("role") != "assistant":
+            continue
+        stats.turns += 1
+        g = _render(tok, chat[:i], True) if i else []
+        r = _render(tok, chat[: i + 1], False)
+        if r[: len(g)] != g:
+            span = _generation_span(tok, chat[: i + 1], r) if "generation" in template else None
+            if span is None:
+                if len(stats.unmatched_examples) < 3:
+                    stats.unmatched_examples.append(m.get("content", "")[:60])
+                continue
+            start, end = span
+        else:
+            start, end = len(g), _trailing_whitespace(tok, r, len(g))
+        if end <= start:
+            continue
+        if r[: len(ids)] == ids:  # the turn extends the sequence so far
+            labels = labels + [IGNORE] * (start - len(labels))
+        else:  # the template rewrote an earlier turn: a new document from here
+            docs.append((ids, labels))
+            stats.split += 1
+            labels = [IGNORE] * start
+        labels += r[start:end] + [IGNORE] * (len(r) - end)
+        ids = r
+        stats.matched += 1
+    if ids:
+        docs.append((ids, labels))
+    return [d for d in docs if d[0]], stats
+
+
+def _generation_span(tok, messages, r: list[int]) -> tuple[int, int] | None:
+    """The last assistant turn's token span from the template's {% generation %} tags, or None."""
+    try:
+        out = tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+    except (ValueError, TypeError):
+        return None
+    mask = list(out.get("assistant_masks") or [])
+    if list(out["input_ids"]) != r or not any(mask):
+        return None
+    end = len(mask) - mask[::-1].index(1)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return start, end

@@ -1,0 +1,171 @@
+"""The peak GPU memory of a `moe8 finetune` run, estimated from the config alone before any weight is loaded
+(parameters counted on the meta device), and the check that refuses a run that cannot fit.
+
+Per GPU, in bytes (w: 2 for bf16, 4 for fp32; T: trainable parameters held by the GPU; tokens = micro_batch x
+seq_len), the larger of the backward peak and the optimizer-step peak:
+  weights      (dense + experts / ep) x w
+  master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
+  adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
+  grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
+  activations  backward only: tokens x layers x per-token-per-layer bytes (see per_token_layer), or with
+               activation checkpointing tokens x layers x hidden x w + one layer's tokens x per-layer bytes
+  logits       backward only: 1024-row chunks x vocab x 4 x 2 (moe8's chunked cross-entropy)
+  overhead     5% of the above (allocator rounding, workspaces)
+The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimate."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config, FinetuneError
+
+GiB = 2**30
+CONTEXT = 1 * GiB  # CUDA context, cuBLAS / moe8 workspaces: outside max_memory_allocated
+LOSS_CHUNK = 1024  # rows per chunk of the chunked cross-entropy
+
+
+class MemoryCheckError(FinetuneError):
+    """The estimated peak does not fit the GPU: raised before anything is loaded or written."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameter counts of a model config: total, in the experts modules, LoRA factors for cfg's targets."""
+
+    total: int
+    experts: int
+    lora: int
+
+
+def count_params(config, cfg: Config) -> Counts:
+    """Parameters of AutoModelForCausalLM.from_config(config) built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from .routing import experts_modules
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
+    return Counts(total, experts, lora_params(model, cfg))
+
+
+def lora_params(model, cfg: Config) -> int:
+    """LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix."""
+    from ..lora import TARGETS
+    from .routing import experts_modules
+
+    targets = set(cfg.lora_targets or TARGETS)
+    r, n = cfg.lora_r, 0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            n += r * (m.in_features + m.out_features)
+    if "experts" in targets:
+        for _, m in experts_modules(model):
+            for w in (m.gate_up_proj, m.down_proj):
+                E, d1, d2 = w.shape
+                n += E * r * (d1 + d2)
+    return n
+
+
+def per_token_layer(config, w: int) -> int:
+    """Activation bytes one token leaves for the backward in one decoder layer (sdpa / flash attention: no
+    S x S scores): attention 2H (norm in / out) + 2(q + 2kv) (projections before and after RoPE) + q (output)
+    + 4 x heads (fp32 log-sum-exp); MoE 2H (norm) + k(H + 3I) (gathered rows, gate_up output, activation)
+    + kH (expert outputs) + 8E (fp32 router logits and probabilities) + a shared expert's H + 3Is."""
+    H = config.hidden_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or getattr(config, "qk_head_dim", None) or H // heads
+    q, kvd = heads * hd, kv * hd
+    attn = w * (2 * H + 2 * (q + 2 * kvd) + q) + 4 * heads
+    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", 2)
+    E = (
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+        or 1
+    )
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", None) or (
+        (getattr(config, "n_shared_experts", None) or 0) * inter
+    )
+    moe = w * (2 * H + k * (H + 3 * inter) + k * H) + 8 * E + (w * (H + 3 * shared) if shared else 0)
+    return attn + moe
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parts: dict  # name -> bytes at the peak
+    total: int
+
+    def table(self) -> str:
+        unit, div = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
+        rows = [f"{k} {v / div:.2f}" for k, v in self.parts.items() if v]
+        return f"{self.total / div:.2f} {unit} (" + ", ".join(rows) + ")"
+
+
+def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimate:
+    w = 2 if dtype in (torch.bfloat16, torch.float16) else 4
+    ep = max(1, cfg.ep)
+    held = counts.total - counts.experts + counts.experts // ep
+    lora = cfg.method == "lora"
+    T = counts.lora if lora else held
+    weights = held * w + (counts.lora * 4 if lora else 0)
+    master = T * 4 if (not lora and w == 2) else 0
+    adamw = T * 8
+    grads_bwd, grads_step = T * (4 if lora else w), T * 4
+    tokens = cfg.micro_batch * cfg.seq_len
+    L = config.num_hidden_layers
+    per = per_token_layer(config, w)
+    if cfg.activation_checkpointing:
+        acts = tokens * L * config.hidden_size * w + tokens * per
+    else:
+        acts = tokens * L * per
+    logits = min(LOSS_CHUNK, tokens) * config.vocab_size * 4 * 2
+    backward = dict(
+        weights=weights, master=master, adamw=adamw, grads=grads_bwd, activations=acts, logits=logits
+    )
+    step = dict(weights=weights, master=master, adamw=adamw, grads=grads_step, activations=0, logits=0)
+    parts = max(backward, step, key=lambda d: sum(d.values()))
+    parts = dict(parts, overhead=sum(parts.values()) // 20)
+    return Estimate(parts, sum(parts.values()))
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak: KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of the GPU, None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def check(est: Estimate, capacity: int | None, cfg: Config) -> None:
+    """MemoryCheckError with the figures and hints when est + the CUDA context exceeds capacity."""
+    if capacity is None or est.total + CONTEXT <= capacity:
+        return
+    hints = []
+    if cfg.method != "lora":
+        hints.append("--method lora (no gradients or optimizer state for the base weights)")
+    if not cfg.activation_checkpointing:
+        hints.append("--activation_checkpointing (keep one hidden state per layer)")
+    if cfg.micro_batch > 1:
+        hints.append(f"--micro_batch {max(1, cfg.micro_batch // 2)} --grad_accum {cfg.grad_accum * 2}")
+    if cfg.method == "full":
+        hints.append("--ep N under torchrun (the experts split over N GPUs)")
+    hints.append("--no-memory-check (run anyway)")
+    raise MemoryCheckError(
+        f"memory: the estimated peak is {est.table()}, plus {CONTEXT / GiB:.0f} GiB CUDA context: more than "
+        f"the GPU's {capacity / GiB:.1f} GiB. Try:\n  " + "\n  ".join(hints)
+    )
