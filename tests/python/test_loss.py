@@ -50,9 +50,9 @@ def _loss_grads(h0, w0, t, **kwargs):
 @pytest.mark.parametrize("vocab", [1, 7, 127, 128, 129, 1000, 1269])  # 1269 = 151669 mod 128 past 1152
 def test_padded_vocabulary_is_the_unpadded_math(device, vocab, monkeypatch):
     """A vocabulary off a multiple of 128 runs its GEMMs at padded_vocab rows (zero rows, -inf logits): the
-    same float32 loss, bit for bit, as the unpadded computation; gradients that differ from it by no more
-    than the GEMMs' summation order (K padded with exact zeros), both as close to a float64 reference; bf16
-    close to torch's cross-entropy of the full logits."""
+    same float32 loss and gradients as the unpadded computation up to the GEMMs' summation order (a BLAS may
+    block a 1000- and a 1024-row GEMM differently: bitwise on one CPU, not on another), both as close to a
+    float64 reference; bf16 close to torch's cross-entropy of the full logits."""
     import moe8.loss as loss_mod
 
     g = torch.Generator().manual_seed(vocab)
@@ -70,7 +70,7 @@ def test_padded_vocabulary_is_the_unpadded_math(device, vocab, monkeypatch):
     h, w = h0.double().requires_grad_(), w0.double().requires_grad_()
     ref = F.cross_entropy(h @ w.t(), t, reduction="sum")
     ref.backward()
-    assert torch.equal(got[0], plain[0]) and torch.isfinite(got[0])
+    assert torch.isfinite(got[0])
     for a, b, r, name in zip(got, plain, (ref.detach(), h.grad, w.grad), ("loss", "d hidden", "d weight")):
         assert a.shape == b.shape == r.shape, name
         scale = r.abs().max().clamp_min(1e-30)
