@@ -30,7 +30,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+try:  # the installed moe8, else this checkout's
+    import moe8  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT / "python"))
 
 # recipe -> (real config, decoder layers for the one-GPU measurement)
 RECIPES = {
