@@ -44,12 +44,16 @@ def _all_to_all(x: Tensor, out_splits: list, in_splits: list, group, what: str) 
     try:
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     except RuntimeError as e:
-        rank = dist.get_rank(group)
-        raise TransportError(
-            f"moe8.parallel nccl: the {what} all_to_all failed on rank {rank} of the expert-parallel group "
-            f"(a peer exited or did not reach it in time): {e}"
-        ) from e
+        raise _failed(what, group, e) from e
     return out
+
+
+def _failed(what: str, group, e: Exception) -> TransportError:
+    rank = dist.get_rank(group)
+    return TransportError(
+        f"moe8.parallel nccl: the {what} all_to_all failed on rank {rank} of the expert-parallel group "
+        f"(a peer exited or did not reach it in time): {e}"
+    )
 
 
 class _AllToAll(torch.autograd.Function):
@@ -105,17 +109,13 @@ class Pending:
         try:
             self.work.wait()
         except RuntimeError as e:
-            rank = dist.get_rank(self.group)
-            raise TransportError(
-                f"moe8.parallel nccl: the {self.what} all_to_all failed on rank {rank} of the expert-parallel "
-                f"group (a peer exited or did not reach it in time): {e}"
-            ) from e
+            raise _failed(self.what, self.group, e) from e
         self.work = None
 
 
-class _AsyncAllToAll(torch.autograd.Function):
+class _AsyncAllToAll(_AllToAll):
     """Starts rows [sum(in_splits), H] -> [sum(out_splits), H] (pending.wait() before reading the result);
-    the backward sends the gradients the other way, synchronously."""
+    the backward (_AllToAll's) sends the gradients the other way, synchronously."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, pending):
@@ -130,17 +130,6 @@ class _AsyncAllToAll(torch.autograd.Function):
                 f"moe8.parallel nccl: starting the {pending.what} all_to_all failed: {e}"
             ) from e
         return out
-
-    @staticmethod
-    def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        return (
-            _all_to_all(g, in_splits, out_splits, ctx.group, ctx.what + " backward"),
-            None,
-            None,
-            None,
-            None,
-        )
 
 
 class _Wait(torch.autograd.Function):
