@@ -82,6 +82,19 @@ def test_merged_checkpoint_matches_base_plus_adapter(tmp_path, adapter, capsys):
         assert (reference(input_ids=ids).logits - want).abs().max() > 100 * 1e-5 * scale
 
 
+@pytest.mark.filterwarnings("ignore:Unsupported layer type")  # PEFT on the fused experts' target_parameters
+def test_merged_weights_match_peft_merge_and_unload(tmp_path, adapter, capsys):
+    """PEFT's own folding of the same adapter (its ParamWrapper layout, not moe8's) gives the same weights."""
+    peft = pytest.importorskip("peft", minversion="0.17", reason="expert LoRA adapters need peft>=0.17")
+    out = tmp_path / "merged"
+    assert merge_rc(capsys, adapter, "--out", out)[0] == 0
+    want = peft.PeftModel.from_pretrained(plain_model(adapter / "base_model"), adapter).merge_and_unload()
+    want_sd, got_sd = want.state_dict(), plain_model(out).state_dict()
+    assert want_sd.keys() == got_sd.keys()
+    for key, w in want_sd.items():
+        torch.testing.assert_close(got_sd[key], w, rtol=1e-6, atol=1e-6 * w.abs().max().item(), msg=key)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # [E, out, in] and GPT-OSS's [E, in, out]
 def test_fold_experts_matches_float64(family):
     _, model = lora_model(family, r=3)
