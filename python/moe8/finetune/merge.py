@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -144,8 +145,8 @@ def _find_base(adapter: Path, config: dict, base: str | None) -> str:
         looked.append(f"base_model_name_or_path {name!r}")
         if (Path(name) / "config.json").is_file():
             return name
-        if not Path(name).exists() and "/" in name.strip("/") and not name.startswith((".", "/")):
-            return name  # a hub name: from_pretrained finds it in the cache or downloads it
+        if not Path(name).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith("."):
+            return name  # a Hub name (org/model): from_pretrained finds it in the cache or downloads it
     else:
         looked.append(f"base_model_name_or_path (empty in {adapter / 'adapter_config.json'})")
     raise FinetuneError(f"no base model found: looked at {', '.join(looked)}; give one with --base MODEL_DIR")
