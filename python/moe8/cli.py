@@ -1,6 +1,6 @@
 """The `moe8` command (also `python -m moe8`). `moe8 demo` trains a tiny MoE model; `moe8 finetune` fine-tunes
-a Hugging Face MoE model; `moe8 info` prints the build (CPU / CUDA / CUTLASS, architectures, versions), torch
-and the GPU, and warns when they don't match."""
+a Hugging Face MoE model; `moe8 merge` folds a LoRA adapter into its base; `moe8 info` prints the build (CPU /
+CUDA / CUTLASS, architectures, versions), torch and the GPU, and warns when they don't match."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ USAGE = """usage: moe8 COMMAND [options]     (or: python -m moe8 COMMAND [option
 commands:
   demo       train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
   finetune   fine-tune a Hugging Face MoE model (full or LoRA), metrics and an HTML report (moe8 finetune --help)
+  merge      fold a LoRA adapter (experts included) into its base, write a Hugging Face checkpoint (moe8 merge --help)
   info       print what this moe8 build holds (CPU only / CUDA / CUTLASS sm90a, GPU architectures, CUDA and
              CUTLASS versions), the torch version and the GPU; warns when the GPU can't run the build's kernels
 
@@ -63,6 +64,10 @@ def main(argv=None) -> int:
         from .finetune import main as finetune
 
         return finetune(rest)
+    if cmd == "merge":
+        from .finetune.merge import main as merge
+
+        return merge(rest)
     if cmd == "info":
         return info()
     print(f"moe8: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
