@@ -7,7 +7,8 @@ large-but-cheap), a dtype, maybe a non-contiguous view, NaN, and at most one fau
 wrong dtype, a mismatched size). A case passes when the call returns the reference's result (moe8.reference
 or plain PyTorch), or raises ValueError / TypeError whose message names the argument the fault was put in.
 Before each case the worker prints "start <i> <op> <fault>" (flushed), so that the parent can name the case a
-crash killed; a failed case prints "FAIL ..." and the worker exits 1 at the end; 0 when every case passed."""
+crash killed, and after it "end <i> <op> <how>" (how: result, error, unchecked or failed: judge says which);
+a failed case prints "FAIL ..." and the worker exits 1 at the end; 0 when every case passed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import moe8
-from moe8 import ops
+from moe8 import fp8, fused, ops
 from moe8 import reference as ref
 from moe8.experts import ExpertLoRA
 from moe8.loss import chunked_cross_entropy
@@ -539,13 +540,115 @@ def fp8_case(rng, dev):
                 reference, names, check=close)  # fmt: skip
 
 
+def _plan_maps(rng, T, k, pad):
+    """A consistent row_to_slot [T k + pad] and slot_to_row [T k] (a random permutation, -1 on padding)."""
+    R = T * k + pad
+    perm = torch.randperm(R, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    r2s = torch.where(perm < T * k, perm, -1).to(torch.int32)
+    s2r = torch.full((T * k,), -1, dtype=torch.int32)
+    s2r[r2s[r2s >= 0].long()] = torch.nonzero(r2s >= 0).view(-1).to(torch.int32)
+    return r2s, s2r
+
+
+def _index_fault(rng, fault, t, n):
+    """t with entry 0 past [-1, n) (fault index_high / index_low); t itself when it is empty."""
+    if not t.numel():
+        return t
+    t = t.clone()
+    t[0] = pick(rng, n + 5, 2**31 - 1) if fault == "index_high" else pick(rng, -2, -(2**31))
+    return t
+
+
+def fp8_rows_case(rng, dev):
+    """The FP8 1x128 row quantisation fused with the permute (row by row, or token-major with slot_to_row)."""
+    T, K, k, pad = pick(rng, 0, 1, 7, 33), pick(rng, 1, 16, 130, 256), pick(rng, 1, 2, 3), pick(rng, 0, 3)
+    x = randn(rng, (T, K), pick(rng, torch.float32, torch.bfloat16), dev)
+    r2s, s2r = _plan_maps(rng, T, k, pad)
+    token_major = rng.random() < 0.5
+    fault = pick(rng, OK, OK, "index_high", "index_low", "x_dtype")
+    names = ()
+    if fault in ("index_high", "index_low") and T:
+        if token_major and rng.random() < 0.5:
+            s2r, names = _index_fault(rng, fault, s2r, T * k + pad), ("slot_to_row",)
+        else:
+            r2s, names = _index_fault(rng, fault, r2s, T * k), ("row_to_slot",)
+    elif fault == "x_dtype":
+        x, names = x.double(), ("x",)
+    else:
+        fault = OK
+    r2s_d, s2r_d = r2s.to(dev), s2r.to(dev) if token_major else None
+
+    def close(out, want):
+        q, sc = out
+        assert q.shape == want.shape and sc.shape == (want.shape[0], (K + 127) // 128), "shapes"
+        deq = q.cpu().view(torch.float8_e4m3fn).double() * sc.cpu().double().repeat_interleave(128, 1)[:, :K]
+        blk = sc.cpu().double().repeat_interleave(128, 1)[:, :K]
+        err = (deq - want).abs()  # e4m3: 3 mantissa bits (2^-4 relative), subnormals 2^-9 of the scale apart
+        assert bool((err <= want.abs() / 16 + blk / 512 + 1e-30).all()), f"max error {float(err.max()):.3g}"
+        pad_rows = r2s < 0
+        assert bool((q.cpu()[pad_rows] == 0).all()) and bool((sc.cpu()[pad_rows] == 1).all()), "padding rows"
+
+    def reference():
+        want = torch.zeros(r2s.numel(), K, dtype=torch.float64)
+        for r, s in enumerate(r2s.tolist()):
+            if s >= 0:
+                want[r] = x[s // k].double().cpu()
+        return want
+
+    return Case("quantize_rows_1x128", fault, lambda: fp8.quantize_rows_1x128(x, r2s_d, k, s2r_d), reference,
+                names, either=bool(names) and dev != "cpu", check=close)  # fmt: skip
+
+
+def routed_act_case(rng, dev):
+    """The activation's backward with the routing weights applied (the routed down projection's dgrad)."""
+    T, k, pad, I = pick(rng, 0, 1, 5, 16), pick(rng, 1, 2), pick(rng, 0, 3), pick(rng, 1, 3, 8)
+    act = pick(rng, "swiglu", "silu")
+    kind = moe8.ops.ACTIVATIONS[act]
+    interleaved = act == "swiglu" and rng.random() < 0.3
+    r2s, _ = _plan_maps(rng, T, k, pad)
+    R, dt = r2s.numel(), pick(rng, torch.float32, torch.bfloat16)
+    h = randn(rng, (R, 2 * I if act == "swiglu" else I), dt, dev)
+    dout, w = (
+        randn(rng, (R, I), dt, dev),
+        torch.rand(T, k, generator=torch.Generator().manual_seed(rng.randrange(99))),
+    )
+    fault, names = pick(rng, OK, OK, "index_high", "index_low"), ()
+    if fault != OK and R:
+        r2s, names = _index_fault(rng, fault, r2s, T * k), ("row_to_slot",)
+    else:
+        fault = OK
+    r2s_d, w_d = r2s.to(dev), w.to(dev)
+
+    def reference():
+        hh = h.double().cpu().requires_grad_()
+        a = ref.act(hh, act, interleaved)
+        live = r2s >= 0
+        wr = torch.cat([w.double().view(-1), torch.zeros(1, dtype=torch.float64)])[
+            torch.where(live, r2s, T * k).long()
+        ]
+        (wr[:, None] * a * dout.double().cpu()).sum().backward()
+        dw = torch.zeros(T * k, dtype=torch.float64)
+        dw[r2s[live].long()] = (a * dout.double().cpu()).sum(-1)[live].detach()
+        return hh.grad.to(dt), dw.view(T, k).float()
+
+    def call():
+        return fused.activation_backward_routed(h, dout.clone(), w_d, r2s_d, kind, interleaved, 1.702, 7.0)
+
+    return Case(
+        "activation_backward_routed", fault, call, reference, names, either=bool(names) and dev != "cpu"
+    )
+
+
 GENERATORS = [experts_case, experts_case, moe_case, route_case, grouped_gemm_case, lowrank_case, rows_case,
-              rows_case, plan_case, activation_case, loss_case, fp8_case]  # fmt: skip
+              rows_case, plan_case, activation_case, loss_case, fp8_case, fp8_rows_case, routed_act_case]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ run
-def run(case, dev) -> str:
-    """'' when the case passed, else why not."""
+RESULT, ERROR, UNCHECKED, FAILED = "result", "error", "unchecked", "failed"  # how a case ended
+
+
+def judge(case, dev) -> tuple[str, str]:
+    """(how the case ended, '' when it passed, else why not)."""
     try:
         out = case.call()
         if dev != "cpu":
@@ -553,40 +656,48 @@ def run(case, dev) -> str:
     except (ValueError, TypeError) as e:
         msg = str(e)
         if not case.names:
-            return f"unexpected {type(e).__name__}: {msg}"
+            return FAILED, f"unexpected {type(e).__name__}: {msg}"
         if not any(re.search(rf"(?<![\w.]){re.escape(n)}\b", msg) for n in case.names):
-            return f"{type(e).__name__} names none of {case.names}: {msg}"
-        return ""
+            return FAILED, f"{type(e).__name__} names none of {case.names}: {msg}"
+        return ERROR, ""
     except Exception as e:  # noqa: BLE001 - any other exception is the defect this fuzzer looks for
-        return f"{type(e).__name__} (not a named ValueError/TypeError): {e}\n{traceback.format_exc()}"
+        return FAILED, f"{type(e).__name__} (not a named ValueError/TypeError): {e}\n{traceback.format_exc()}"
     if case.names and not case.either:
-        return f"no error for fault {case.fault} (expected one naming {case.names})"
+        return FAILED, f"no error for fault {case.fault} (expected one naming {case.names})"
     if case.either:
-        return ""  # unchecked values on a GPU: any result, as long as nothing was read or written outside
+        return (
+            UNCHECKED,
+            "",
+        )  # unchecked values on a GPU: any result, as long as nothing was read or written outside
     try:
         want = case.reference()
         (case.check or (lambda o, w: compare(o, w, case.tol)))(out, want)
     except AssertionError as e:
-        return f"result differs from the reference: {e}"
-    return ""
+        return FAILED, f"result differs from the reference: {e}"
+    return RESULT, ""
+
+
+def run(case, dev) -> str:
+    """'' when the case passed, else why not."""
+    return judge(case, dev)[1]
 
 
 def main(argv) -> int:
     seed, n, dev = argv[1], int(argv[2]), argv[3]
     first = int(argv[4]) if len(argv) > 4 else 0
     torch.set_num_threads(1)
-    failed, tally = 0, {}
+    failed = 0
     for i in range(first, first + n):
         rng = random.Random(f"{seed}:{dev}:{i}")
         gen = GENERATORS[rng.randrange(len(GENERATORS))]
         case = gen(rng, dev)
         print(f"start {i} {case.op} {case.fault}", flush=True)
-        why = run(case, dev)
-        tally[case.op] = tally.get(case.op, 0) + 1
+        kind, why = judge(case, dev)
         if why:
             failed += 1
             print(f"FAIL case {i} {case.op} fault={case.fault}: {why}", flush=True)
-    print(f"done {n} cases, {failed} failed; per op: {tally}", flush=True)
+        print(f"end {i} {case.op} {kind}", flush=True)
+    print(f"done {n} cases, {failed} failed", flush=True)
     return 1 if failed else 0
 
 
