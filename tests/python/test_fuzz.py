@@ -132,3 +132,15 @@ def test_worker_catches_a_crash_and_a_wrong_result(tmp_path):
     assert "no error" in w.run(silent, "cpu")
     crashing = w.Case("op", "fault", lambda: [][1], None, ("x",))
     assert "IndexError" in w.run(crashing, "cpu")
+
+
+def test_tally_counts_each_case_once_and_a_case_without_its_end_as_crashed():
+    counts = {}
+    tally(
+        "start 0 plan ok\nend 0 plan result\nstart 1 plan ids\nFAIL x\nend 1 plan failed\nstart 2 route k\n",
+        counts,
+    )
+    tally("start 3 route ok\nend 3 route error\n", counts)
+    assert counts["plan"] == dict(result=1, error=0, unchecked=0, failed=1, crashed=0)
+    assert counts["route"] == dict(result=0, error=1, unchecked=0, failed=0, crashed=1)
+    assert table(counts, "cpu").splitlines()[-1].split() == ["all", "4", "1", "1", "0", "1", "1"]
