@@ -185,11 +185,13 @@ template <typename T, int V>
 __global__ void __launch_bounds__(kMaxThreads)
     activation_backward_routed_kernel(const T* h, const T* dout, const float* __restrict__ weights,
                                       const int32_t* __restrict__ row_to_slot, ActParams p, Layout lay, int64_t rows,
-                                      T* dh, T* a_w, float* __restrict__ d_weights) {  // dh may be h, a_w dout
+                                      T* dh, T* a_w, float* __restrict__ d_weights,  // dh may be h, a_w dout
+                                      int64_t num_slots) {
   const int lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRoutedWarps + threadIdx.x / 32;
   if (r >= rows) return;
-  const int32_t slot = row_to_slot[r];
+  const int32_t given = row_to_slot[r];
+  const int32_t slot = given < num_slots ? given : -1;  // out of range (unchecked input): as padding, weight 0
   const float w = slot >= 0 ? weights[slot] : 0.f;
   const T* hr = h + r * lay.row_elems();
   T* dhr = dh + r * lay.row_elems();
@@ -268,7 +270,8 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
     constexpr int V = 16 / sizeof(T);
     const auto launch = [&](auto kernel) {
       kernel<<<grid, kMaxThreads, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), weights.ptr<float>(), row_to_slot.ptr<int32_t>(),
-                                          p, lay, rows, dh.ptr<T>(), a_w.ptr<T>(), d_weights.ptr<float>());
+                                          p, lay, rows, dh.ptr<T>(), a_w.ptr<T>(), d_weights.ptr<float>(),
+                                          weights.shape[0]);
     };
     if (use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data}))
       launch(activation_backward_routed_kernel<T, V>);

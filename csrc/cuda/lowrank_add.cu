@@ -7,6 +7,12 @@
 // rows. Otherwise (and for rows without 16-byte packs) each row's t is staged in shared memory and b[e]
 // is read through L1, shared by the block's rows; each thread computes V consecutive outputs of one row.
 // The sum over the rank is formed first and added to h, in the CPU reference's order.
+//
+// Offsets the API did not check (check_indices false) cannot move either kernel outside its tensors: every
+// row index is r < rows (offsets never form an address), the group is group_of_row's (in [0, E) or -1,
+// whatever the values: its search stays between offsets[0] and offsets[E]), and offsets[e + 1] only bounds a
+// run of rows sharing a group (a wrong bound reloads b earlier, never reads past it). Bad offsets give wrong
+// sums, as the grouped GEMM's clamped reads do; the CPU reference clamps them into [previous, rows].
 #include <cstdint>
 
 #include "cuda/common.cuh"

@@ -50,6 +50,30 @@ TEST(Bounds, ApiChecksValuesOnTheCpuWithoutBeingAsked) {
                                                            db.view(), absent(), 0, kNoCheck));
     }
   }
+  {  // FP8 row quantisation with the permute: a slot past T*k; slot_to_row naming a row past R
+    HostTensor x = floats({2, 3}), q(DType::kU8, {3, 3}), sc(DType::kF32, {3, 1});
+    HostTensor r2s = ints({3}, {0, 2, -1});
+    EXPECT_MOE8_ERROR("row_to_slot",
+                      api::quantize_rows_1x128(x.view(), r2s.view(), 1, q.view(), sc.view(), 0, kNoCheck, absent()));
+    HostTensor good = ints({3}, {0, 1, -1}), s2r = ints({2, 1}, {0, 3});
+    EXPECT_MOE8_ERROR("slot_to_row",
+                      api::quantize_rows_1x128(x.view(), good.view(), 1, q.view(), sc.view(), 0, kNoCheck, s2r.view()));
+  }
+  {  // routed activation backward: a slot past the weights
+    HostTensor h = floats({2, 2}), dout = floats({2, 1}), w = floats({2}), r2s = ints({2}, {0, 2});
+    HostTensor dh(DType::kF32, {2, 2}), aw(DType::kF32, {2, 1}), dw(DType::kF32, {2});
+    EXPECT_MOE8_ERROR("row_to_slot",
+                      api::activation_backward_routed(h.view(), dout.view(), w.view(), r2s.view(), ActParams{},
+                                                      dh.view(), aw.view(), dw.view(), 0, kNoCheck));
+  }
+  {  // expert low-rank add: offsets past the rows, decreasing
+    HostTensor h = floats({3, 2}), t = floats({3, 1}), b = floats({2, 2, 1}), out(DType::kF32, {3, 2});
+    for (const std::vector<int>& bad : {std::vector<int>{0, 2, 9}, {0, 3, 1}}) {
+      HostTensor off = ints({3}, bad);
+      EXPECT_MOE8_ERROR("offsets", api::grouped_lowrank_add(h.view(), t.view(), b.view(), off.view(), WeightLayout::kNK,
+                                                            out.view(), 0, kNoCheck));
+    }
+  }
   {  // route backward: an id past E
     HostTensor logits = floats({2, 4}, -1.0), ids = ints({2, 1}, {0, 4}), gw = floats({2, 1});
     HostTensor grad(DType::kF32, {2, 4});
@@ -96,6 +120,52 @@ TEST(Bounds, CpuRowMovementReadsOutOfRangeIndicesAsNone) {
   EXPECT_EQ(dw.get(0), dy.get(0) * rows.get(2) + dy.get(1) * rows.get(3));
   EXPECT_EQ(dw.get(1), 0.0);
   EXPECT_EQ(dw.get(2), 0.0);
+}
+
+TEST(Bounds, CpuRowQuantisationReadsOutOfRangeSlotsAsPadding) {
+  // T 2, k 1: row 0 gathers token 1; rows 1 (slot 2 >= T k) and 2 (slot -7) are padding: zero codes, scale 1.
+  HostTensor x = floats({2, 130}, -60.0), r2s = ints({3}, {1, 2, -7});
+  HostTensor q(DType::kU8, {3, 130}), sc(DType::kF32, {3, 2});
+  q.poison();
+  sc.poison();
+  cpu::quantize_rows_1x128(x.view(), r2s.view(), 1, q.view(), sc.view());
+  HostTensor q_ref(DType::kU8, {2, 130}), sc_ref(DType::kF32, {2, 2});  // the rows quantised in place
+  cpu::quantize_rows_1x128(x.view(), absent(), 1, q_ref.view(), sc_ref.view());
+  for (int i = 0; i < 130; ++i) {
+    EXPECT_EQ(q.get(i), q_ref.get(130 + i)) << i;
+    EXPECT_EQ(q.get(130 + i), 0.0) << i;
+    EXPECT_EQ(q.get(260 + i), 0.0) << i;
+  }
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_EQ(sc.get(b), sc_ref.get(2 + b));
+    EXPECT_EQ(sc.get(2 + b), 1.0);
+    EXPECT_EQ(sc.get(4 + b), 1.0);
+  }
+}
+
+TEST(Bounds, CpuRoutedActivationBackwardReadsOutOfRangeSlotsAsPadding) {
+  // SwiGLU, I 1: row 0 is slot 0; rows 1 (slot 5 >= 2 weights) and 2 (slot -3) weigh 0 and write no d_weights.
+  HostTensor h = floats({3, 2}, 0.5), dout = floats({3, 1}, 2.0), w = floats({2}, 0.25);
+  HostTensor r2s = ints({3}, {0, 5, -3}), only0 = ints({3}, {0, -1, -1});
+  const auto run = [&](const HostTensor& slots, HostTensor& dh, HostTensor& aw, HostTensor& dw) {
+    dh.poison();
+    aw.poison();
+    dw.poison();
+    cpu::activation_backward_routed(h.view(), dout.view(), w.view(), slots.view(), ActParams{}, dh.view(), aw.view(),
+                                    dw.view());
+  };
+  HostTensor dh(DType::kF32, {3, 2}), aw(DType::kF32, {3, 1}), dw(DType::kF32, {2});
+  HostTensor dh_ref(DType::kF32, {3, 2}), aw_ref(DType::kF32, {3, 1}), dw_ref(DType::kF32, {2});
+  run(r2s, dh, aw, dw);
+  run(only0, dh_ref, aw_ref, dw_ref);
+  EXPECT_NE(dh.get(0), 0.0);  // row 0 carries a real gradient
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(dh.get(i), dh_ref.get(i)) << i;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(aw.get(i), aw_ref.get(i)) << i;
+  for (int i = 2; i < 6; ++i) EXPECT_EQ(dh.get(i), 0.0) << i;
+  EXPECT_EQ(aw.get(1), 0.0);
+  EXPECT_EQ(aw.get(2), 0.0);
+  EXPECT_EQ(dw.get(0), dw_ref.get(0));
+  EXPECT_TRUE(std::isnan(dw.get(1)));  // no row names slot 1: left as it was
 }
 
 TEST(Bounds, CpuGroupedGemmClampsOffsets) {

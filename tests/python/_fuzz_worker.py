@@ -7,7 +7,8 @@ large-but-cheap), a dtype, maybe a non-contiguous view, NaN, and at most one fau
 wrong dtype, a mismatched size). A case passes when the call returns the reference's result (moe8.reference
 or plain PyTorch), or raises ValueError / TypeError whose message names the argument the fault was put in.
 Before each case the worker prints "start <i> <op> <fault>" (flushed), so that the parent can name the case a
-crash killed; a failed case prints "FAIL ..." and the worker exits 1 at the end; 0 when every case passed."""
+crash killed, and after it "end <i> <op> <how>" (how: result, error, unchecked or failed: judge says which);
+a failed case prints "FAIL ..." and the worker exits 1 at the end; 0 when every case passed."""
 
 from __future__ import annotations
 
@@ -18,71 +19,22 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from _fuzz_common import (  # noqa: F401 - Case, OK: for the tests
+    OK,
+    Case,
+    bad_float,
+    compare,
+    pick,
+    randn,
+    size,
+)
+from _fuzz_fp8 import fp8_case, fp8_rows_case, routed_act_case
 
 import moe8
 from moe8 import ops
 from moe8 import reference as ref
 from moe8.experts import ExpertLoRA
 from moe8.loss import chunked_cross_entropy
-
-OK = "ok"  # the call must return the reference's result
-
-
-class Case:
-    def __init__(self, op, fault, call, reference, names=(), either=False, tol=None, check=None):
-        self.op, self.fault, self.call, self.reference = op, fault, call, reference
-        self.names = names  # a fault: the error must name one of these
-        self.either = either  # the result or a named error are both right (unchecked values on a GPU)
-        self.tol = tol  # (rtol, atol) for the comparison; None: from the output dtype
-        self.check = check  # a custom comparison (out, reference) -> None, raising AssertionError
-
-
-def _tol(dtype):
-    return (1e-4, 1e-4) if dtype in (torch.float32, torch.float64) else (4e-2, 4e-2)
-
-
-def compare(out, want, tol):
-    if isinstance(want, (tuple, list)):
-        assert len(out) == len(want), f"{len(out)} outputs, expected {len(want)}"
-        for o, w in zip(out, want):
-            compare(o, w, tol)
-        return
-    assert out.shape == want.shape, f"shape {list(out.shape)}, expected {list(want.shape)}"
-    if not want.is_floating_point():
-        assert torch.equal(out.cpu().long(), want.cpu().long()), "integer outputs differ"
-        return
-    rtol, atol = tol or _tol(out.dtype)
-    scale = max(1.0, float(want.detach().float().abs().nan_to_num(0, 0, 0).max()) if want.numel() else 1.0)
-    torch.testing.assert_close(
-        out.detach().cpu().double(),
-        want.detach().cpu().double(),
-        rtol=rtol,
-        atol=atol * scale,
-        equal_nan=True,
-    )
-
-
-# --------------------------------------------------------------------------------------------- inputs
-def pick(rng, *options):
-    return options[rng.randrange(len(options))]
-
-
-def size(rng, big=64):
-    return pick(rng, 0, 1, 2, 3, 5, 7, 8, 16, big)
-
-
-def randn(rng, shape, dtype, dev, noncontig=False, nan=False):
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    t = (torch.randn(*shape, generator=g) * 0.5).to(dtype)
-    if nan and t.numel():
-        t.view(-1)[rng.randrange(t.numel())] = float("nan")
-    if noncontig and t.dim() == 2:  # the same values through a transposed copy: a strided view
-        t = t.t().contiguous().t()
-    return t.to(dev)
-
-
-def bad_float(rng):
-    return pick(rng, torch.float64, torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -506,46 +458,16 @@ def loss_case(rng, dev):
                 names)  # fmt: skip
 
 
-def fp8_case(rng, dev):
-    T, H, I, E = pick(rng, 0, 1, 7, 33), pick(rng, 16, 128), pick(rng, 16, 64), pick(rng, 1, 4)
-    x = randn(rng, (T, H), torch.bfloat16, dev)
-    gu, dn = randn(rng, (E, 2 * I, H), torch.bfloat16, dev), randn(rng, (E, H, I), torch.bfloat16, dev)
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    ids = torch.randint(0, E, (T, 1), generator=g).to(dev)
-    w = torch.rand(T, 1, generator=g).to(dev)
-    recipe = pick(rng, "blockwise", "rowwise", "tensorwise")
-    fault, names = pick(rng, OK, OK, "ids_range", "x_dtype", "down_experts"), ()
-    if fault == "ids_range" and T:
-        ids = ids.clone()
-        ids[0, 0] = E
-        names = ("ids",)
-    elif fault == "x_dtype":
-        x, names = x.float(), ("x",)
-    elif fault == "down_experts":
-        dn, names = randn(rng, (E + 1, H, I), torch.bfloat16, dev), ("down",)
-    else:
-        fault = OK
-
-    def close(out, want):
-        assert out.shape == want.shape, f"shape {list(out.shape)}, expected {list(want.shape)}"
-        if want.numel():
-            rel = float((out.double().cpu() - want.double()).norm() / want.double().norm().clamp_min(1e-12))
-            assert rel < 0.3, f"{recipe}: relative error {rel:.3f} against the bf16 reference"
-
-    def reference():
-        return ref.experts_forward(x.float().cpu(), ids.cpu(), w.cpu(), gu.float().cpu(), dn.float().cpu())
-
-    return Case(f"experts_forward(fp8={recipe})", fault, lambda: moe8.experts_forward(x, ids, w, gu, dn, fp8=recipe),
-                reference, names, check=close)  # fmt: skip
-
-
 GENERATORS = [experts_case, experts_case, moe_case, route_case, grouped_gemm_case, lowrank_case, rows_case,
-              rows_case, plan_case, activation_case, loss_case, fp8_case]  # fmt: skip
+              rows_case, plan_case, activation_case, loss_case, fp8_case, fp8_rows_case, routed_act_case]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ run
-def run(case, dev) -> str:
-    """'' when the case passed, else why not."""
+RESULT, ERROR, UNCHECKED, FAILED = "result", "error", "unchecked", "failed"  # how a case ended
+
+
+def judge(case, dev) -> tuple[str, str]:
+    """(how the case ended, '' when it passed, else why not)."""
     try:
         out = case.call()
         if dev != "cpu":
@@ -553,40 +475,48 @@ def run(case, dev) -> str:
     except (ValueError, TypeError) as e:
         msg = str(e)
         if not case.names:
-            return f"unexpected {type(e).__name__}: {msg}"
+            return FAILED, f"unexpected {type(e).__name__}: {msg}"
         if not any(re.search(rf"(?<![\w.]){re.escape(n)}\b", msg) for n in case.names):
-            return f"{type(e).__name__} names none of {case.names}: {msg}"
-        return ""
+            return FAILED, f"{type(e).__name__} names none of {case.names}: {msg}"
+        return ERROR, ""
     except Exception as e:  # noqa: BLE001 - any other exception is the defect this fuzzer looks for
-        return f"{type(e).__name__} (not a named ValueError/TypeError): {e}\n{traceback.format_exc()}"
+        return FAILED, f"{type(e).__name__} (not a named ValueError/TypeError): {e}\n{traceback.format_exc()}"
     if case.names and not case.either:
-        return f"no error for fault {case.fault} (expected one naming {case.names})"
+        return FAILED, f"no error for fault {case.fault} (expected one naming {case.names})"
     if case.either:
-        return ""  # unchecked values on a GPU: any result, as long as nothing was read or written outside
+        return (
+            UNCHECKED,
+            "",
+        )  # unchecked values on a GPU: any result, as long as nothing was read or written outside
     try:
         want = case.reference()
         (case.check or (lambda o, w: compare(o, w, case.tol)))(out, want)
     except AssertionError as e:
-        return f"result differs from the reference: {e}"
-    return ""
+        return FAILED, f"result differs from the reference: {e}"
+    return RESULT, ""
+
+
+def run(case, dev) -> str:
+    """'' when the case passed, else why not."""
+    return judge(case, dev)[1]
 
 
 def main(argv) -> int:
     seed, n, dev = argv[1], int(argv[2]), argv[3]
     first = int(argv[4]) if len(argv) > 4 else 0
     torch.set_num_threads(1)
-    failed, tally = 0, {}
+    failed = 0
     for i in range(first, first + n):
         rng = random.Random(f"{seed}:{dev}:{i}")
         gen = GENERATORS[rng.randrange(len(GENERATORS))]
         case = gen(rng, dev)
         print(f"start {i} {case.op} {case.fault}", flush=True)
-        why = run(case, dev)
-        tally[case.op] = tally.get(case.op, 0) + 1
+        kind, why = judge(case, dev)
         if why:
             failed += 1
             print(f"FAIL case {i} {case.op} fault={case.fault}: {why}", flush=True)
-    print(f"done {n} cases, {failed} failed; per op: {tally}", flush=True)
+        print(f"end {i} {case.op} {kind}", flush=True)
+    print(f"done {n} cases, {failed} failed", flush=True)
     return 1 if failed else 0
 
 

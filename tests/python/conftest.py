@@ -26,6 +26,17 @@ def devices():
     ]
 
 
+FUZZ_TABLES = pytest.StashKey[list]()  # test_fuzz's case counts per device, for the terminal summary
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tables = config.stash.get(FUZZ_TABLES, [])
+    if tables:
+        terminalreporter.section("fuzz case counts")
+        for t in tables:
+            terminalreporter.write_line(t)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: takes more than a few seconds on CPU (deselect with -m 'not slow')"

@@ -6,15 +6,21 @@ run in child processes in batches, so that a segfault or a hang fails the test, 
 Bounded: MOE8_FUZZ_SEED (default 0) and MOE8_FUZZ_CASES (cases per device, default 400 on the CPU, which
 takes well under a minute on two cores; CUDA cases run too when moe8 has CUDA and a GPU is visible).
 Longer run, e.g. on a GPU machine:  MOE8_FUZZ_CASES=4000 MOE8_FUZZ_SEED=7 python -m pytest -q tests/python/test_fuzz.py
+
+Each run counts its cases per op: how many returned the reference's result, raised a named error, ran with
+unchecked values (a GPU given indices the API does not check: any result, nothing outside the tensors), failed,
+and crashed or hung. The table is printed in the test's output and, through conftest's terminal summary, at
+the end of every pytest run that ran the fuzzer.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import devices
+from conftest import FUZZ_TABLES, devices
 
 import moe8
 
@@ -32,21 +38,56 @@ def run_batch(device: str, first: int, n: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+COLUMNS = (
+    "result",
+    "error",
+    "unchecked",
+    "failed",
+    "crashed",
+)  # how a case ended; the worker's, then crashed
+
+
+def tally(stdout: str, counts: dict) -> None:
+    """Adds a batch's cases to counts[op][column]: each "end" line, and a "start" without its "end" (the case a
+    crash or a hang stopped) as crashed."""
+    started = {}
+    for ln in stdout.splitlines():
+        if m := re.fullmatch(r"start (\d+) (\S+) \S+", ln):
+            started[m[1]] = m[2]
+        elif m := re.fullmatch(r"end (\d+) (\S+) (\w+)", ln):
+            started.pop(m[1], None)
+            counts.setdefault(m[2], dict.fromkeys(COLUMNS, 0))[m[3]] += 1
+    for op in started.values():
+        counts.setdefault(op, dict.fromkeys(COLUMNS, 0))["crashed"] += 1
+
+
+def table(counts: dict, device: str) -> str:
+    head = f"fuzz cases on {device} (seed {SEED}, {CASES} cases)"
+    rows = [("op", "cases", *COLUMNS)] + [
+        (op, sum(c.values()), *c.values()) for op, c in sorted(counts.items())
+    ]
+    total = {k: sum(c[k] for c in counts.values()) for k in COLUMNS}
+    rows.append(("all", sum(total.values()), *total.values()))
+    w = max(len(str(r[0])) for r in rows)
+    return "\n".join([head] + [f"{r[0]:<{w}}" + "".join(f"{v:>10}" for v in r[1:]) for r in rows])
+
+
 @pytest.mark.parametrize("device", devices())
-def test_fuzz_public_api(device):
-    failures = []
+def test_fuzz_public_api(device, request):
+    failures, counts = [], {}
     for first in range(0, CASES, BATCH):
         n = min(BATCH, CASES - first)
         try:
             out = run_batch(device, first, n)
         except subprocess.TimeoutExpired as e:
-            last = [
-                ln for ln in (e.stdout or b"").decode(errors="replace").splitlines() if ln.startswith("start")
-            ]
+            stdout = (e.stdout or b"").decode(errors="replace")
+            tally(stdout, counts)
+            last = [ln for ln in stdout.splitlines() if ln.startswith("start")]
             failures.append(
                 f"batch {first}..{first + n} hung past {TIMEOUT_S} s at: {last[-1:] or 'its start'}"
             )
             continue
+        tally(out.stdout, counts)
         if out.returncode == 0:
             continue
         lines = out.stdout.splitlines()
@@ -59,7 +100,13 @@ def test_fuzz_public_api(device):
                 f"batch {first}..{first + n} died with returncode {out.returncode} during "
                 f"{started[-1] if started else 'start-up'} (seed {SEED}):\n{out.stderr[-3000:]}"
             )
+    summary = table(counts, device)
+    print(summary)
+    request.config.stash.setdefault(FUZZ_TABLES, []).append(summary)
     assert not failures, f"{len(failures)} failing cases (seed {SEED}):\n" + "\n".join(failures[:20])
+    ran = sum(sum(c.values()) for c in counts.values())
+    assert ran == CASES, f"{ran} cases counted, {CASES} generated"  # every case ended exactly once
+    assert all(c["crashed"] == 0 and c["failed"] == 0 for c in counts.values())
 
 
 def test_worker_catches_a_crash_and_a_wrong_result(tmp_path):
@@ -85,3 +132,15 @@ def test_worker_catches_a_crash_and_a_wrong_result(tmp_path):
     assert "no error" in w.run(silent, "cpu")
     crashing = w.Case("op", "fault", lambda: [][1], None, ("x",))
     assert "IndexError" in w.run(crashing, "cpu")
+
+
+def test_tally_counts_each_case_once_and_a_case_without_its_end_as_crashed():
+    counts = {}
+    tally(
+        "start 0 plan ok\nend 0 plan result\nstart 1 plan ids\nFAIL x\nend 1 plan failed\nstart 2 route k\n",
+        counts,
+    )
+    tally("start 3 route ok\nend 3 route error\n", counts)
+    assert counts["plan"] == dict(result=1, error=0, unchecked=0, failed=1, crashed=0)
+    assert counts["route"] == dict(result=0, error=1, unchecked=0, failed=0, crashed=1)
+    assert table(counts, "cpu").splitlines()[-1].split() == ["all", "4", "1", "1", "0", "1", "1"]
