@@ -289,3 +289,120 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
     assert held == {"both": 2 * one_copy, "one": one_copy, "none": 0}
     with pytest.raises(ValueError, match="fp8_cache: expected one of"):
         moe8.Config(fp8="blockwise", fp8_cache="all")
+
+
+# ------------------------------------------------------------------------------- per-call cost of fp8_linear
+WEIGHT_QUANT = ("quantize_weight_128x128", "quantize_rowwise", "quantize_tensorwise")
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::tolist")
+
+
+@pytest.fixture
+def weight_quantisations(monkeypatch):
+    """Counts the core's quantisations of a weight (a 3-d input [1, N, K] or [1, K, N]) as calls happen."""
+    from moe8._core import C
+
+    counts = []
+    for name in WEIGHT_QUANT:
+        fn = getattr(C, name)
+
+        def counting(*args, fn=fn, name=name):
+            if args[0].dim() == 3:
+                counts.append(name)
+            return fn(*args)
+
+        monkeypatch.setattr(C, name, counting)
+    return counts
+
+
+def _linear_step(x, w, dy, recipe, cache, backend):
+    x.grad = w.grad = None
+    y = fp8_linear(x, w, None, recipe, cache=cache, backend=backend)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_quantises_the_weight_once_per_version(recipe, device, weight_quantisations):
+    """With an unchanged weight, forward + backward (FP8 dgrad) quantise only activations and gradients: the
+    forward's and the dgrad's weight copies come from the cache, made once per weight version (blockwise:
+    both from one pass; rowwise / tensorwise: one pass per layout); an in-place update makes them again."""
+    torch.manual_seed(1)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(48, 256, device=device, dtype=dt, requires_grad=True)
+    w = (torch.randn(128, 256, device=device, dtype=dt) * 0.06).requires_grad_()
+    dy = torch.randn(48, 128, device=device, dtype=dt)
+    r = Float8Recipe(recipe, dgrad="fp8")
+    fp8.default_cache.clear()
+    first = _linear_step(x, w, dy, r, fp8.default_cache, None)
+    per_version = 1 if recipe == "blockwise" else 2
+    assert len(weight_quantisations) == per_version, weight_quantisations
+    for _ in range(4):
+        again = _linear_step(x, w, dy, r, fp8.default_cache, None)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(weight_quantisations) == per_version, weight_quantisations
+    with torch.no_grad():
+        w.mul_(0.5)  # moves the version counter: the copies are stale
+    _linear_step(x, w, dy, r, fp8.default_cache, None)
+    assert len(weight_quantisations) == 2 * per_version, weight_quantisations
+    fp8.default_cache.clear()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_cache_same_bits_as_quantising_in_the_op(recipe):
+    """The copies the forward hands the op (the dgrad's included) give the bits of quantising w inside the op
+    (cache None), for both named caches, FP8 dgrad and wgrad, an awkward shape."""
+    torch.manual_seed(2)
+    x = torch.randn(37, 144, requires_grad=True)
+    w = (torch.randn(160, 144) * 0.08).requires_grad_()
+    dy = torch.randn(37, 160)
+    for r in (Float8Recipe(recipe, dgrad="fp8"), Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")):
+        fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+        ref = _linear_step(x, w, dy, r, None, "moe8")
+        for cache in (fp8.default_cache, fp8.one_layout_cache):
+            for _ in range(2):  # the first call makes the copies, the second reads them
+                got = _linear_step(x, w, dy, r, cache, "moe8")
+                assert all(torch.equal(a, b) for a, b in zip(ref, got)), (r, cache.keep_transposed)
+    fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_steady_state_profile(recipe, device):
+    """A call once the weight's copies exist: no dispatcher round trip (moe8's ops run direct), no host sync
+    (no .item(), nonzero or device-to-host copy), no copy of the weight (no per-call transpose), a bounded
+    number of aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(3)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(64, 256, device=device, dtype=dt, requires_grad=True)
+    w = (torch.randn(384, 256, device=device, dtype=dt) * 0.06).requires_grad_()
+    dy = torch.randn(64, 384, device=device, dtype=dt)
+    r = Float8Recipe(recipe, dgrad="fp8")
+    fp8.default_cache.clear()
+    for _ in range(2):
+        _linear_step(x, w, dy, r, fp8.default_cache, None)
+    steps = 3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            _linear_step(x, w, dy, r, fp8.default_cache, None)
+    events = prof.events()
+    names = [e.name for e in events]
+    assert not [n for n in names if n.startswith("moe8::")], "a dispatcher round trip per call"
+    assert not [n for n in names if n in SYNC_OPS], "a host sync per call"
+    if device == "cuda":
+        assert not [n for n in names if "Synchronize" in n or "DtoH" in n], "a host sync per call"
+    weight_sized = [
+        e.name
+        for e in events
+        if e.name in ("aten::clone", "aten::copy_", "aten::contiguous", "aten::_to_copy")
+        and e.input_shapes
+        and e.input_shapes[0]
+        and sorted(e.input_shapes[0][-2:]) == [256, 384]
+    ]
+    assert not weight_sized, f"a copy of the weight per call: {weight_sized}"
+    aten = sum(n.startswith("aten::") for n in names) / steps
+    assert aten <= 70, f"{aten} aten ops a call"  # blockwise 35, rowwise 61, tensorwise 53 on the CPU
+    fp8.default_cache.clear()
