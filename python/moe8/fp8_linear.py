@@ -9,9 +9,11 @@ Routers, embeddings, norms and the LM head stay in the model's dtype. The GEMMs 
 grouped GEMM with one group (blockwise; the CPU) or torch._scaled_mm (rowwise / tensorwise on sm_89+):
 moe8.fp8_rules.dense_backend chooses. The dgrad runs in FP8 when the recipe says dgrad="fp8" (a blockwise
 weight's transposed copy is its copy transposed: the same 128x128 blocks), the wgrad when wgrad="fp8".
-Weights come from moe8.fp8.default_cache in eager mode and are quantised inside the op under torch.compile
-(the cache reads version counters, which a graph can't). One op, moe8::fp8_linear, with its backward as one
-op too, so torch.compile traces both without graph breaks.
+Weights come from the weight cache (moe8.fp8.default_cache) in eager mode: the forward's copy and, with FP8
+dgrad, the backward's, both handed to the op, made once per weight version (not per call); under
+torch.compile they are quantised inside the op (the cache reads version counters, which a graph can't). One
+op, moe8::fp8_linear, with its backward as one op too, so torch.compile traces both without graph breaks;
+eager calls run them direct (moe8._core), skipping the dispatcher.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def fp8_linear(
 class Float8Linear(nn.Linear):
     """An nn.Linear whose GEMMs run in FP8 (fp8_linear). convert_to_fp8 swaps the class of existing layers
     in place (parameters, hooks and state_dict keys unchanged); Float8Linear.from_linear does it for one.
-    With an `auto` recipe, shapes where FP8 does not pay (moe8.fp8_rules.fp8_pays) run F.linear."""
+    With an `auto` recipe, shapes where FP8 does not pay (moe8.fp8_rules.fp8_pays, dense=True) run F.linear."""
 
     fp8_recipe: Float8Recipe
     fp8_cache: Optional[Fp8WeightCache]
@@ -253,7 +255,8 @@ class Float8Linear(nn.Linear):
         r = self.fp8_recipe
         rows = x.numel() // max(x.shape[-1], 1)
         frozen = frozen_fp8(self.weight) is not None
-        if r.auto and not frozen and not fp8_pays(rows, self.out_features, self.in_features, r.name):
+        pays = fp8_pays(rows, self.out_features, self.in_features, r.name, dense=True)
+        if r.auto and not frozen and not pays:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, r, self.fp8_cache)
 
