@@ -227,9 +227,10 @@ def fp8_linear(
         wq = cache.get(w, 0, recipe)
         if _dgrad_copy_cached(w, recipe, cache):
             wt = cache.get(w, 1, recipe)  # the FP8 dgrad's copy, made once per weight version as wq is
-    x2 = x.reshape(-1, x.shape[-1]).to(w.dtype).contiguous()  # [M, K]
+    flat = x.dim() == 2  # no reshape (nor its autograd node) when x is [M, K] already
+    x2 = (x if flat else x.reshape(-1, x.shape[-1])).to(w.dtype).contiguous()  # [M, K]
     y = _fp8_linear(x2, w, *wq, *wt, code_of(recipe), backend)  # [M, N]
-    y = y.view(*x.shape[:-1], w.shape[0])
+    y = y if flat else y.view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 
