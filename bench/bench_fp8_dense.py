@@ -1,13 +1,17 @@
 """FP8 against bf16 for single GEMMs and for the memory of FP8 weights: the measurements behind
 moe8.fp8_rules (fp8_pays's thresholds, dense_backend's choice).
 
-    python bench/bench_fp8_dense.py --out bench/results/fp8_dense            # H200: ~1 minute
+    python bench/bench_fp8_dense.py --memory --out bench/results/fp8_dense   # H200: ~1 minute
     python bench/bench_fp8_dense.py --tiny --out /tmp/fp8_dense              # CPU smoke run
 
 GEMMs: y = x [M, K] . w [N, K]^T, forward + backward (dgrad and wgrad), timed after the weight's FP8 copy is
 made (the per-optimizer-step refresh is bench_fp8_refresh.py's), so every FP8 time includes the activation's
 and the output gradient's quantisation. bf16: F.linear. FP8: moe8.fp8_linear.fp8_linear, each recipe with FP8
 dgrad, through moe8's grouped GEMM with one group ("moe8") and, for rowwise / tensorwise, torch._scaled_mm.
+Two times per GEMM on a GPU: one call as it comes (host time included: a lone small GEMM waits for its
+launches) and its kernels alone ("gpu ..." keys, in brackets in the table: the call queued behind a sleep
+kernel, as in a step whose host runs ahead of the GPU; "..._ahead" says in what share of the iterations the
+host did stay ahead). `suggested_gpu`: the cut from the kernels alone.
 Shapes: the dense layers of Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (attention projections, a shared
 expert) at M = 16,384 tokens, and a sweep of M x (N, K) at the expert GEMMs' sizes for the rows rule.
 
@@ -15,7 +19,8 @@ Memory (--memory, CUDA only): one Qwen3-30B-A3B MoE layer's experts (16,384 toke
 backward: peak bytes above the inputs and the bytes the FP8 weight cache holds, for bf16 and FP8 blockwise +
 FP8 dgrad with Config.fp8_cache "both" / "one" / "none".
 
-Writes <out>/fp8_dense.json; prints the table last, then the thresholds the measurements suggest.
+Writes <out>/fp8_dense.json; prints the table last, then the thresholds the measurements suggest
+(moe8.fp8_rules.fp8_pays(..., dense=True): DENSE_MIN_ROWS / DENSE_MIN_HARMONIC).
 """
 
 from __future__ import annotations
@@ -52,24 +57,34 @@ TINY_DENSE = [("tiny a", 256, 384), ("tiny b", 96, 160)]
 TINY_M, TINY_NK = [64], [(256, 128)]
 
 
-def timed(fn, device, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() (CUDA events on a GPU, wall time on the CPU)."""
+SLEEP_CYCLES = 10_000_000  # ~5 ms of an H200's clock: longer than the host takes to enqueue one step
+
+
+def timed(fn, device, iters: int, warmup: int, queued: bool = False) -> tuple:
+    """(median milliseconds of fn(), share of iterations the host stayed ahead): CUDA events on a GPU, wall
+    time on the CPU. queued (CUDA): a sleep kernel enqueued before the first event keeps the GPU busy while
+    the host enqueues fn, so the events time fn's kernels alone, not the host's launches between them; the
+    share says in how many iterations the host had enqueued all of fn before the GPU reached it (1.0: pure
+    GPU time; below 1, host time is in the figure). Not queued: what one isolated call costs, host included."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, ahead = [], 0
     for _ in range(iters):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(SLEEP_CYCLES)
             a.record()
             fn()
             b.record()
+            ahead += not a.query()  # the GPU had not reached fn when the host was done with it
             b.synchronize()
             times.append(a.elapsed_time(b))
         else:
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), (ahead / iters if device.type == "cuda" else 0.0)
 
 
 def variants(device) -> list:
@@ -95,17 +110,26 @@ def gemm_row(M, N, K, device, dtype, iters, warmup, name="") -> dict:
         return run
 
     row = dict(name=name, M=M, N=N, K=K, harmonic=round(N * K / (N + K), 1))
-    row["bf16_ms"] = timed(step(lambda: F.linear(x, w)), device, iters, warmup)
+    queue = device.type == "cuda"
+    row["bf16_ms"], _ = timed(step(lambda: F.linear(x, w)), device, iters, warmup)
+    if queue:
+        row["gpu bf16_ms"], row["gpu bf16_ahead"] = timed(
+            step(lambda: F.linear(x, w)), device, iters, 1, True
+        )
     flops = 6 * M * N * K
     row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
     for label, r, backend in variants(device):
         recipe = Float8Recipe(r, dgrad="fp8")
         fp8.default_cache.clear()
         f = lambda recipe=recipe, backend=backend: fp8_linear(x, w, None, recipe, backend=backend)  # noqa: E731
-        ms = timed(step(f), device, iters, warmup)
+        ms, _ = timed(step(f), device, iters, warmup)
         row[f"{label}_ms"] = ms
         row[f"{label}_speedup"] = row["bf16_ms"] / ms
-        row[f"{label}_rule"] = fp8_rules.fp8_pays(M, N, K, r)
+        row[f"{label}_rule"] = fp8_rules.fp8_pays(M, N, K, r, dense=True)
+        if queue:  # the kernels alone (what a step whose host runs ahead of the GPU sees)
+            ms, share = timed(step(f), device, iters, 1, True)
+            row[f"gpu {label}_ms"], row[f"gpu {label}_ahead"] = ms, share
+            row[f"gpu {label}_speedup"] = row["gpu bf16_ms"] / ms
     fp8.default_cache.clear()
     return row
 
@@ -145,18 +169,23 @@ def memory_rows(device, tokens: int, iters: int) -> list:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         held = fp8.default_cache.nbytes() + fp8.one_layout_cache.nbytes()
-        ms = timed(run, device, iters, 1)
+        ms, _ = timed(run, device, iters, 1)
         rows.append(dict(variant=label, peak_extra_gib=peak / 2**30, cache_gib=held / 2**30, ms=ms))
     fp8.default_cache.clear(), fp8.one_layout_cache.clear()
     return rows
 
 
-def suggest(rows: list) -> dict:
+def suggest(rows: list, prefix: str = "") -> dict:
     """Per recipe (its fastest backend): the smallest M and N·K/(N+K) from which every measured shape at or
-    above both is at least 1.0x bf16; None where no cut holds."""
+    above both is at least 1.0x bf16; None where no cut holds. prefix "gpu ": from the queued (GPU-only)
+    times."""
     out = {}
     for r in ("blockwise", "rowwise", "tensorwise"):
-        labels = [k[: -len("_speedup")] for k in rows[0] if k.startswith(r) and k.endswith("_speedup")]
+        labels = [
+            k[: -len("_speedup")] for k in rows[0] if k.startswith(prefix + r) and k.endswith("_speedup")
+        ]
+        if not labels:
+            continue
 
         def best(row, labels=labels):
             return max(row[f"{lab}_speedup"] for lab in labels)
@@ -194,6 +223,8 @@ def main(argv=None):
     rows += [gemm_row(M, N, K, device, dtype, iters, warmup, "sweep") for M in ms_ for N, K in nks]
     result = dict(run_info(device), command="bench/bench_fp8_dense.py", tiny=a.tiny, gemms=rows)
     result["suggested"] = suggest(rows)
+    if device.type == "cuda":
+        result["suggested_gpu"] = suggest(rows, "gpu ")
     if a.memory:
         result["memory"] = memory_rows(device, a.tokens, iters)
     out = Path(a.out)
@@ -201,11 +232,18 @@ def main(argv=None):
     (out / "fp8_dense.json").write_text(json.dumps(result, indent=2) + "\n")
 
     labels = [lab for lab, _, _ in variants(device)]
-    print(f"\nFP8 vs bf16, forward + backward (FP8 dgrad), {device}; speedup over bf16 (rule: * = fp8_pays)")
+    print(
+        f"\nFP8 vs bf16, forward + backward (FP8 dgrad), {device}; speedup over bf16, one call with its host time"
+        " (in brackets: the kernels alone, queued behind a sleep); * = fp8_pays(dense=True)"
+    )
     print(f"| shape | M | N | K | bf16 ms | {' | '.join(labels)} |")
     print("| --- " * (5 + len(labels)) + "|")
     for row in rows:
-        cells = [f"{row[f'{lab}_speedup']:.2f}x{'*' if row[f'{lab}_rule'] else ''}" for lab in labels]
+        cells = [
+            f"{row[f'{lab}_speedup']:.2f}x{'*' if row[f'{lab}_rule'] else ''}"
+            + (f" ({row[f'gpu {lab}_speedup']:.2f}x)" if f"gpu {lab}_speedup" in row else "")
+            for lab in labels
+        ]
         print(
             f"| {row['name']} | {row['M']} | {row['N']} | {row['K']} | {row['bf16_ms']:.3f} | {' | '.join(cells)} |"
         )
@@ -213,9 +251,11 @@ def main(argv=None):
         print(
             f"memory: {row['variant']}: peak extra {row['peak_extra_gib']:.2f} GiB, cache {row['cache_gib']:.2f} GiB, {row['ms']:.2f} ms"
         )
-    print("suggested (moe8.fp8_rules MIN_ROWS / MIN_HARMONIC, fastest backend per recipe):")
+    print("suggested (moe8.fp8_rules DENSE_MIN_ROWS / DENSE_MIN_HARMONIC, fastest backend per recipe):")
     for r, s in result["suggested"].items():
         print(f"  {r}: {s['cut']}; median speedup {s['median_speedup_by_backend']}")
+    for r, s in result.get("suggested_gpu", {}).items():
+        print(f"  {r}, kernels alone: {s['cut']}; median speedup {s['median_speedup_by_backend']}")
 
 
 if __name__ == "__main__":

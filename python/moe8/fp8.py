@@ -342,7 +342,7 @@ def quantize_weight(w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
 def quantize_activation(a: Tensor, recipe: Float8Recipe) -> tuple[Tensor, Tensor]:
     """a [R, K] -> q [R, K], scale [R, ceil(K/128)] in the layout the GEMM reads, for any recipe."""
     if recipe.name == "blockwise":
-        return quantize_rows_1x128(a, None, 1)
+        return quantize_rows_1x128(a, None, 1, None)  # every argument: a direct call (moe8._core)
     q, s = quantize_rowwise(a) if recipe.name == "rowwise" else quantize_tensorwise(a)  # [R] or [1]
     return q, s.reshape(-1, 1).expand(a.shape[0], _blocks(a.shape[1])).contiguous()
 

@@ -9,13 +9,16 @@ Routers, embeddings, norms and the LM head stay in the model's dtype. The GEMMs 
 grouped GEMM with one group (blockwise; the CPU) or torch._scaled_mm (rowwise / tensorwise on sm_89+):
 moe8.fp8_rules.dense_backend chooses. The dgrad runs in FP8 when the recipe says dgrad="fp8" (a blockwise
 weight's transposed copy is its copy transposed: the same 128x128 blocks), the wgrad when wgrad="fp8".
-Weights come from moe8.fp8.default_cache in eager mode and are quantised inside the op under torch.compile
-(the cache reads version counters, which a graph can't). One op, moe8::fp8_linear, with its backward as one
-op too, so torch.compile traces both without graph breaks.
+Weights come from the weight cache (moe8.fp8.default_cache) in eager mode: the forward's copy and, with FP8
+dgrad, the backward's, both handed to the op, made once per weight version (not per call); under
+torch.compile they are quantised inside the op (the cache reads version counters, which a graph can't). One
+op, moe8::fp8_linear, with its backward as one op too, so torch.compile traces both without graph breaks;
+eager calls run them direct (moe8._core), skipping the dispatcher.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional
 
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._core import make_direct
 from .fp8 import (
     Float8Recipe,
     Fp8Weight,
@@ -43,6 +47,7 @@ KINDS = DENSE_KINDS
 BACKENDS = (MOE8, SCALED_MM)
 E4M3 = torch.float8_e4m3fn
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+NO_COPY = (None, None, None)  # an FP8 weight copy's op arguments (q, scale, row_scale) when none is given
 
 
 def _one_group(rows: int, like: Tensor) -> Tensor:
@@ -52,30 +57,41 @@ def _one_group(rows: int, like: Tensor) -> Tensor:
     return torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=like.device)
 
 
+@functools.cache
+def _capability_of(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
 def _capability(x: Tensor) -> tuple:
-    return torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
+    return _capability_of(x.device.index) if x.is_cuda else (0, 0)  # a tensor's device has its index
 
 
-def _weight(w: Tensor, w_q, w_scale, w_row_scale, layout: int, recipe: Float8Recipe) -> Fp8Weight:
+def _weight(
+    w: Tensor, given: tuple, layout: int, recipe: Float8Recipe, forward: tuple = NO_COPY
+) -> Fp8Weight:
     """The FP8 copy of the dense weight w [N, K] as the GEMM reads it: layout 0 [1, N, K] (the forward),
-    1 [1, K, N] (the dgrad). From the op's inputs when given (the forward's copy; the dgrad's for blockwise,
-    transposed), else quantised from w."""
+    1 [1, K, N] (the dgrad). `given`: that layout's copy from the op's inputs (q, scale, row_scale; Nones when
+    not given); `forward`: the forward's copy, whose blocks transposed are a blockwise dgrad's copy. Else
+    quantised from w."""
     frozen = frozen_fp8(w)
     if frozen is not None:
         return frozen.value if layout == frozen.layout else transposed(frozen.value)
-    if w_q is not None:
-        given = Fp8Weight(w_q, w_scale, w_row_scale)
-        if layout == 0:
-            return given
-        if recipe.name == "blockwise":
-            return transposed(given)
+    if given[0] is not None:
+        return Fp8Weight(*given)
+    if forward[0] is not None and recipe.name == "blockwise":
+        return transposed(Fp8Weight(*forward))
     return quantize_weight(w, layout, recipe)
 
 
 def _gemm(a: Tensor, wq: Fp8Weight, recipe: Float8Recipe, backend: str) -> Tensor:
     """a [M, K] . wq [1, N, K] -> [M, N] in a's dtype."""
     if backend != SCALED_MM or recipe.name == "blockwise":
-        return _fp8_forward(a, wq, _one_group(a.shape[0], a), recipe)
+        c = _fp8_forward(a, Fp8Weight(wq.q, wq.scale, None), _one_group(a.shape[0], a), recipe)
+        if wq.row_scale is None:
+            return c
+        # one group: every row takes the weight's row scales [1, N] (what _fp8_forward's per-row gather of the
+        # scales gives, without its index kernels)
+        return (c.float() * wq.row_scale.view(1, -1)).to(a.dtype)
     if recipe.name == "rowwise":
         aq, a_s = quantize_rowwise(a)
         a_s, b_s = a_s.view(-1, 1), wq.row_scale.view(1, -1)  # [M, 1], [1, N]
@@ -95,16 +111,21 @@ def _fp8_linear(
     w_q: Optional[Tensor],
     w_scale: Optional[Tensor],
     w_row_scale: Optional[Tensor],
+    wt_q: Optional[Tensor],
+    wt_scale: Optional[Tensor],
+    wt_row_scale: Optional[Tensor],
     precision: int,
     backend: str,
 ) -> Tensor:
-    """x [M, K] . w [N, K]^T in FP8 (precision: moe8.precision code) -> [M, N] in x's dtype."""
+    """x [M, K] . w [N, K]^T in FP8 (precision: moe8.precision code) -> [M, N] in x's dtype. w_*: the
+    forward's copy of w (layout 0), wt_*: the FP8 dgrad's (layout 1, read by the backward only); Nones:
+    quantised here."""
     recipe = from_code(precision).recipe
-    return _gemm(x, _weight(w, w_q, w_scale, w_row_scale, 0, recipe), recipe, backend)
+    return _gemm(x, _weight(w, (w_q, w_scale, w_row_scale), 0, recipe), recipe, backend)
 
 
 @_fp8_linear.register_fake
-def _(x, w, w_q, w_scale, w_row_scale, precision, backend):
+def _(x, w, w_q, w_scale, w_row_scale, wt_q, wt_scale, wt_row_scale, precision, backend):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -116,6 +137,9 @@ def _fp8_linear_backward(
     w_q: Optional[Tensor],
     w_scale: Optional[Tensor],
     w_row_scale: Optional[Tensor],
+    wt_q: Optional[Tensor],
+    wt_scale: Optional[Tensor],
+    wt_row_scale: Optional[Tensor],
     precision: int,
     backend: str,
     need_dx: bool,
@@ -126,7 +150,8 @@ def _fp8_linear_backward(
     dx = dw = g.new_empty(0)
     if need_dx:
         if recipe.dgrad == "fp8":
-            dx = _gemm(g, _weight(w, w_q, w_scale, w_row_scale, 1, recipe), recipe, backend)
+            wt = _weight(w, (wt_q, wt_scale, wt_row_scale), 1, recipe, (w_q, w_scale, w_row_scale))
+            dx = _gemm(g, wt, recipe, backend)
         else:
             dx = g @ w.to(g.dtype)  # [M, N] . [N, K]
     if need_dw:
@@ -138,28 +163,36 @@ def _fp8_linear_backward(
 
 
 @_fp8_linear_backward.register_fake
-def _(g, x, w, w_q, w_scale, w_row_scale, precision, backend, need_dx, need_dw):
+def _(g, x, w, w_q, w_scale, w_row_scale, wt_q, wt_scale, wt_row_scale, precision, backend, need_dx, need_dw):
     dx = torch.empty_like(x) if need_dx else g.new_empty(0)
     dw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_dw else g.new_empty(0)
     return dx, dw
 
 
 def _setup(ctx, inputs, output):
-    x, w, w_q, w_scale, w_row_scale, precision, backend = inputs
+    *tensors, precision, backend = inputs  # x, w, the forward's copy (3), the dgrad's copy (3)
     ctx.precision, ctx.backend = precision, backend
-    ctx.save_for_backward(x, w, w_q, w_scale, w_row_scale)
+    ctx.save_for_backward(*tensors)
 
 
 def _backward(ctx, g):
-    x, w, w_q, w_scale, w_row_scale = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = _fp8_linear_backward(
-        g.contiguous(), x, w, w_q, w_scale, w_row_scale, ctx.precision, ctx.backend, need_dx, need_dw
+        g.contiguous(), *ctx.saved_tensors, ctx.precision, ctx.backend, need_dx, need_dw
     )
-    return (dx if need_dx else None, dw if need_dw else None, None, None, None, None, None)
+    return (dx if need_dx else None, dw if need_dw else None) + (None,) * 8
 
 
 _fp8_linear.register_autograd(_backward, setup_context=_setup)
+
+
+def _dgrad_copy_cached(w: Tensor, recipe: Float8Recipe, cache: Fp8WeightCache) -> bool:
+    """Whether the forward passes the FP8 dgrad's weight copy (layout 1) from the cache to the op: when the
+    backward will run an FP8 dgrad, unless the cache keeps one layout of a blockwise weight (then the backward
+    transposes the forward's copy, a transient copy, rather than holding it from the forward on)."""
+    if recipe.dgrad != "fp8" or not (w.requires_grad and torch.is_grad_enabled()):
+        return False
+    return cache.keep_transposed or recipe.name != "blockwise"
 
 
 def fp8_linear(
@@ -184,7 +217,7 @@ def fp8_linear(
         backend = dense_backend(recipe.name, x.device.type, _capability(x), w.shape[0], w.shape[1])
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    wq = (None, None, None)
+    wq = wt = NO_COPY
     frozen = frozen_fp8(w)
     if frozen is not None:  # stored in FP8 only: its copy (layout 0), the dgrad from its blocks transposed
         if frozen.layout != 0:
@@ -192,16 +225,19 @@ def fp8_linear(
         wq, recipe = frozen.value, Float8Recipe("blockwise", dgrad="fp8")
     elif cache is not None and not torch.compiler.is_compiling():
         wq = cache.get(w, 0, recipe)
-    x2 = x.reshape(-1, x.shape[-1]).to(w.dtype).contiguous()  # [M, K]
-    y = _fp8_linear(x2, w, *wq, code_of(recipe), backend)  # [M, N]
-    y = y.view(*x.shape[:-1], w.shape[0])
+        if _dgrad_copy_cached(w, recipe, cache):
+            wt = cache.get(w, 1, recipe)  # the FP8 dgrad's copy, made once per weight version as wq is
+    flat = x.dim() == 2  # no reshape (nor its autograd node) when x is [M, K] already
+    x2 = (x if flat else x.reshape(-1, x.shape[-1])).to(w.dtype).contiguous()  # [M, K]
+    y = _fp8_linear(x2, w, *wq, *wt, code_of(recipe), backend)  # [M, N]
+    y = y if flat else y.view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 
 class Float8Linear(nn.Linear):
     """An nn.Linear whose GEMMs run in FP8 (fp8_linear). convert_to_fp8 swaps the class of existing layers
     in place (parameters, hooks and state_dict keys unchanged); Float8Linear.from_linear does it for one.
-    With an `auto` recipe, shapes where FP8 does not pay (moe8.fp8_rules.fp8_pays) run F.linear."""
+    With an `auto` recipe, shapes where FP8 does not pay (moe8.fp8_rules.fp8_pays, dense=True) run F.linear."""
 
     fp8_recipe: Float8Recipe
     fp8_cache: Optional[Fp8WeightCache]
@@ -220,7 +256,8 @@ class Float8Linear(nn.Linear):
         r = self.fp8_recipe
         rows = x.numel() // max(x.shape[-1], 1)
         frozen = frozen_fp8(self.weight) is not None
-        if r.auto and not frozen and not fp8_pays(rows, self.out_features, self.in_features, r.name):
+        pays = fp8_pays(rows, self.out_features, self.in_features, r.name, dense=True)
+        if r.auto and not frozen and not pays:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, r, self.fp8_cache)
 
@@ -295,6 +332,8 @@ def convert_from_fp8(model: nn.Module) -> int:
             n += 1
     return n
 
+
+make_direct(globals())  # after every op's registrations (moe8._core: direct calls)
 
 __all__ = [
     "KINDS",

@@ -12,6 +12,7 @@ Inside a torch.library op the strategy travels as an int (`code`; `from_code` re
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
@@ -165,8 +166,10 @@ def for_shape(prec: Precision, rows: int, n: int, k: int, w: Optional[Tensor] = 
     return prec if fp8_pays(rows, n, k, prec.name) else BF16
 
 
+@functools.cache  # a few dozen codes; the strategies hold no state of a call
 def from_code(code: int) -> Precision:
-    """The strategy a fused op's `precision` argument names (Precision.code); FP8 weights from default_cache."""
+    """The strategy a fused op's `precision` argument names (Precision.code); FP8 weights from default_cache.
+    One object per code (built once: each op call and its backward ask for it)."""
     if code < 0:
         return BF16
     name = next(n for n, i in RECIPES.items() if i == code & 3)

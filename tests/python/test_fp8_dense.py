@@ -202,6 +202,28 @@ def test_fp8_pays_table():
     assert not pays(0, 4096, 4096)
 
 
+def test_fp8_pays_dense_follows_the_measurement():
+    """dense=True: FP8 only where the H200 sweep (bench/results/fp8_dense_h200.json) measured the recipe's
+    best backend at least level with bf16; the expert thresholds stay as they are."""
+    import json
+    from pathlib import Path
+
+    pays = fp8_rules.fp8_pays
+    assert pays(16384, 7168, 16384, "rowwise", dense=True)  # DeepSeek-V3 o_proj: 1.08-1.29x
+    assert not pays(16384, 4096, 2048, dense=True)  # Qwen3 q_proj: 0.51-0.81x
+    assert not pays(4096, 28672, 4096, "tensorwise", dense=True) and pays(4096, 28672, 4096, "tensorwise")
+    assert not pays(8192, 7168, 16384, dense=True) and not pays(16384, 7168, 16000, dense=True)
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        pays(4096, 4096, 4096, "mxfp8", dense=True)
+    path = Path(__file__).resolve().parents[2] / "bench" / "results" / "fp8_dense_h200.json"
+    rows = json.loads(path.read_text())["gemms"]
+    for r in RECIPES:
+        for row in rows:
+            best = max(v for k, v in row.items() if k.startswith(r) and k.endswith("_speedup"))
+            if pays(row["M"], row["N"], row["K"], r, dense=True):  # conservative: misses a 1.06x, no loss
+                assert best >= 1.0, (r, row["name"], best)
+
+
 def test_dense_backend():
     b = fp8_rules.dense_backend
     assert b("rowwise", "cuda", (9, 0)) == "scaled_mm" and b("tensorwise", "cuda", (8, 9)) == "scaled_mm"
@@ -289,3 +311,122 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
     assert held == {"both": 2 * one_copy, "one": one_copy, "none": 0}
     with pytest.raises(ValueError, match="fp8_cache: expected one of"):
         moe8.Config(fp8="blockwise", fp8_cache="all")
+
+
+# ------------------------------------------------------------------------------- per-call cost of fp8_linear
+WEIGHT_QUANT = ("quantize_weight_128x128", "quantize_rowwise", "quantize_tensorwise")
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::tolist")
+
+
+@pytest.fixture
+def weight_quantisations(monkeypatch):
+    """Counts the core's quantisations of a weight (a 3-d input [1, N, K] or [1, K, N]) as calls happen."""
+    from moe8._core import C
+
+    counts = []
+    for name in WEIGHT_QUANT:
+        fn = getattr(C, name)
+
+        def counting(*args, fn=fn, name=name):
+            if args[0].dim() == 3:
+                counts.append(name)
+            return fn(*args)
+
+        monkeypatch.setattr(C, name, counting)
+    return counts
+
+
+def _linear_step(x, w, dy, recipe, cache, backend):
+    x.grad = w.grad = None
+    y = fp8_linear(x, w, None, recipe, cache=cache, backend=backend)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_quantises_the_weight_once_per_version(recipe, device, weight_quantisations):
+    """With an unchanged weight, forward + backward (FP8 dgrad) quantise only activations and gradients: the
+    forward's and the dgrad's weight copies come from the cache, made once per weight version (blockwise:
+    both from one pass; rowwise / tensorwise: one pass per layout); an in-place update makes them again."""
+    torch.manual_seed(1)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(48, 256, device=device, dtype=dt, requires_grad=True)
+    w = (torch.randn(128, 256, device=device, dtype=dt) * 0.06).requires_grad_()
+    dy = torch.randn(48, 128, device=device, dtype=dt)
+    r = Float8Recipe(recipe, dgrad="fp8")
+    fp8.default_cache.clear()
+    first = _linear_step(x, w, dy, r, fp8.default_cache, None)
+    per_version = 1 if recipe == "blockwise" else 2
+    assert len(weight_quantisations) == per_version, weight_quantisations
+    for _ in range(4):
+        again = _linear_step(x, w, dy, r, fp8.default_cache, None)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(weight_quantisations) == per_version, weight_quantisations
+    with torch.no_grad():
+        w.mul_(0.5)  # moves the version counter: the copies are stale
+    _linear_step(x, w, dy, r, fp8.default_cache, None)
+    assert len(weight_quantisations) == 2 * per_version, weight_quantisations
+    fp8.default_cache.clear()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_cache_same_bits_as_quantising_in_the_op(recipe):
+    """The copies the forward hands the op (the dgrad's included) give the bits of quantising w inside the op
+    (cache None), for both named caches, FP8 dgrad and wgrad, an awkward shape."""
+    torch.manual_seed(2)
+    x = torch.randn(37, 144, requires_grad=True)
+    w = (torch.randn(160, 144) * 0.08).requires_grad_()
+    dy = torch.randn(37, 160)
+    for r in (Float8Recipe(recipe, dgrad="fp8"), Float8Recipe(recipe, dgrad="fp8", wgrad="fp8")):
+        fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+        ref = _linear_step(x, w, dy, r, None, "moe8")
+        for cache in (fp8.default_cache, fp8.one_layout_cache):
+            for _ in range(2):  # the first call makes the copies, the second reads them
+                got = _linear_step(x, w, dy, r, cache, "moe8")
+                assert all(torch.equal(a, b) for a, b in zip(ref, got)), (r, cache.keep_transposed)
+    fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_steady_state_profile(recipe, device):
+    """A call once the weight's copies exist: no trip through the dispatcher (moe8's ops run direct), no host sync
+    (no .item(), nonzero or device-to-host copy), no copy of the weight (no per-call transpose), a bounded
+    number of aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(3)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(64, 256, device=device, dtype=dt, requires_grad=True)
+    w = (torch.randn(384, 256, device=device, dtype=dt) * 0.06).requires_grad_()
+    dy = torch.randn(64, 384, device=device, dtype=dt)
+    r = Float8Recipe(recipe, dgrad="fp8")
+    fp8.default_cache.clear()
+    for _ in range(2):
+        _linear_step(x, w, dy, r, fp8.default_cache, None)
+    steps = 3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            _linear_step(x, w, dy, r, fp8.default_cache, None)
+    events = prof.events()
+    names = [e.name for e in events]
+    assert not [n for n in names if n.startswith("moe8::")], "a trip through the dispatcher per call"
+    assert not [n for n in names if n in SYNC_OPS], "a host sync per call"
+    if device == "cuda":
+        # .item() / .cpu() on a GPU: a device-to-host copy and a stream sync (the profiler's own exit syncs the
+        # device, cudaDeviceSynchronize, outside the steps)
+        assert not [n for n in names if "cudaStreamSynchronize" in n or "DtoH" in n], "a host sync per call"
+    weight_sized = [
+        e.name
+        for e in events
+        if e.name in ("aten::clone", "aten::copy_", "aten::contiguous", "aten::_to_copy")
+        and e.input_shapes
+        and e.input_shapes[0]
+        and sorted(e.input_shapes[0][-2:]) == [256, 384]
+    ]
+    assert not weight_sized, f"a copy of the weight per call: {weight_sized}"
+    aten = sum(n.startswith("aten::") for n in names) / steps
+    assert aten <= 60, f"{aten} aten ops a call"  # blockwise 28, rowwise 54, tensorwise 46 on the CPU
+    fp8.default_cache.clear()
