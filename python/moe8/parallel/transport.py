@@ -104,7 +104,7 @@ def raise_bad_ids(bad_per_rank: list, num_experts: int) -> None:
 
 def quantize_tokens(x: Tensor) -> tuple:
     """x [T, H] -> (codes [T, H] uint8 e4m3, scales [T, ceil(H / 128)] float32): the 1x128 activation format."""
-    return quantize_rows_1x128(x.detach().contiguous(), None, 1)
+    return quantize_rows_1x128(x.detach().contiguous(), None, 1, None)  # all four: the direct call
 
 
 def dequantize_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
