@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
-from . import memory, report
+from . import memory, output, report
 from .config import RESUME_KEYS, Config, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
@@ -160,11 +160,9 @@ class Trainer:
         per_epoch = len(self.data.train[0]) // (cfg.micro_batch * world)  # global micro-batches per epoch
         self.steps = math.ceil(cfg.epochs * per_epoch / cfg.grad_accum) if cfg.epochs else cfg.steps
         self.out = Path(cfg.output_dir or time.strftime("runs/finetune-%Y%m%d-%H%M%S"))
+        if self.dist.main:  # rank 0 creates output_dir (concurrent probes would race on it)
+            output.check(self.out, cfg)
         self.state = self._resume_state() if cfg.resume else None
-        if not cfg.resume and self.out.exists() and any(self.out.iterdir()) and not cfg.overwrite:
-            raise FinetuneError(
-                f"output_dir {self.out} exists and is not empty: --resume continues it, --overwrite replaces it"
-            )
         self.model, self.aux_coef = build_model(
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )

@@ -1,0 +1,54 @@
+"""`moe8 finetune` failure modes: each gets a named error and a non-zero exit before anything is written, or,
+failing during training, a stop with a named error that keeps the last good checkpoint and the report.
+Built-in tiny model on the CPU, 1-3 steps."""
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
+
+import test_finetune as base  # noqa: E402
+
+from moe8.finetune import report  # noqa: E402,F401
+
+# test_finetune's fixtures (the text file, undoing moe8's patches after each test) and helpers
+text_file, _undo_moe8 = base.text_file, base._undo_moe8
+finetune_rc, flags = base.finetune_rc, base.flags
+
+
+def quick(out, data, *extra):
+    """flags() cut to 3 steps, a checkpoint every step."""
+    return flags(out, data, "--steps", "3", "--save_every", "1", "--eval_every", "0", *extra)
+
+
+def tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_uncreatable_output_dir_is_refused_first(tmp_path, text_file, capsys):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    out = blocker / "run"
+    rc, text = finetune_rc(capsys, quick(out, text_file))
+    assert (
+        rc == 2 and "moe8 finetune: error: output_dir" in text and "cannot be created or written" in text
+    ), text
+    assert "moe8 finetune: tiny" not in text  # refused before the model was built
+    assert tree(tmp_path) == ["file.txt"] and blocker.read_text() == "x"
+
+
+def test_overwrite_deletes_only_a_moe8_run(tmp_path, text_file, capsys):
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "holiday.jpg").write_text("keep")
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--overwrite"))
+    assert rc == 2 and "overwrite: output_dir" in text and "is not a moe8 run" in text, text
+    assert tree(out) == ["holiday.jpg"]
+    run = tmp_path / "run"  # a previous run (its marker) is replaced
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (run / "old.txt").write_text("old")
+    rc, text = finetune_rc(capsys, quick(run, text_file, "--overwrite", "--steps", "1"))
+    assert rc == 0, text
+    assert not (run / "old.txt").exists() and (run / "finetune.toml").exists()
