@@ -52,3 +52,26 @@ def test_overwrite_deletes_only_a_moe8_run(tmp_path, text_file, capsys):
     rc, text = finetune_rc(capsys, quick(run, text_file, "--overwrite", "--steps", "1"))
     assert rc == 0, text
     assert not (run / "old.txt").exists() and (run / "finetune.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--lr", "inf", "lr = inf: expected a finite number"),
+        ("--lr", "nan", "lr = nan: expected a finite number"),
+        ("--lr", "0", "lr = 0.0: expected > 0"),
+        ("--lr=-1e-3", None, "lr = -0.001: expected > 0"),
+        ("--weight_decay=-0.1", None, "weight_decay = -0.1: expected >= 0"),
+        ("--weight_decay", "inf", "weight_decay = inf: expected a finite number"),
+        ("--max_grad_norm", "nan", "max_grad_norm = nan: expected a finite number"),
+        ("--max_grad_norm=-1", None, "max_grad_norm = -1.0: expected >= 0"),
+        ("--warmup_steps=-2", None, "warmup_steps = -2: expected >= 0"),
+        ("--min_lr_ratio", "inf", "min_lr_ratio = inf: expected a finite number"),
+        ("--lora_alpha", "nan", "lora_alpha = nan: expected a finite number"),
+    ],
+)
+def test_numeric_keys_are_checked(tmp_path, text_file, capsys, flag, value, message):
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file, flag, *([value] if value else [])))
+    assert rc == 2 and f"moe8 finetune: error: {message}" in text, text
+    assert not out.exists()

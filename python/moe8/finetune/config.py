@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -237,6 +238,9 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise FinetuneError(msg)
 
+    for name in KEYS:  # inf / nan in a TOML file or a flag (float("inf") parses) would train to NaN
+        v = getattr(cfg, name)
+        need(not isinstance(v, float) or math.isfinite(v), f"{name} = {v}: expected a finite number")
     for name, choices in (
         ("method", ("full", "lora")),
         ("dtype", ("auto", "bf16", "fp32")),
