@@ -75,3 +75,31 @@ def test_numeric_keys_are_checked(tmp_path, text_file, capsys, flag, value, mess
     rc, text = finetune_rc(capsys, quick(out, text_file, flag, *([value] if value else [])))
     assert rc == 2 and f"moe8 finetune: error: {message}" in text, text
     assert not out.exists()
+
+
+def test_report_renders_non_finite_values(tmp_path, monkeypatch):
+    nan, inf = float("nan"), float("inf")
+    line = dict(lr=1e-3, tokens_per_s=100.0, mfu=None, memory_gib=1.0)
+    hist = [dict(step=0, eval_loss=nan)]
+    for s in range(1, 7):  # one inf grad norm; the loss NaN throughout; a layer's fractions NaN at step 4
+        frac = [nan] * 4 if s == 4 else [0.4, 0.3, 0.2, 0.1]
+        hist.append(dict(line, step=s, loss=nan, grad_norm=inf if s == 3 else 1.0, routing={"l0": frac}))
+    hist.append(dict(line, step=7, loss=None, grad_norm=None, routing={"l0": [None, 0.5, 0.5, 0.0]}))
+    path = tmp_path / "report.html"
+    report.write(path, hist, dict(model="m", steps=7, memory_estimate_gib=1.0), dead_window=5)
+    html = path.read_text()
+    assert tree(tmp_path) == ["report.html"]
+    assert "loss: not measured" in html  # an all-NaN series: no chart, no crash
+    assert "<td style='text-align:left'>n/a</td>" in html  # the last train loss, and the eval loss
+    assert "nan" not in html.lower() and "inf" not in html.split("<h2>Training")[1]
+    grad = html.split("grad norm (before clipping)")[1].split("</svg>")[0]
+    assert grad.count("<polyline") == 2  # steps 1-2 and 4-6: a gap at the inf
+    assert html.count('<svg class="heat"') == 1 and "dead experts" in html
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        report.write(tmp_path / "again.html", hist)
+    assert tree(tmp_path) == ["report.html"]  # no again.html.tmp left behind
