@@ -2,9 +2,11 @@
 failing during training, a stop with a named error that keeps the last good checkpoint and the report.
 Built-in tiny model on the CPU, 1-3 steps."""
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
@@ -103,3 +105,22 @@ def test_report_renders_non_finite_values(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         report.write(tmp_path / "again.html", hist)
     assert tree(tmp_path) == ["report.html"]  # no again.html.tmp left behind
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, text_file, capsys):
+    def poison_after_2(step, trainer):  # checkpoint-2 is written, then the weights turn NaN
+        if step == 2:
+            with torch.no_grad():
+                trainer.master[0].fill_(float("nan"))
+
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file), on_step=poison_after_2)
+    assert rc == 3 and "moe8 finetune: error: diverged: loss = nan at step 3" in text, text
+    assert "checkpoint-2" in text and "--lr" in text
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    state = torch.load(out / "checkpoint-2" / "training_state.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 3 and lines[-1]["loss"] is None and "loss" in lines[-1]["nonfinite"]
+    assert (out / "report.html").exists() and not (out / "report.html.tmp").exists()
+    assert not (out / "model.safetensors").exists()  # no export of a diverged model

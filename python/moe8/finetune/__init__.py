@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import Config, FinetuneError, add_flags, make_config, snake_flags, to_toml
+from .config import Config, DivergedError, FinetuneError, add_flags, make_config, snake_flags, to_toml
 from .memory import MemoryCheckError
 
 
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None, on_step=None) -> int:
     """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory or an
-    estimated peak over the GPU's memory, 130: interrupted)."""
+    estimated peak over the GPU's memory, 3: the loss diverged to NaN / inf, 130: interrupted)."""
     args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
     path, show = args.pop("config"), args.pop("print_config")
     import torch
@@ -57,6 +57,9 @@ def main(argv=None, on_step=None) -> int:
     except FinetuneError as e:
         print(f"moe8 finetune: error: {e}", file=sys.stderr)
         return 2
+    except DivergedError as e:
+        print(f"moe8 finetune: error: {e}", file=sys.stderr)
+        return 3
     except torch.OutOfMemoryError as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"
         print(
@@ -92,4 +95,4 @@ def __getattr__(name):  # the Trainer callback imports transformers: only when a
     raise AttributeError(name)
 
 
-__all__ = ["Config", "FinetuneError", "RoutingStatsCallback", "main", "make_config"]
+__all__ = ["Config", "DivergedError", "FinetuneError", "RoutingStatsCallback", "main", "make_config"]

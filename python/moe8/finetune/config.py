@@ -18,6 +18,11 @@ class FinetuneError(Exception):
     """Bad input: printed as one clear message, exit status 2, nothing written."""
 
 
+class DivergedError(Exception):
+    """The loss became non-finite during training: the run stops (exit status 3), keeping the last checkpoint
+    (written before the divergence), metrics.jsonl and report.html."""
+
+
 def _key(default, help: str):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})

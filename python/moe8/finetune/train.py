@@ -25,7 +25,7 @@ from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import memory, output, report
-from .config import RESUME_KEYS, Config, FinetuneError, to_toml
+from .config import RESUME_KEYS, Config, DivergedError, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
 from .memory import memory_gib
@@ -411,6 +411,8 @@ class Trainer:
         self.dist.barrier()
         try:
             return self._loop(on_step)
+        except DivergedError:  # its metrics, report and checkpoints are kept
+            raise
         except BaseException:
             # failed before anything worth keeping: leave nothing behind
             if main and created and not checkpoints(out):
@@ -530,6 +532,10 @@ class Trainer:
                     text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
                         f"  MFU {100 * line['mfu']:.1f}%" if line["mfu"] is not None else ""
                     )
+                    if not math.isfinite(line["loss"]):  # the window's summed loss: any step's NaN shows
+                        emit(line)
+                        write_report()
+                        self._diverged(step, line["loss"])
                     if do_eval:
                         line["eval_loss"] = self.evaluate()
                     emit(line)
@@ -556,6 +562,16 @@ class Trainer:
         if stop < self.steps:
             self.log(f"stopped at step {stop} of {self.steps} (run_steps); continue with --resume")
         return history[-1] if history else {}
+
+    def _diverged(self, step: int, loss: float) -> None:
+        """DivergedError naming the step, the last good checkpoint and what to change."""
+        found = checkpoints(self.out)
+        kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
+        raise DivergedError(
+            f"diverged: loss = {loss} at step {step} (in the steps since the last logged one); {kept}, and the "
+            f"metrics and report in {self.out}. Try a lower --lr (now {self.opt.defaults['lr']:g}), a longer "
+            "--warmup_steps, --max_grad_norm 1, or --dtype fp32"
+        )
 
     def _clip(self, max_norm: float):
         """Clip the gradients to max_norm (0: no clipping); returns the norm before clipping. Over ranks: each
