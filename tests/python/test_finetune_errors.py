@@ -124,3 +124,23 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, text_file, capsy
     assert lines[-1]["step"] == 3 and lines[-1]["loss"] is None and "loss" in lines[-1]["nonfinite"]
     assert (out / "report.html").exists() and not (out / "report.html.tmp").exists()
     assert not (out / "model.safetensors").exists()  # no export of a diverged model
+
+
+def test_resume_refuses_changed_settings(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--run_steps", "1"))
+    assert rc == 0 and (out / "checkpoint-1").exists(), text
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, text = finetune_rc(
+        capsys, quick(out, text_file, "--resume", "--lr", "0.5", "--weight_decay", "0.2", "--steps", "4")
+    )
+    assert rc == 2 and "resume: the config differs from the checkpoint's in" in text, text
+    assert "lr: None -> 0.5" in text and "weight_decay: 0.01 -> 0.2" in text and "steps:" not in text
+    assert "finetune.toml" in text
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing written
+    # what may change on resume: the length of the run, logging, evaluation and saving
+    rc, text = finetune_rc(
+        capsys, quick(out, text_file, "--resume", "--steps", "2", "--log_every", "2", "--eval_every", "1")
+    )
+    assert rc == 0 and "resuming from" in text, text
+    assert (out / "model.safetensors").exists()

@@ -162,11 +162,15 @@ class Config:
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
-# keys that decide the model, the data order or the optimizer: a resumed run must keep them
-RESUME_KEYS = (
-    "model model_config num_layers tokenizer data data_format format text_field messages_field max_documents eval_fraction method lora_r "
-    "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8 fp8"
-).split()
+# keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and
+# activation checkpointing (the same gradients, less memory); every other key decides the model, the data,
+# the optimizer or its schedule, so --resume refuses a value other than the checkpoint's
+RESUME_MAY_CHANGE = frozenset(
+    (
+        "steps epochs run_steps output_dir resume overwrite save_every log_every eval_every eval_batches "
+        "dead_window peak_tflops progress report_to memory_check activation_checkpointing"
+    ).split()
+)
 
 
 def _base_type(name: str):

@@ -25,7 +25,7 @@ from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import memory, output, report
-from .config import RESUME_KEYS, Config, DivergedError, FinetuneError, to_toml
+from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
 from .memory import memory_gib
@@ -242,14 +242,18 @@ class Trainer:
         if not found:
             raise FinetuneError(f"resume: no checkpoint in {self.out}")
         state = torch.load(found[-1] / STATE, map_location="cpu", weights_only=True)
-        old = state["config"]
+        old = {**vars(Config()), **state["config"]}  # a key newer than the checkpoint: its default
         changed = [
-            f"{k}: {old.get(k)!r} -> {getattr(self.cfg, k)!r}"
-            for k in RESUME_KEYS
-            if old.get(k) != getattr(self.cfg, k)
+            f"{k}: {old[k]!r} -> {getattr(self.cfg, k)!r}"
+            for k in KEYS
+            if k not in RESUME_MAY_CHANGE and old[k] != getattr(self.cfg, k)
         ]
         if changed:
-            raise FinetuneError(f"resume: the config differs from the checkpoint's in {'; '.join(changed)}")
+            raise FinetuneError(
+                f"resume: the config differs from the checkpoint's in {'; '.join(changed)}; only "
+                f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'overwrite'}))} may change on resume "
+                f"({self.out / 'finetune.toml'} holds the run's config)"
+            )
         world, ep = state.get("world", 1), old.get("ep", 1)
         if (world, ep) != (self.dist.world, self.cfg.ep):
             raise FinetuneError(
