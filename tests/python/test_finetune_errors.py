@@ -12,7 +12,8 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune need
 
 import test_finetune as base  # noqa: E402
 
-from moe8.finetune import report  # noqa: E402,F401
+from moe8 import finetune  # noqa: E402
+from moe8.finetune import report  # noqa: E402
 
 # test_finetune's fixtures (the text file, undoing moe8's patches after each test) and helpers
 text_file, _undo_moe8 = base.text_file, base._undo_moe8
@@ -144,3 +145,20 @@ def test_resume_refuses_changed_settings(tmp_path, text_file, capsys):
     )
     assert rc == 0 and "resuming from" in text, text
     assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ste", "1"], "unrecognized arguments: --ste; did you mean --steps?"),
+        (["--micro-bat=2"], "unrecognized arguments: --micro_bat=2; did you mean --micro_batch?"),
+        (["--no-progres"], "did you mean --no-progress?"),
+        (["--zzzzqq"], "unrecognized arguments: --zzzzqq\n"),
+    ],
+)
+def test_flag_prefixes_and_typos_are_refused(tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--output_dir", str(out), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not out.exists()

@@ -17,6 +17,7 @@ See docs/finetune.md."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from .config import Config, DivergedError, FinetuneError, add_flags, make_config, snake_flags, to_toml
@@ -29,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
         usage="moe8 finetune [CONFIG.toml] [--KEY VALUE ...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --ste is not --steps: a typo must not silently pick a key
     )
     ap.add_argument("config", nargs="?", help="a TOML file of config keys (optional)")
     ap.add_argument("--print_config", action="store_true", help="print the config as TOML, exit")
@@ -39,7 +41,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None, on_step=None) -> int:
     """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory or an
     estimated peak over the GPU's memory, 3: the loss diverged to NaN / inf, 130: interrupted)."""
-    args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
+    ap = parser()
+    known, unknown = ap.parse_known_args(snake_flags(list(sys.argv[1:] if argv is None else argv)))
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}{_suggest(ap, unknown)}")
+    args = vars(known)
     path, show = args.pop("config"), args.pop("print_config")
     import torch
 
@@ -85,6 +91,17 @@ def main(argv=None, on_step=None) -> int:
         print(f"done: {trainer.steps} steps, loss {last.get('loss', float('nan')):.3f}{ev}; {what}: {out}")
     print(f"report: {out / 'report.html'}")
     return 0
+
+
+def _suggest(ap: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """'; did you mean --steps?' for the unknown flags close to a known one ('' if none is)."""
+    flags = [f for a in ap._actions for f in a.option_strings if f.startswith("--")]
+    hints = []
+    for u in unknown:
+        flag = u.partition("=")[0]
+        if flag.startswith("--") and (m := difflib.get_close_matches(flag, flags, 1, 0.6)):
+            hints.append(f"{m[0]} for {flag}" if len(unknown) > 1 else m[0])
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
 def __getattr__(name):  # the Trainer callback imports transformers: only when asked for
