@@ -162,3 +162,16 @@ def test_flag_prefixes_and_typos_are_refused(tmp_path, capsys, argv, message):
         finetune.main(["--output_dir", str(out), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "seq_len, micro_batch, split",
+    [(4000, 2, "(0 sequences)"), (2048, 8, "(2 sequences after 1 held out for evaluation (eval_fraction))")],
+)
+def test_too_little_data_counts_are_not_negative(tmp_path, capsys, seq_len, micro_batch, split):
+    data = tmp_path / "small.txt"
+    data.write_text("a few words of text.\n" * (300 if seq_len == 2048 else 20))
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, data, "--seq_len", seq_len, "--micro_batch", micro_batch))
+    assert rc == 2 and f"the training split {split} needs at least micro_batch = {micro_batch}" in text, text
+    assert "(-" not in text and not out.exists()

@@ -171,10 +171,12 @@ class Data:
         packed = pack(docs, S)
         n = len(packed[0])
         n_eval = max(1, round(n * cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_data else 0
+        n_eval = min(n_eval, n)  # no sequence at all: nothing to hold out either
         if n - n_eval < cfg.micro_batch:
+            held = f" after {n_eval} held out for evaluation (eval_fraction)" if n_eval else ""
             raise FinetuneError(
                 f"data: {self.source}: {self.tokens:,} tokens make {n} sequences of seq_len {S}; the training "
-                f"split ({n - n_eval}) needs at least micro_batch = {cfg.micro_batch}"
+                f"split ({n - n_eval} sequences{held}) needs at least micro_batch = {cfg.micro_batch}"
             )
         self.train = tuple(t[: n - n_eval] for t in packed)
         self.eval = tuple(t[n - n_eval :] for t in packed)
