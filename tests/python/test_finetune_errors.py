@@ -175,3 +175,37 @@ def test_too_little_data_counts_are_not_negative(tmp_path, capsys, seq_len, micr
     rc, text = finetune_rc(capsys, quick(out, data, "--seq_len", seq_len, "--micro_batch", micro_batch))
     assert rc == 2 and f"the training split {split} needs at least micro_batch = {micro_batch}" in text, text
     assert "(-" not in text and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The built-in tiny model saved as a model directory, with the byte tokenizer."""
+    from moe8.finetune.data import byte_tokenizer
+
+    d = tmp_path_factory.mktemp("model")
+    base.tiny_model(moe8=False).save_pretrained(d)  # moe8=False: transformers left unpatched
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+def copy_model(model_dir, dest, tokenizer=True):
+    import shutil
+
+    shutil.copytree(model_dir, dest)
+    if not tokenizer:
+        for p in dest.iterdir():
+            if "token" in p.name or p.name in ("chat_template.jinja", "special_tokens_map.json"):
+                p.unlink()
+    return dest
+
+
+def test_model_without_tokenizer_is_refused(tmp_path, text_file, model_dir, capsys):
+    bare = copy_model(model_dir, tmp_path / "bare", tokenizer=False)
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--model", bare))
+    assert rc == 2 and f"tokenizer: none found in the model directory {bare}" in text, text
+    assert "tokenizer.json" in text and "--tokenizer" in text and not out.exists()
+    rc, text = finetune_rc(
+        capsys, quick(out, text_file, "--model", bare, "--tokenizer", "byte", "--steps", "1")
+    )
+    assert rc == 0, text  # named explicitly: it trains

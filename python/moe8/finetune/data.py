@@ -69,10 +69,19 @@ def byte_tokenizer():
     )
 
 
+# the files one of which a Hugging Face tokenizer directory holds
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(cfg: Config, model_dir: Path | None):
     name = cfg.tokenizer
     if name == "auto":
         name = str(model_dir) if model_dir is not None else "byte"
+        if model_dir is not None and not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+            raise FinetuneError(
+                f"tokenizer: none found in the model directory {model_dir} (looked for "
+                f"{', '.join(TOKENIZER_FILES)}); name one with --tokenizer DIR (or --tokenizer byte)"
+            )
     if name == "byte":
         return byte_tokenizer()
     if name == "qwen3":
