@@ -209,3 +209,43 @@ def test_model_without_tokenizer_is_refused(tmp_path, text_file, model_dir, caps
         capsys, quick(out, text_file, "--model", bare, "--tokenizer", "byte", "--steps", "1")
     )
     assert rc == 0, text  # named explicitly: it trains
+
+
+def test_truncated_weights_are_named(tmp_path, text_file, model_dir, capsys):
+    cut = copy_model(model_dir, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--model", cut))
+    assert rc == 2 and f"moe8 finetune: error: model: {weights} is not a complete safetensors file" in text, (
+        text
+    )
+    assert "Traceback" not in text and not out.exists()
+    weights.write_bytes(b"\x00" * 3)  # not even a header
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--model", cut))
+    assert rc == 2 and f"{weights} is not a complete safetensors file (3 bytes" in text, text
+
+
+def test_no_progress_silences_the_loading_bar(tmp_path, text_file, model_dir, capsys):
+    from transformers.utils import logging
+
+    assert logging.is_progress_bar_enabled()
+    rc, text = finetune_rc(capsys, quick(tmp_path / "quiet", text_file, "--model", model_dir, "--steps", "1"))
+    assert rc == 0 and "Loading weights" not in text and "it/s]" not in text, text
+    assert logging.is_progress_bar_enabled()  # restored after
+    rc, text = finetune_rc(
+        capsys,
+        quick(
+            tmp_path / "bars",
+            text_file,
+            "--model",
+            model_dir,
+            "--steps",
+            "1",
+            "--run_steps",
+            "1",
+            "--progress",
+        ),
+    )
+    assert rc == 0 and "Loading weights" in text, text  # the check can see the bar

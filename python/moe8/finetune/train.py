@@ -8,7 +8,6 @@ step, so no partial metrics window needs saving."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from .model import (
     build_model,
     model_config,
     peak_flops,
+    quiet_bars,
 )
 from .routing import RoutingStats, router_z_loss
 
@@ -122,20 +122,6 @@ def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first (incomplete ones are hidden .tmp directories)."""
     found = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
-
-
-@contextlib.contextmanager
-def _quiet_saving():
-    """No "Writing model shards" bar from save_pretrained (it would break ours)."""
-    from transformers.utils import logging
-
-    bars = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if bars:
-            logging.enable_progress_bar()
 
 
 class Trainer:
@@ -350,7 +336,7 @@ class Trainer:
         if self.dist.on and (self.cfg.ep > 1 or self.cfg.fsdp):  # gathered to rank 0: every rank takes part
             from ..parallel.checkpoint import save_pretrained
 
-            with _quiet_saving():
+            with quiet_bars():
                 save_pretrained(self.model, str(self.out))
             if self.dist.main:
                 self.tok.save_pretrained(self.out)
@@ -360,7 +346,7 @@ class Trainer:
         if self.cfg.method == "lora":
             self._save_lora()
             return
-        with _quiet_saving():
+        with quiet_bars():
             self.model.save_pretrained(self.out)
         self.tok.save_pretrained(self.out)
 
@@ -369,7 +355,7 @@ class Trainer:
         from moe8.lora import save_adapter
 
         if hasattr(self.model, "peft_config"):  # --no-moe8: PEFT's own LoRA
-            with _quiet_saving():
+            with quiet_bars():
                 self.model.save_pretrained(self.out)
         else:
             save_adapter(self.model, self.out)
@@ -380,7 +366,7 @@ class Trainer:
             with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
                 torch.manual_seed(self.cfg.seed)
                 base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
-            with _quiet_saving():
+            with quiet_bars():
                 base.save_pretrained(self.out / "base_model")
         self.tok.save_pretrained(self.out)
 
