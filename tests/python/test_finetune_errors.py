@@ -249,3 +249,29 @@ def test_no_progress_silences_the_loading_bar(tmp_path, text_file, model_dir, ca
         ),
     )
     assert rc == 0 and "Loading weights" in text, text  # the check can see the bar
+
+
+def test_shared_data_comes_from_the_environment_not_the_working_directory(
+    tmp_path, text_file, capsys, monkeypatch
+):
+    from moe8.finetune import data
+    from moe8.finetune.config import Config
+
+    shared = tmp_path / "shared" / "data"  # ../shared/data from the working directory
+    data.byte_tokenizer().save_pretrained(shared / "tokenizers" / "qwen3")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setattr(data, "REPO", tmp_path / "site-packages")  # as installed: no checkout around it
+    monkeypatch.setattr(data, "ENV", {**data.ENV, "shared_data": None})
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, quick(out, text_file, "--tokenizer", "qwen3"))
+    assert (
+        rc == 2
+        and "tokenizer = 'qwen3': tokenizers/qwen3 not found (looked in: MOE8_SHARED_DATA (unset)" in text
+    )
+    assert "set MOE8_SHARED_DATA" in text and not out.exists(), text
+    kind, docs, source = data.read_documents(Config(max_documents=3))
+    assert len(docs) == 3 and source.startswith("generated sentences (no sample text: looked in: MOE8_SHARED")
+    monkeypatch.setattr(data, "ENV", {**data.ENV, "shared_data": str(shared)})
+    assert data.shared("tokenizers", "qwen3") == shared / "tokenizers" / "qwen3"
+    assert len(data.load_tokenizer(Config(tokenizer="qwen3"), None)) == 260

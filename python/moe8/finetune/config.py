@@ -48,13 +48,15 @@ class Config:
     tokenizer: str = _key(
         "auto",
         "auto: the model directory's tokenizer (a built-in model: byte); byte: moe8's byte-level tokenizer "
-        "(256 bytes + 4 specials, ChatML chat template); qwen3: ../shared/data/tokenizers/qwen3; or a directory",
+        "(256 bytes + 4 specials, ChatML chat template); qwen3: tokenizers/qwen3 of the shared data folder "
+        "($MOE8_SHARED_DATA, or ../shared/data beside a source checkout); or a directory",
     )
     data: str = _key(
         "auto",
         "training data: a text file, a JSONL / JSON file, or (with the datasets library) a parquet or arrow "
         "file, of records in one of the formats (see format); auto: the first 20,000 lines of "
-        "../shared/data/text/sentences.txt when present, else generated sentences",
+        "text/sentences.txt of the shared data folder ($MOE8_SHARED_DATA, or ../shared/data beside a source "
+        "checkout) when present, else generated sentences",
     )
     eval_data: str = _key(
         "", "a separate evaluation file (read like data); empty: hold out eval_fraction of the training data"
