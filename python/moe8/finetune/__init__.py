@@ -11,8 +11,9 @@ memory is estimated before loading (--no-memory-check to skip the refusal).
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
 metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
 per-expert token fraction of every MoE layer; also to report_to = tensorboard / wandb / mlflow), report.html (charts and expert-load heatmaps), checkpoints for --resume.
-Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`).
-See docs/finetune.md."""
+Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`; no abbreviations).
+Exit status: 2 bad input (nothing written), 1 out of memory, 3 the loss diverged (the last checkpoint kept),
+130 interrupted. See docs/finetune.md."""
 
 from __future__ import annotations
 

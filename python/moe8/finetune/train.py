@@ -559,8 +559,8 @@ class Trainer:
         kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
         raise DivergedError(
             f"diverged: loss = {loss} at step {step} (in the steps since the last logged one); {kept}, and the "
-            f"metrics and report in {self.out}. Try a lower --lr (now {self.opt.defaults['lr']:g}), a longer "
-            "--warmup_steps, --max_grad_norm 1, or --dtype fp32"
+            f"metrics and report in {self.out}. Start a new run with a lower --lr (now {self.opt.defaults['lr']:g}), "
+            "a longer --warmup_steps, --max_grad_norm 1 or --dtype fp32 (--resume keeps the checkpoint's settings)"
         )
 
     def _clip(self, max_norm: float):
