@@ -11,15 +11,17 @@ memory is estimated before loading (--no-memory-check to skip the refusal).
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
 metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
 per-expert token fraction of every MoE layer; also to report_to = tensorboard / wandb / mlflow), report.html (charts and expert-load heatmaps), checkpoints for --resume.
-Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`).
-See docs/finetune.md."""
+Every key below can be set in CONFIG.toml (`micro_batch = 4`) or as a flag (`--micro_batch 4`; no abbreviations).
+Exit status: 2 bad input (nothing written), 1 out of memory, 3 the loss diverged (the last checkpoint kept),
+130 interrupted. See docs/finetune.md."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
-from .config import Config, FinetuneError, add_flags, make_config, snake_flags, to_toml
+from .config import Config, DivergedError, FinetuneError, add_flags, make_config, snake_flags, to_toml
 from .memory import MemoryCheckError
 
 
@@ -29,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
         usage="moe8 finetune [CONFIG.toml] [--KEY VALUE ...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --ste is not --steps: a typo must not silently pick a key
     )
     ap.add_argument("config", nargs="?", help="a TOML file of config keys (optional)")
     ap.add_argument("--print_config", action="store_true", help="print the config as TOML, exit")
@@ -38,8 +41,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None, on_step=None) -> int:
     """The `moe8 finetune` command; returns the exit status (2: bad input, 1: out of memory or an
-    estimated peak over the GPU's memory, 130: interrupted)."""
-    args = vars(parser().parse_args(snake_flags(list(sys.argv[1:] if argv is None else argv))))
+    estimated peak over the GPU's memory, 3: the loss diverged to NaN / inf, 130: interrupted)."""
+    ap = parser()
+    known, unknown = ap.parse_known_args(snake_flags(list(sys.argv[1:] if argv is None else argv)))
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}{_suggest(ap, unknown)}")
+    args = vars(known)
     path, show = args.pop("config"), args.pop("print_config")
     import torch
 
@@ -57,6 +64,9 @@ def main(argv=None, on_step=None) -> int:
     except FinetuneError as e:
         print(f"moe8 finetune: error: {e}", file=sys.stderr)
         return 2
+    except DivergedError as e:
+        print(f"moe8 finetune: error: {e}", file=sys.stderr)
+        return 3
     except torch.OutOfMemoryError as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"
         print(
@@ -84,6 +94,17 @@ def main(argv=None, on_step=None) -> int:
     return 0
 
 
+def _suggest(ap: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """'; did you mean --steps?' for the unknown flags close to a known one ('' if none is)."""
+    flags = [f for a in ap._actions for f in a.option_strings if f.startswith("--")]
+    hints = []
+    for u in unknown:
+        flag = u.partition("=")[0]
+        if flag.startswith("--") and (m := difflib.get_close_matches(flag, flags, 1, 0.6)):
+            hints.append(f"{m[0]} for {flag}" if len(unknown) > 1 else m[0])
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
 def __getattr__(name):  # the Trainer callback imports transformers: only when asked for
     if name == "RoutingStatsCallback":
         from .callback import RoutingStatsCallback
@@ -92,4 +113,4 @@ def __getattr__(name):  # the Trainer callback imports transformers: only when a
     raise AttributeError(name)
 
 
-__all__ = ["Config", "FinetuneError", "RoutingStatsCallback", "main", "make_config"]
+__all__ = ["Config", "DivergedError", "FinetuneError", "RoutingStatsCallback", "main", "make_config"]

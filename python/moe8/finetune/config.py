@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -15,6 +16,11 @@ from typing import List, Optional
 
 class FinetuneError(Exception):
     """Bad input: printed as one clear message, exit status 2, nothing written."""
+
+
+class DivergedError(Exception):
+    """The loss became non-finite during training: the run stops (exit status 3), keeping the last checkpoint
+    (written before the divergence), metrics.jsonl and report.html."""
 
 
 def _key(default, help: str):
@@ -42,13 +48,15 @@ class Config:
     tokenizer: str = _key(
         "auto",
         "auto: the model directory's tokenizer (a built-in model: byte); byte: moe8's byte-level tokenizer "
-        "(256 bytes + 4 specials, ChatML chat template); qwen3: ../shared/data/tokenizers/qwen3; or a directory",
+        "(256 bytes + 4 specials, ChatML chat template); qwen3: tokenizers/qwen3 of the shared data folder "
+        "($MOE8_SHARED_DATA, or ../shared/data beside a source checkout); or a directory",
     )
     data: str = _key(
         "auto",
         "training data: a text file, a JSONL / JSON file, or (with the datasets library) a parquet or arrow "
         "file, of records in one of the formats (see format); auto: the first 20,000 lines of "
-        "../shared/data/text/sentences.txt when present, else generated sentences",
+        "text/sentences.txt of the shared data folder ($MOE8_SHARED_DATA, or ../shared/data beside a source "
+        "checkout) when present, else generated sentences",
     )
     eval_data: str = _key(
         "", "a separate evaluation file (read like data); empty: hold out eval_fraction of the training data"
@@ -156,11 +164,15 @@ class Config:
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
-# keys that decide the model, the data order or the optimizer: a resumed run must keep them
-RESUME_KEYS = (
-    "model model_config num_layers tokenizer data data_format format text_field messages_field max_documents eval_fraction method lora_r "
-    "lora_alpha lora_dropout lora_targets micro_batch grad_accum seq_len dtype seed moe8 fp8"
-).split()
+# keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and
+# activation checkpointing (the same gradients, less memory); every other key decides the model, the data,
+# the optimizer or its schedule, so --resume refuses a value other than the checkpoint's
+RESUME_MAY_CHANGE = frozenset(
+    (
+        "steps epochs run_steps output_dir resume overwrite save_every log_every eval_every eval_batches "
+        "dead_window peak_tflops progress report_to memory_check activation_checkpointing"
+    ).split()
+)
 
 
 def _base_type(name: str):
@@ -237,6 +249,9 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise FinetuneError(msg)
 
+    for name in KEYS:  # inf / nan in a TOML file or a flag (float("inf") parses) would train to NaN
+        v = getattr(cfg, name)
+        need(not isinstance(v, float) or math.isfinite(v), f"{name} = {v}: expected a finite number")
     for name, choices in (
         ("method", ("full", "lora")),
         ("dtype", ("auto", "bf16", "fp32")),

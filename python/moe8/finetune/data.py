@@ -16,21 +16,35 @@ from .config import Config, FinetuneError
 from .formats import SUFFIXES, documents, read_records
 from .packing import IGNORE, pack
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout root (python/moe8/finetune/data.py)
+REPO = Path(__file__).resolve().parents[3]  # the checkout root, when moe8 runs from one (python/moe8/...)
 AUTO_DOCUMENTS = 20000  # documents read from the shared sample text when data = "auto"
 
 
-def shared(*parts: str) -> Path | None:
-    """A file under the shared data folder: $MOE8_SHARED_DATA when set, else ../shared/data relative to the
-    working directory or to the checkout; None if absent."""
+def shared_roots() -> list[Path]:
+    """Where the shared data folder is looked for: $MOE8_SHARED_DATA (moe8._env) when set, then, when moe8
+    runs from a source checkout, ../shared/data beside the checkout (never the working directory: an installed
+    moe8 would find a different folder from every directory)."""
     env = ENV["shared_data"]
     roots = [Path(env)] if env else []
-    roots += [root.parent / "shared" / "data" for root in (Path.cwd(), REPO)]
-    for root in roots:
+    if (REPO / "pyproject.toml").is_file() and (REPO / "python" / "moe8").is_dir():
+        roots.append(REPO.parent / "shared" / "data")
+    return roots
+
+
+def shared(*parts: str) -> Path | None:
+    """A file under the shared data folder (shared_roots, in order); None if absent."""
+    for root in shared_roots():
         p = root / Path(*parts)
         if p.exists():
             return p
     return None
+
+
+def looked(*parts: str) -> str:
+    """'looked in: A, B; set MOE8_SHARED_DATA ...' for a message about a shared file not found."""
+    where = [str(r / Path(*parts)) for r in shared_roots()]
+    unset = [] if ENV["shared_data"] else ["MOE8_SHARED_DATA (unset)"]
+    return f"looked in: {', '.join(unset + where)}; set MOE8_SHARED_DATA to the folder holding {Path(*parts)}"
 
 
 # ---------------------------------------------------------------------------------------------- tokenizers
@@ -69,16 +83,28 @@ def byte_tokenizer():
     )
 
 
+# the files one of which a Hugging Face tokenizer directory holds
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(cfg: Config, model_dir: Path | None):
     name = cfg.tokenizer
     if name == "auto":
         name = str(model_dir) if model_dir is not None else "byte"
+        if model_dir is not None and not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+            raise FinetuneError(
+                f"tokenizer: none found in the model directory {model_dir} (looked for "
+                f"{', '.join(TOKENIZER_FILES)}); name one with --tokenizer DIR (or --tokenizer byte)"
+            )
     if name == "byte":
         return byte_tokenizer()
     if name == "qwen3":
         path = shared("tokenizers", "qwen3")
         if path is None:
-            raise FinetuneError("tokenizer = 'qwen3': ../shared/data/tokenizers/qwen3 not found; use 'byte'")
+            raise FinetuneError(
+                f"tokenizer = 'qwen3': tokenizers/qwen3 not found ({looked('tokenizers', 'qwen3')}), or use "
+                "--tokenizer byte or a tokenizer directory"
+            )
     else:
         path = Path(name)
         if not path.is_dir():
@@ -110,7 +136,12 @@ def read_documents(cfg: Config, data: str | None = None) -> tuple[str, list, str
     if data == "auto":
         path = shared("text", "sentences.txt")
         if path is None:
-            return "text", _generated(limit or AUTO_DOCUMENTS), "generated sentences"
+            where = looked("text", "sentences.txt")
+            return (
+                "text",
+                _generated(limit or AUTO_DOCUMENTS),
+                f"generated sentences (no sample text: {where})",
+            )
         fmt, limit = "lines", limit or AUTO_DOCUMENTS
     else:
         path = Path(data)
@@ -171,10 +202,12 @@ class Data:
         packed = pack(docs, S)
         n = len(packed[0])
         n_eval = max(1, round(n * cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_data else 0
+        n_eval = min(n_eval, n)  # no sequence at all: nothing to hold out either
         if n - n_eval < cfg.micro_batch:
+            held = f" after {n_eval} held out for evaluation (eval_fraction)" if n_eval else ""
             raise FinetuneError(
                 f"data: {self.source}: {self.tokens:,} tokens make {n} sequences of seq_len {S}; the training "
-                f"split ({n - n_eval}) needs at least micro_batch = {cfg.micro_batch}"
+                f"split ({n - n_eval} sequences{held}) needs at least micro_batch = {cfg.micro_batch}"
             )
         self.train = tuple(t[: n - n_eval] for t in packed)
         self.eval = tuple(t[n - n_eval :] for t in packed)

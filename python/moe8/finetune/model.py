@@ -3,7 +3,9 @@ weight is loaded (family, sequence length), then moved onto moe8, LoRA and activ
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 import warnings
 from pathlib import Path
 
@@ -154,10 +156,18 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         with torch.device(device if cfg.model_config else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
+        from safetensors import SafetensorError
+
+        check_weights(path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
-        except (OSError, ValueError) as e:
-            raise FinetuneError(f"model: cannot load {path}: {e}") from None
+            with contextlib.nullcontext() if cfg.progress else quiet_bars():  # no "Loading weights" bar
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
+        except (OSError, ValueError, RuntimeError, EOFError, SafetensorError) as e:
+            files = ", ".join(p.name for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")))
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FinetuneError(
+                f"model: cannot load the weights in {path} ({files or 'no weight files'}): {first}"
+            ) from None
         if len(tok) > model.get_input_embeddings().weight.shape[0]:
             raise FinetuneError(f"tokenizer: {len(tok)} tokens, more than the model's vocabulary")
     model.to(device)
@@ -202,6 +212,42 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
     return model, coef
+
+
+def check_weights(path: Path) -> None:
+    """FinetuneError naming a .safetensors file in `path` that is cut short or not safetensors at all (its
+    header says how long it must be), before any weight is loaded."""
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+                if n is None or n > size - 8:
+                    raise ValueError(f"{size:,} bytes, shorter than its header")
+                meta = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+            if 8 + n + end != size:
+                raise ValueError(f"{size:,} bytes where its header describes {8 + n + end:,}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FinetuneError(
+                f"model: {f} is not a complete safetensors file ({e}): truncated or damaged; download or save it "
+                "again"
+            ) from None
+
+
+@contextlib.contextmanager
+def quiet_bars():
+    """transformers' progress bars ("Loading weights", "Writing model shards") off, restored after."""
+    from transformers.utils import logging
+
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            logging.enable_progress_bar()
 
 
 def peft_lora(model, cfg: Config):

@@ -6,6 +6,7 @@ plus a routing-health table (load imbalance, dead experts)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import math
 import os
@@ -29,7 +30,13 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
 
 
-def _fmt(v: float) -> str:
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fmt(v) -> str:
+    if not _finite(v):  # NaN / inf (or None: metrics.jsonl writes non-finite numbers as null)
+        return "n/a"
     if v == 0:
         return "0"
     for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -41,8 +48,19 @@ def _fmt(v: float) -> str:
 
 
 def line_chart(title: str, series: list[dict]) -> str:
-    """series: [{label, points: [(x, y)], dots: bool}] -> <svg>. Points with y None are skipped."""
-    series = [dict(s, points=[(x, y) for x, y in s["points"] if y is not None]) for s in series]
+    """series: [{label, points: [(x, y)], dots: bool}] -> <svg>. Points with y None are skipped; a
+    non-finite y (NaN, inf) is a gap in the line."""
+    runs = []  # per series, its runs of consecutive finite points (the line breaks at a non-finite one)
+    for s in series:
+        runs.append([[]])
+        for x, y in s["points"]:
+            if y is None:
+                continue
+            if _finite(y):
+                runs[-1][-1].append((x, y))
+            elif runs[-1][-1]:
+                runs[-1].append([])
+    series = [dict(s, points=[p for r in rs for p in r]) for s, rs in zip(series, runs)]
     pts = [p for s in series for p in s["points"]]
     if not pts:
         return f'<div class="none">{html.escape(title)}: not measured</div>'
@@ -76,9 +94,10 @@ def line_chart(title: str, series: list[dict]) -> str:
     out.append(f'<rect {box} fill="none" stroke="#999"/>')
     for i, s in enumerate(series):
         color, xy = COLORS[i % len(COLORS)], [(sx(x), sy(y)) for x, y in s["points"]]
-        if len(xy) > 1:
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"/>')
+        for run in runs[i]:
+            if len(run) > 1:
+                path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in run)
+                out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"/>')
         if s.get("dots") or len(xy) == 1:
             out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in xy]
         lx = W - right - 8 - 110 * (len(series) - 1 - i)
@@ -89,7 +108,9 @@ def line_chart(title: str, series: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _color(t: float) -> tuple[int, int, int]:
+def _color(t) -> tuple[int, int, int]:
+    if not _finite(t):  # a non-finite load: grey
+        return (160, 160, 160)
     t = min(max(t, 0.0), 1.0) * (len(STOPS) - 1)
     i = min(int(t), len(STOPS) - 2)
     f = t - i
@@ -120,7 +141,10 @@ def heatmap(title: str, steps: list[int], fractions: list[list[float]]) -> str:
     h = min(max(6 * E, 120), 420)
     # cells of several pixels: viewers that smooth a scaled image (ignoring image-rendering) stay sharp
     cw, ch = -(-(W - left - right) // n), -(-h // E)
-    rows = [bytes(c for col in fractions for c in _color(col[e] * E / 2) * cw) for e in range(E)]
+    rows = [
+        bytes(c for col in fractions for c in _color(col[e] * E / 2 if _finite(col[e]) else None) * cw)
+        for e in range(E)
+    ]
     rows = [row for row in rows for _ in range(ch)]
     data = base64.b64encode(png(rows)).decode()
     total = top + h + bottom
@@ -185,6 +209,8 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         line_chart("learning rate", [dict(label="lr", points=pts("lr"))]),
     ]
     routed = [h for h in history if h.get("routing")]
+    # routing health from the lines whose fractions are all finite (a NaN run has none)
+    clean = [dict(h, routing={n: f for n, f in h["routing"].items() if all(map(_finite, f))}) for h in routed]
     layers = list(routed[-1]["routing"]) if routed else []
     heats = [
         heatmap(
@@ -194,7 +220,7 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         )
         for name in layers
     ]
-    hl = health(history, dead_window)
+    hl = health([h for h in clean if h["routing"]], dead_window)
     s = summary(hl)
     rows = "".join(
         f"<tr><td style='text-align:left'>{html.escape(n)}</td><td>{v['experts']}</td><td>{v['imbalance']:.2f}</td>"
@@ -203,14 +229,14 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         for n, v in hl.items()
     )
     last = train[-1] if train else {}
-    evals = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
+    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
     facts = {k: info[k] for k in ("model", "method", "device", "ranks") if k in info}
     if "params" in info:
         facts["parameters"] = f"{info['params'] / 1e6:.2f}M ({info['active'] / 1e6:.2f}M active per token)"
         facts["experts on"] = "moe8" if info.get("moe8") else "transformers"
     facts |= {
         "steps": f"{last.get('step', 0)} of {info.get('steps', '?')}",
-        "train loss (last)": _fmt(last["loss"]) if "loss" in last else "-",
+        "train loss (last)": _fmt(last.get("loss")) if "loss" in last else "-",
         "eval loss": " -> ".join(_fmt(e) for e in (evals[:1] + evals[-1:] if len(evals) > 1 else evals))
         or "-",
     }
@@ -218,15 +244,15 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         if info.get(k) is not None:
             facts[k.replace("_", " ")] = info[k]
     if "memory_estimate_gib" in info:
-        peaks = [h["memory_gib"] for h in train if h.get("memory_gib") is not None]
+        peaks = [h["memory_gib"] for h in train if _finite(h.get("memory_gib"))]
         measured = f"{max(peaks):.2f} GiB" if peaks else "not measured"
         facts["memory: estimate vs measured peak"] = (
             f"{info['memory_estimate_gib']:.2f} GiB vs {measured} ({info.get('memory_parts', '')})"
         )
     ranks_mem = next((h["memory_gib_ranks"] for h in reversed(train) if h.get("memory_gib_ranks")), None)
     if ranks_mem:
-        facts["peak memory per rank (GiB)"] = ", ".join(f"{r}: {g:.2f}" for r, g in enumerate(ranks_mem))
-    tps = [h["tokens_per_s"] for h in train if h.get("tokens_per_s") is not None]
+        facts["peak memory per rank (GiB)"] = ", ".join(f"{r}: {_fmt(g)}" for r, g in enumerate(ranks_mem))
+    tps = [h["tokens_per_s"] for h in train if _finite(h.get("tokens_per_s"))]
     if tps:
         facts["tokens/s (median)"] = f"{sorted(tps)[len(tps) // 2]:,.0f}"
     head = "".join(
@@ -254,8 +280,14 @@ every token).</p>
 
 
 def write(path, history: list[dict], info: dict | None = None, dead_window: int = 50) -> None:
-    """Write the report atomically (a temporary file, then os.replace)."""
+    """Write the report atomically (a temporary file, then os.replace); a failure leaves no temporary file."""
+    text = render(history, info or {}, dead_window)
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render(history, info or {}, dead_window))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -8,7 +8,6 @@ step, so no partial metrics window needs saving."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -24,8 +23,8 @@ import torch.nn.functional as F
 from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
-from . import memory, report
-from .config import RESUME_KEYS, Config, FinetuneError, to_toml
+from . import memory, output, report
+from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
 from .data import IGNORE, Data, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
 from .memory import memory_gib
@@ -38,6 +37,7 @@ from .model import (
     build_model,
     model_config,
     peak_flops,
+    quiet_bars,
 )
 from .routing import RoutingStats, router_z_loss
 
@@ -124,20 +124,6 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-@contextlib.contextmanager
-def _quiet_saving():
-    """No "Writing model shards" bar from save_pretrained (it would break ours)."""
-    from transformers.utils import logging
-
-    bars = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if bars:
-            logging.enable_progress_bar()
-
-
 class Trainer:
     """Everything validated and built, nothing written: `run()` writes."""
 
@@ -160,11 +146,9 @@ class Trainer:
         per_epoch = len(self.data.train[0]) // (cfg.micro_batch * world)  # global micro-batches per epoch
         self.steps = math.ceil(cfg.epochs * per_epoch / cfg.grad_accum) if cfg.epochs else cfg.steps
         self.out = Path(cfg.output_dir or time.strftime("runs/finetune-%Y%m%d-%H%M%S"))
+        if self.dist.main:  # rank 0 creates output_dir (concurrent probes would race on it)
+            output.check(self.out, cfg)
         self.state = self._resume_state() if cfg.resume else None
-        if not cfg.resume and self.out.exists() and any(self.out.iterdir()) and not cfg.overwrite:
-            raise FinetuneError(
-                f"output_dir {self.out} exists and is not empty: --resume continues it, --overwrite replaces it"
-            )
         self.model, self.aux_coef = build_model(
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )
@@ -244,14 +228,18 @@ class Trainer:
         if not found:
             raise FinetuneError(f"resume: no checkpoint in {self.out}")
         state = torch.load(found[-1] / STATE, map_location="cpu", weights_only=True)
-        old = state["config"]
+        old = {**vars(Config()), **state["config"]}  # a key newer than the checkpoint: its default
         changed = [
-            f"{k}: {old.get(k)!r} -> {getattr(self.cfg, k)!r}"
-            for k in RESUME_KEYS
-            if old.get(k) != getattr(self.cfg, k)
+            f"{k}: {old[k]!r} -> {getattr(self.cfg, k)!r}"
+            for k in KEYS
+            if k not in RESUME_MAY_CHANGE and old[k] != getattr(self.cfg, k)
         ]
         if changed:
-            raise FinetuneError(f"resume: the config differs from the checkpoint's in {'; '.join(changed)}")
+            raise FinetuneError(
+                f"resume: the config differs from the checkpoint's in {'; '.join(changed)}; only "
+                f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'overwrite'}))} may change on resume "
+                f"({self.out / 'finetune.toml'} holds the run's config)"
+            )
         world, ep = state.get("world", 1), old.get("ep", 1)
         if (world, ep) != (self.dist.world, self.cfg.ep):
             raise FinetuneError(
@@ -348,7 +336,7 @@ class Trainer:
         if self.dist.on and (self.cfg.ep > 1 or self.cfg.fsdp):  # gathered to rank 0: every rank takes part
             from ..parallel.checkpoint import save_pretrained
 
-            with _quiet_saving():
+            with quiet_bars():
                 save_pretrained(self.model, str(self.out))
             if self.dist.main:
                 self.tok.save_pretrained(self.out)
@@ -358,7 +346,7 @@ class Trainer:
         if self.cfg.method == "lora":
             self._save_lora()
             return
-        with _quiet_saving():
+        with quiet_bars():
             self.model.save_pretrained(self.out)
         self.tok.save_pretrained(self.out)
 
@@ -367,7 +355,7 @@ class Trainer:
         from moe8.lora import save_adapter
 
         if hasattr(self.model, "peft_config"):  # --no-moe8: PEFT's own LoRA
-            with _quiet_saving():
+            with quiet_bars():
                 self.model.save_pretrained(self.out)
         else:
             save_adapter(self.model, self.out)
@@ -378,7 +366,7 @@ class Trainer:
             with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
                 torch.manual_seed(self.cfg.seed)
                 base = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
-            with _quiet_saving():
+            with quiet_bars():
                 base.save_pretrained(self.out / "base_model")
         self.tok.save_pretrained(self.out)
 
@@ -413,6 +401,8 @@ class Trainer:
         self.dist.barrier()
         try:
             return self._loop(on_step)
+        except DivergedError:  # its metrics, report and checkpoints are kept
+            raise
         except BaseException:
             # failed before anything worth keeping: leave nothing behind
             if main and created and not checkpoints(out):
@@ -532,6 +522,10 @@ class Trainer:
                     text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
                         f"  MFU {100 * line['mfu']:.1f}%" if line["mfu"] is not None else ""
                     )
+                    if not math.isfinite(line["loss"]):  # the window's summed loss: any step's NaN shows
+                        emit(line)
+                        write_report()
+                        self._diverged(step, line["loss"])
                     if do_eval:
                         line["eval_loss"] = self.evaluate()
                     emit(line)
@@ -558,6 +552,16 @@ class Trainer:
         if stop < self.steps:
             self.log(f"stopped at step {stop} of {self.steps} (run_steps); continue with --resume")
         return history[-1] if history else {}
+
+    def _diverged(self, step: int, loss: float) -> None:
+        """DivergedError naming the step, the last good checkpoint and what to change."""
+        found = checkpoints(self.out)
+        kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
+        raise DivergedError(
+            f"diverged: loss = {loss} at step {step} (in the steps since the last logged one); {kept}, and the "
+            f"metrics and report in {self.out}. Start a new run with a lower --lr (now {self.opt.defaults['lr']:g}), "
+            "a longer --warmup_steps, --max_grad_norm 1 or --dtype fp32 (--resume keeps the checkpoint's settings)"
+        )
 
     def _clip(self, max_norm: float):
         """Clip the gradients to max_norm (0: no clipping); returns the norm before clipping. Over ranks: each
