@@ -229,6 +229,13 @@ class Trainer:
             raise FinetuneError(f"resume: no checkpoint in {self.out}")
         state = torch.load(found[-1] / STATE, map_location="cpu", weights_only=True)
         old = {**vars(Config()), **state["config"]}  # a key newer than the checkpoint: its default
+        # the launch's layout first: its message says how to launch
+        world, ep = state.get("world", 1), old.get("ep", 1)
+        if (world, ep) != (self.dist.world, self.cfg.ep):
+            raise FinetuneError(
+                f"resume: the checkpoint was written by {world} ranks with ep = {ep}, this run has "
+                f"{self.dist.world} ranks with ep = {self.cfg.ep}: launch it the same way"
+            )
         changed = [
             f"{k}: {old[k]!r} -> {getattr(self.cfg, k)!r}"
             for k in KEYS
@@ -239,12 +246,6 @@ class Trainer:
                 f"resume: the config differs from the checkpoint's in {'; '.join(changed)}; only "
                 f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'overwrite'}))} may change on resume "
                 f"({self.out / 'finetune.toml'} holds the run's config)"
-            )
-        world, ep = state.get("world", 1), old.get("ep", 1)
-        if (world, ep) != (self.dist.world, self.cfg.ep):
-            raise FinetuneError(
-                f"resume: the checkpoint was written by {world} ranks with ep = {ep}, this run has "
-                f"{self.dist.world} ranks with ep = {self.cfg.ep}: launch it the same way"
             )
         if self.dist.rank:
             state = torch.load(found[-1] / rank_state(self.dist.rank), map_location="cpu", weights_only=True)
