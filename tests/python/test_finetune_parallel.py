@@ -6,7 +6,6 @@ process group is killed on a timeout."""
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -28,22 +27,10 @@ ENV_PATH = str(Path(moe8.__file__).resolve().parents[1])
 BUDGET = [260.0]  # seconds all launches of this module may take together (each at most 60)
 
 
-@pytest.fixture(autouse=True)
-def _undo_moe8():
-    yield
-    from moe8 import hf
+import test_finetune  # noqa: E402
 
-    hf.disable()
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = random.Random(0)
-    words = "the cat a model routes every expert token data loss reads builds small big".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(600)]
-    p = tmp_path_factory.mktemp("data") / "docs.txt"
-    p.write_text("\n".join(lines) + "\n")
-    return p
+_undo_moe8 = test_finetune._undo_moe8  # the same fixtures: moe8 undone after each test, the text data
+text_file = test_finetune.text_file
 
 
 def _free_port() -> int:
@@ -69,7 +56,7 @@ def flags(out, data, micro_batch=2, *extra):
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL pid and every process below it (torchrun's workers run in sessions of their own, so killing
+    """SIGKILL pid and every process below it (torchrun's workers are started with setsid, outside its process group, so killing
     its process group does not reach them)."""
     children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
