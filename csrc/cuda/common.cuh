@@ -78,6 +78,16 @@ inline int current_device(const char* what) {
   return d;
 }
 
+// Rows [begin, end) of group e as the kernels that walk groups read them: offsets clamped to [0, rows], and
+// each end to at least its begin. Bad offsets (validation skipped) give wrong results, never an access outside
+// the tensors.
+__device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets, int e, int64_t rows, int64_t& begin,
+                                            int64_t& end) {
+  const int64_t b = offsets[e], x = offsets[e + 1];
+  begin = b < 0 ? 0 : (b > rows ? rows : b);
+  end = x < begin ? begin : (x > rows ? rows : x);
+}
+
 }  // namespace moe8::cuda
 
 // Calls F.template operator()<T>() with T the CUDA storage type of a float dtype (f32, f16, bf16).

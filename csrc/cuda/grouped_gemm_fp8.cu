@@ -13,7 +13,7 @@ using namespace quant;  // the shared helpers (quant.cuh)
 namespace {
 
 // One thread per output (grid: rows x 128-column chunks): slow, but any GPU and any shape. Row r's group is
-// found by binary search.
+// found by binary search, which never leaves [0, E) even for offsets the API did not check.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     grouped_gemm_fp8_kernel(const uint8_t* __restrict__ a, const float* __restrict__ sa, const uint8_t* __restrict__ b,
@@ -21,11 +21,11 @@ __global__ void __launch_bounds__(kThreads)
                             int64_t N, int64_t K, T* __restrict__ c) {
   const int64_t r = blockIdx.x, n = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= N) return;
-  if (r >= offsets[groups]) {
+  const int64_t e = group_of_row(offsets, groups, r), KB = quant_blocks(K), NB = quant_blocks(N);
+  if (e < 0) {  // no group's row (past offsets[E]; or before offsets[0], which only unchecked offsets leave)
     c[r * N + n] = from_float<T>(0.f);
     return;
   }
-  const int64_t e = group_of_row(offsets, groups, r), KB = quant_blocks(K), NB = quant_blocks(N);
   const uint8_t* x = a + r * K;
   const uint8_t* w = b + (e * N + n) * K;
   float acc = 0.f;

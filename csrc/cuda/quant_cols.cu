@@ -16,7 +16,9 @@ namespace {
 constexpr int kColTile = 64;
 
 // Grid (blocks, ceil(K / 64)). Block b of the group numbering in cpu/ops.h; blocks past the last one set
-// their scales to 1 and zero the columns of q_t past offsets[E] (together they cover them: see below).
+// their scales to 1 and zero the columns of q_t past offsets[E] (together they cover them: see below). Groups
+// are read through group_range, so offsets the API did not check give wrong numbers (columns past the blocks
+// may stay unwritten), never an access outside x, q_t or scale.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_cols_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets, int groups, int64_t R, int64_t K,
@@ -31,7 +33,11 @@ __global__ void __launch_bounds__(kThreads)
     const int lane = threadIdx.x, per = (groups + 31) / 32;
     const int e0 = min(groups, lane * per), e1 = min(groups, e0 + per);
     int64_t local = 0;
-    for (int e = e0; e < e1; ++e) local += quant_blocks(offsets[e + 1] - offsets[e]);
+    for (int e = e0; e < e1; ++e) {
+      int64_t begin, end;
+      group_range(offsets, e, R, begin, end);
+      local += quant_blocks(end - begin);
+    }
     int64_t incl = local;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -42,14 +48,16 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) {
       info[0] = -1;
       info[1] = -1;
-      info[2] = offsets[groups];
+      info[2] = min(R, max(int64_t{0}, static_cast<int64_t>(offsets[groups])));
       info[3] = total;
     }
     __syncwarp();
     int64_t base = incl - local;
     if (b >= base && b < incl) {  // exactly one lane, unless b is a tail block
       for (int e = e0; e < e1; ++e) {
-        const int64_t begin = offsets[e], end = offsets[e + 1], nb = quant_blocks(end - begin);
+        int64_t begin, end;
+        group_range(offsets, e, R, begin, end);
+        const int64_t nb = quant_blocks(end - begin);
         if (b < base + nb) {
           const int64_t r0 = begin + (b - base) * kQuantBlock;
           info[0] = r0;

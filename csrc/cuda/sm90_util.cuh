@@ -87,14 +87,6 @@ __host__ __device__ Stride stride_with_ld(int64_t ld) {
   return s;
 }
 
-// Rows of group e, with offsets clamped to [0, rows] and made nondecreasing: bad offsets (validation
-// skipped) give wrong results but never out-of-bounds accesses.
-__device__ __forceinline__ void group_range(const int32_t* __restrict__ offsets, int e, int64_t rows, int64_t& begin,
-                                            int64_t& end) {
-  const int64_t b = offsets[e], x = offsets[e + 1];
-  begin = b < 0 ? 0 : (b > rows ? rows : b);
-  end = x < begin ? begin : (x > rows ? rows : x);
-}
 
 // Threads per block of the prep kernels, and their grid: a thread per group, and enough blocks (up to two
 // per SM) for the zeroing they also do.

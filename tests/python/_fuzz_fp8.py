@@ -143,3 +143,109 @@ def routed_act_case(rng, dev):
         return fused.activation_backward_routed(h, dout.clone(), w_d, r2s_d, kind, interleaved, 1.702, 7.0)
 
     return Case("activation_backward_routed", fault, call, reference, names)
+
+
+def _offsets(rng, E, R, fault):
+    """Offsets [E + 1] of R rows (a random split, maybe ending before R), with the fault's bad value put in."""
+    cuts = sorted(rng.randrange(R + 1) for _ in range(E - 1))
+    end = rng.randrange(R + 1) if rng.random() < 0.3 else R
+    off = torch.tensor([0, *[min(c, end) for c in cuts], end], dtype=torch.int32)
+    if fault == "past_rows":
+        off[-1] = pick(rng, R + 1, R + 129, 2**31 - 1)
+    elif fault == "decreasing" and E >= 2 and R >= 1:
+        off[1], off[2] = R, 0
+    elif fault == "negative":
+        off[pick(rng, 0, E)] = pick(rng, -1, -(2**31))
+    elif fault == "off_dtype":
+        off = off.long()
+    return off
+
+
+_OFFSET_FAULTS = ("past_rows", "decreasing", "negative")
+
+
+def _e4m3(rng, shape, dev):
+    """Random e4m3 codes (as uint8) and their float64 values."""
+    t = randn(rng, shape, torch.float32, "cpu") * 8
+    q = t.to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).to(dev), q.double()
+
+
+def _scales(rng, shape, dev):
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    return (torch.rand(*shape, generator=g) + 0.5).to(dev)
+
+
+def fp8_cols_case(rng, dev):
+    """The FP8 1x128 column quantisation of the weight gradient (blocks of 128 rows from each group's start)."""
+    R, K, E = pick(rng, 0, 1, 7, 130, 300), pick(rng, 1, 16, 70), pick(rng, 1, 2, 4)
+    x = randn(rng, (R, K), pick(rng, torch.float32, torch.bfloat16), dev)
+    fault = pick(rng, OK, OK, *_OFFSET_FAULTS, "off_dtype", "x_dtype")
+    if fault in ("decreasing",) and (E < 2 or R < 1):
+        fault = OK
+    off = _offsets(rng, E, R, fault)
+    names = ("offsets",) if fault in (*_OFFSET_FAULTS, "off_dtype") else ()
+    if fault == "x_dtype":
+        x, names = x.double(), ("x",)
+    either = fault in _OFFSET_FAULTS and dev != "cpu"  # unchecked on a GPU: group_range keeps it inside
+    off_d = off.to(dev)
+
+    def reference():
+        return x.double().cpu()
+
+    def close(out, want):
+        q_t, sc = (t.cpu() for t in out)
+        assert q_t.shape == (K, R) and sc.shape == (fp8.col_scale_blocks(R, E), K), "shapes"
+        codes = q_t.view(torch.float8_e4m3fn).double().t()  # [R, K]
+        b, used = 0, int(off[-1])
+        for e in range(E):
+            for r0 in range(int(off[e]), int(off[e + 1]), 128):
+                r1 = min(int(off[e + 1]), r0 + 128)
+                deq, blk = codes[r0:r1] * sc[b].double(), sc[b].double().expand(r1 - r0, K)
+                err = (deq - want[r0:r1]).abs()
+                assert bool((err <= want[r0:r1].abs() / 16 + blk / 512 + 1e-30).all()), f"group {e} block {b}"
+                b += 1
+        assert bool((sc[b:] == 1).all()), "scale rows past the blocks"
+        assert bool((q_t[:, used:] == 0).all()), "columns past offsets[E]"
+
+    return Case("quantize_cols_1x128", fault, lambda: fp8.quantize_cols_1x128(x, off_d), reference, names,
+                either, check=close)  # fmt: skip
+
+
+def fp8_gemm_case(rng, dev):
+    """The blockwise FP8 grouped GEMM (the Hopper kernel where it applies, the portable one elsewhere)."""
+    R, K, N, E = pick(rng, 0, 1, 7, 64, 200), pick(rng, 16, 128, 256), pick(rng, 16, 128, 136), pick(rng, 1, 2, 4)
+    a, a64 = _e4m3(rng, (R, K), dev)
+    b, b64 = _e4m3(rng, (E, N, K), dev)
+    kb, nb = (K + 127) // 128, (N + 127) // 128
+    sa, sb = _scales(rng, (R, kb), dev), _scales(rng, (E, nb, kb), dev)
+    dtype = pick(rng, torch.bfloat16, torch.float32)
+    fault = pick(rng, OK, OK, *_OFFSET_FAULTS, "off_dtype", "a_dtype", "b_scale_shape")
+    if fault == "decreasing" and (E < 2 or R < 1):
+        fault = OK
+    off = _offsets(rng, E, R, fault)
+    names = ("offsets",) if fault in (*_OFFSET_FAULTS, "off_dtype") else ()
+    if fault == "a_dtype":
+        a, names = a.float(), ("a",)
+    elif fault == "b_scale_shape":
+        sb, names = _scales(rng, (E, nb + 1, kb), dev), ("b_scale",)
+    either = fault in _OFFSET_FAULTS and dev != "cpu"
+    off_d = off.to(dev)
+
+    def reference():
+        xa = a64 * sa.cpu().double().repeat_interleave(128, 1)[:, :K]
+        wb = b64 * sb.cpu().double().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :N, :K]
+        c = torch.zeros(R, N, dtype=torch.float64)
+        for e in range(E):
+            r0, r1 = int(off[e]), int(off[e + 1])
+            c[r0:r1] = xa[r0:r1] @ wb[e].t()
+        return c
+
+    def close(out, want):
+        assert out.shape == want.shape and out.dtype == dtype, f"shape {list(out.shape)} {out.dtype}"
+        scale = float(want.abs().max()) if want.numel() else 1.0
+        rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.cpu().double(), want, rtol=rtol, atol=rtol * max(scale, 1.0))
+
+    return Case("grouped_gemm_fp8", fault, lambda: fp8.grouped_gemm_fp8(a, sa, b, sb, off_d, dtype), reference,
+                names, either, check=close)  # fmt: skip

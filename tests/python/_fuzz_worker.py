@@ -28,7 +28,7 @@ from _fuzz_common import (  # noqa: F401 - Case, OK: for the tests
     randn,
     size,
 )
-from _fuzz_fp8 import fp8_case, fp8_rows_case, routed_act_case
+from _fuzz_fp8 import fp8_case, fp8_cols_case, fp8_gemm_case, fp8_rows_case, routed_act_case
 
 import moe8
 from moe8 import ops
@@ -459,7 +459,8 @@ def loss_case(rng, dev):
 
 
 GENERATORS = [experts_case, experts_case, moe_case, route_case, grouped_gemm_case, lowrank_case, rows_case,
-              rows_case, plan_case, activation_case, loss_case, fp8_case, fp8_rows_case, routed_act_case]  # fmt: skip
+              rows_case, plan_case, activation_case, loss_case, fp8_case, fp8_rows_case, routed_act_case, fp8_cols_case,
+              fp8_gemm_case]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ run
