@@ -236,7 +236,6 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
 
 using sm90_util::kPrepThreads;
 
-
 // Forward / dgrad: group e is (M = its rows, N, K = Kd); rows [offsets[E], R) of c are zeroed.
 template <class G>
 __global__ void __launch_bounds__(kPrepThreads)

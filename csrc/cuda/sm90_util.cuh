@@ -87,7 +87,6 @@ __host__ __device__ Stride stride_with_ld(int64_t ld) {
   return s;
 }
 
-
 // Threads per block of the prep kernels, and their grid: a thread per group, and enough blocks (up to two
 // per SM) for the zeroing they also do.
 constexpr int kPrepThreads = 256;
