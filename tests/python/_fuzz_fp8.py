@@ -214,7 +214,12 @@ def fp8_cols_case(rng, dev):
 
 def fp8_gemm_case(rng, dev):
     """The blockwise FP8 grouped GEMM (the Hopper kernel where it applies, the portable one elsewhere)."""
-    R, K, N, E = pick(rng, 0, 1, 7, 64, 200), pick(rng, 16, 128, 256), pick(rng, 16, 128, 136), pick(rng, 1, 2, 4)
+    R, K, N, E = (
+        pick(rng, 0, 1, 7, 64, 200),
+        pick(rng, 16, 128, 256),
+        pick(rng, 16, 128, 136),
+        pick(rng, 1, 2, 4),
+    )
     a, a64 = _e4m3(rng, (R, K), dev)
     b, b64 = _e4m3(rng, (E, N, K), dev)
     kb, nb = (K + 127) // 128, (N + 127) // 128
