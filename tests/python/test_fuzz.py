@@ -6,6 +6,8 @@ run in child processes in batches, so that a segfault or a hang fails the test, 
 Bounded: MOE8_FUZZ_SEED (default 0) and MOE8_FUZZ_CASES (cases per device, default 400 on the CPU, which
 takes well under a minute on two cores; CUDA cases run too when moe8 has CUDA and a GPU is visible).
 Longer run, e.g. on a GPU machine:  MOE8_FUZZ_CASES=4000 MOE8_FUZZ_SEED=7 python -m pytest -q tests/python/test_fuzz.py
+A run for a given time instead: MOE8_FUZZ_SECONDS=600 (batches start until then; MOE8_FUZZ_CASES is then
+ignored), with MOE8_FUZZ_JOBS=N batches at once (default 1).
 
 Each run counts its cases per op: how many returned the reference's result, raised a named error, ran with
 unchecked values (a GPU given indices the API does not check: any result, nothing outside the tensors), failed,
@@ -17,6 +19,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,8 @@ import moe8
 WORKER = Path(__file__).resolve().parent / "_fuzz_worker.py"
 SEED = os.environ.get("MOE8_FUZZ_SEED", "0")
 CASES = int(os.environ.get("MOE8_FUZZ_CASES", "400"))
+SECONDS = float(os.environ.get("MOE8_FUZZ_SECONDS", "0"))  # > 0: batches start until this many seconds passed
+JOBS = int(os.environ.get("MOE8_FUZZ_JOBS", "1"))  # batches run at once
 BATCH = 150  # cases per child process: one import of torch per batch
 TIMEOUT_S = 300  # a batch that runs past this hangs
 
@@ -61,8 +67,8 @@ def tally(stdout: str, counts: dict) -> None:
         counts.setdefault(op, dict.fromkeys(COLUMNS, 0))["crashed"] += 1
 
 
-def table(counts: dict, device: str) -> str:
-    head = f"fuzz cases on {device} (seed {SEED}, {CASES} cases)"
+def table(counts: dict, device: str, cases: int, seconds: float) -> str:
+    head = f"fuzz cases on {device} (seed {SEED}, {cases} cases in {seconds:.0f} s, {max(1, JOBS)} at once)"
     rows = [("op", "cases", *COLUMNS)] + [
         (op, sum(c.values()), *c.values()) for op, c in sorted(counts.items())
     ]
@@ -72,40 +78,73 @@ def table(counts: dict, device: str) -> str:
     return "\n".join([head] + [f"{r[0]:<{w}}" + "".join(f"{v:>10}" for v in r[1:]) for r in rows])
 
 
+def batch_failures(first: int, n: int, out) -> list:
+    """Why a batch failed (empty when it passed); out is its CompletedProcess or its TimeoutExpired."""
+    if isinstance(out, subprocess.TimeoutExpired):
+        last = [ln for ln in (out.stdout or "").splitlines() if ln.startswith("start")]
+        return [f"batch {first}..{first + n} hung past {TIMEOUT_S} s at: {last[-1:] or 'its start'}"]
+    if out.returncode == 0:
+        return []
+    lines = out.stdout.splitlines()
+    fails = [ln for ln in lines if ln.startswith("FAIL")]
+    if fails:
+        return fails
+    started = [ln for ln in lines if ln.startswith("start")]  # killed mid-case, or an error outside the cases
+    return [
+        f"batch {first}..{first + n} died with returncode {out.returncode} during "
+        f"{started[-1] if started else 'start-up'} (seed {SEED}):\n{out.stderr[-3000:]}"
+    ]
+
+
+def run_batches(device: str) -> list:
+    """[(first, n, CompletedProcess or TimeoutExpired)] for every batch run: CASES cases, or (SECONDS > 0)
+    batches started until SECONDS have passed; JOBS at once."""
+    deadline = time.monotonic() + SECONDS
+    lock, done, nxt = threading.Lock(), [], [0]
+
+    def take():
+        with lock:
+            first = nxt[0]
+            n = BATCH if SECONDS > 0 else min(BATCH, CASES - first)
+            if n <= 0 or (SECONDS > 0 and time.monotonic() >= deadline):
+                return None
+            nxt[0] += n
+            return first, n
+
+    def loop():
+        while (job := take()) is not None:
+            try:
+                out = run_batch(device, *job)
+            except subprocess.TimeoutExpired as e:
+                e.stdout = (
+                    (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+                )
+                out = e
+            with lock:
+                done.append((*job, out))
+
+    threads = [threading.Thread(target=loop) for _ in range(max(1, JOBS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(done, key=lambda d: d[0])
+
+
 @pytest.mark.parametrize("device", devices())
 def test_fuzz_public_api(device, request):
-    failures, counts = [], {}
-    for first in range(0, CASES, BATCH):
-        n = min(BATCH, CASES - first)
-        try:
-            out = run_batch(device, first, n)
-        except subprocess.TimeoutExpired as e:
-            stdout = (e.stdout or b"").decode(errors="replace")
-            tally(stdout, counts)
-            last = [ln for ln in stdout.splitlines() if ln.startswith("start")]
-            failures.append(
-                f"batch {first}..{first + n} hung past {TIMEOUT_S} s at: {last[-1:] or 'its start'}"
-            )
-            continue
-        tally(out.stdout, counts)
-        if out.returncode == 0:
-            continue
-        lines = out.stdout.splitlines()
-        fails = [ln for ln in lines if ln.startswith("FAIL")]
-        if fails:
-            failures += fails
-        else:  # killed mid-case (a signal: negative returncode) or an error outside the cases
-            started = [ln for ln in lines if ln.startswith("start")]
-            failures.append(
-                f"batch {first}..{first + n} died with returncode {out.returncode} during "
-                f"{started[-1] if started else 'start-up'} (seed {SEED}):\n{out.stderr[-3000:]}"
-            )
-    summary = table(counts, device)
+    start = time.monotonic()
+    failures, counts, generated = [], {}, 0
+    for first, n, out in run_batches(device):
+        generated += n
+        tally(out.stdout or "", counts)
+        failures += batch_failures(first, n, out)
+    summary = table(counts, device, generated, time.monotonic() - start)
     print(summary)
     request.config.stash.setdefault(FUZZ_TABLES, []).append(summary)
     assert not failures, f"{len(failures)} failing cases (seed {SEED}):\n" + "\n".join(failures[:20])
     ran = sum(sum(c.values()) for c in counts.values())
-    assert ran == CASES, f"{ran} cases counted, {CASES} generated"  # every case ended exactly once
+    assert ran == generated, f"{ran} cases counted, {generated} generated"  # every case ended exactly once
     assert all(c["crashed"] == 0 and c["failed"] == 0 for c in counts.values())
 
 
@@ -143,4 +182,4 @@ def test_tally_counts_each_case_once_and_a_case_without_its_end_as_crashed():
     tally("start 3 route ok\nend 3 route error\n", counts)
     assert counts["plan"] == dict(result=1, error=0, unchecked=0, failed=1, crashed=0)
     assert counts["route"] == dict(result=0, error=1, unchecked=0, failed=0, crashed=1)
-    assert table(counts, "cpu").splitlines()[-1].split() == ["all", "4", "1", "1", "0", "1", "1"]
+    assert table(counts, "cpu", 4, 1.0).splitlines()[-1].split() == ["all", "4", "1", "1", "0", "1", "1"]
