@@ -5,7 +5,9 @@ report, resume after a kill reaching the uninterrupted run's weights, LoRA adapt
 
 import importlib.util
 import json
+import math
 import random
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -589,7 +591,13 @@ def test_fp8_full_finetune_runs_and_is_checked(tmp_path, text_file, capsys):
     lora = tmp_path / "lora"
     rc, text = finetune_rc(capsys, flags(lora, text_file, "--fp8", "blockwise", "--method", "lora"))
     assert rc == 0 and "experts on moe8 (FP8 blockwise)" in text, text
+    frozen = re.search(r"lora: (\d+) frozen base weights held in FP8 \(blockwise\) only", text)
+    assert frozen and int(frozen[1]) > 0, text  # LoRA over FP8 base weights
     assert json.loads((lora / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    lora_losses = [
+        json.loads(x)["loss"] for x in (lora / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+    ]
+    assert all(math.isfinite(x) for x in lora_losses)
     bad = tmp_path / "no-moe8"
     rc, text = finetune_rc(capsys, flags(bad, text_file, "--fp8", "blockwise", "--no-moe8"))
     assert rc != 0 and "drop --no-moe8" in text and not bad.exists()

@@ -127,7 +127,8 @@ class Config:
     fp8: str = _key(
         "none",
         "FP8 expert GEMMs (moe8.fp8): none, blockwise, rowwise or tensorwise (forward in FP8, backward bf16); "
-        "full fine-tuning on moe8 only",
+        "on moe8 only; with lora and blockwise the frozen base weights (attention and experts) are held in FP8 "
+        "only (LoRA over FP8 base weights: half their bytes)",
     )
     # parallelism (under torchrun)
     ep: int = _key(

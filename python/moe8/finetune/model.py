@@ -211,7 +211,18 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             )
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
+        if cfg.fp8 == "blockwise" and hf.is_accelerated(model):
+            from moe8.lora import freeze_base_fp8
+
+            n = freeze_base_fp8(model, cfg.fp8)  # LoRA over FP8 base weights: the bf16 copies freed
+            log(
+                f"lora: {n} frozen base weights held in FP8 (blockwise) only, the adapters in {dtype_name(dtype)}"
+            )
     return model, coef
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_weights(path: Path) -> None:
