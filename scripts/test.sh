@@ -13,7 +13,7 @@ echo "== dependencies"
 if ! [ -f /usr/include/gtest/gtest.h ] || ! command -v clang-format >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq libgtest-dev clang-format) || echo "warning: could not apt-get install libgtest-dev clang-format"
 fi
-$PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+$PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-test.txt
 # CUTLASS headers for the sm_90a kernels (header-only; --no-deps skips its Python generator's dependencies)
 $PY -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
 
