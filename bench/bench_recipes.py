@@ -26,10 +26,12 @@ Both sides train the same way, and each records what it used (`settings`) so tha
   PEFT: target_modules for attention, target_parameters for the fused experts). LoRA's A factors are drawn
   differently by the two, so LoRA losses agree at step 0 and stay close after, not equal.
 
-Peak memory: a full fine-tune peaks in the optimizer step, where torch's foreach AdamW holds an fp32 temporary
-per parameter (sqrt of exp_avg_sq) on top of the weights, master copies, fp32 gradients and AdamW states: the
-two sides hold the same there, so their peaks are equal to a few MiB. Each side's peak is split into
-`peak_backward_gib` (forward / backward) and `peak_step_gib` (the optimizer step) to show it."""
+Peak memory: a full fine-tune peaks in the optimizer step, over the weights, fp32 master copies, fp32
+gradients and AdamW states (18 bytes per parameter with torch's fused AdamW, which both sides use on a GPU as
+moe8 finetune and transformers' Trainer do; the default foreach AdamW adds an fp32 temporary per parameter, 22):
+the two sides hold the same there, so their peaks differ by a few MiB at most. Each side's peak is split into
+`peak_backward_gib` (forward / backward) and `peak_step_gib` (the optimizer step) to show where it is. On the CPU
+the figures are the resident set's growth, which the allocator's reuse of the first side's memory blurs."""
 
 from __future__ import annotations
 
@@ -189,6 +191,7 @@ def settings(cfg, opt, model, aux: float, targets) -> dict:
     decay = opt.param_groups[0]
     trainable = sum(p.numel() for g in opt.param_groups for p in g["params"])
     out = dict(
+        optimizer="AdamW fused" if opt.defaults.get("fused") else "AdamW",
         lr=opt.defaults["lr"],
         warmup_steps=warmup_of(cfg),
         min_lr_ratio=cfg.min_lr_ratio,
@@ -289,6 +292,7 @@ def run_transformers(cfg, data, tok, device, dtype) -> dict:
             {"params": [m for m in master if m.ndim < 2], "weight_decay": 0.0},
         ],
         lr=cfg.lr,
+        fused=device.type == "cuda",  # transformers' Trainer default (adamw_torch_fused)
     )
     warmup = warmup_of(cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(
