@@ -402,6 +402,7 @@ def run_recipe(name: str, args, device) -> dict:
                 flush=True,
             )
     _free(device)
+    result["transformers"]["estimate_gib"] = result["moe8"]["estimate_gib"]  # moe8 finetune's, for this run
     a, b = result["moe8"]["settings"], result["transformers"]["settings"]
     differ = sorted(k for k in a.keys() | b.keys() if k not in ("trainable_params",) and a.get(k) != b.get(k))
     if differ:
