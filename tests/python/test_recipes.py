@@ -1,9 +1,11 @@
 """recipes/*.toml: each parses, names a real config under recipes/configs whose estimated peak fits one H200 at the
-recipe's ep (the full-size model, counted on the meta device), and bench/bench_recipes.py --tiny runs a recipe
-through moe8 finetune's trainer and plain transformers on the CPU, writing both into its JSON."""
+recipe's ep (the full-size model, counted on the meta device), and bench/bench_recipes.py --tiny runs recipes
+through moe8 finetune's trainer and plain transformers on the CPU with the same losses, writing both into its
+JSON."""
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -60,14 +62,92 @@ def test_every_recipe_parses_and_fits_its_gpus():
         assert experts % ep == 0, f"{name}: {experts} experts over ep {ep}"
 
 
-def test_bench_tiny_runs_both_paths(tmp_path):
-    assert bench().main(["--tiny", "--out", str(tmp_path), "--recipes", "qwen3_30b_a3b_lora"]) == 0
+def test_bench_tiny_both_sides_train_alike(tmp_path):
+    """gpt-oss LoRA (aux-loss weight 0.9, PEFT) and OLMoE full fine-tuning through both sides: the same losses
+    from the first step on (the same init, data, objective and lr schedule), each side's own settings alike."""
+    b = bench()
+    names = ["gpt_oss_20b_lora", "olmoe_1b_7b_full"]
+    assert b.main(["--tiny", "--out", str(tmp_path), "--recipes", ",".join(names)]) == 0
     out = json.loads((tmp_path / "recipes.json").read_text())
-    r = out["recipes"]["qwen3_30b_a3b_lora"]
-    assert out["info"]["tiny"] and r["method"] == "lora" and r["layers"] == 2
+    assert out["info"]["tiny"] and list(out["recipes"]) == names
+    for name in names:
+        r = out["recipes"][name]
+        recipe = tomllib.loads((ROOT / "recipes" / f"{name}.toml").read_text())
+        a, t = r["moe8"], r["transformers"]
+        assert r["layers"] == 2 and r["method"] == recipe["method"] and r["settings_differ"] == [], name
+        assert a["settings"] == t["settings"], name
+        s = a["settings"]
+        assert (s["lr"], s["warmup_steps"], s["micro_batch"], s["seq_len"]) == (recipe["lr"], 30, 2, 32), name
+        assert a["experts_on"] == "moe8" and t["experts_on"] == "transformers", name
+        assert len(a["losses"]) == len(t["losses"]) == 4 and a["lrs"] == t["lrs"], name
+        assert a["lrs"][0] == pytest.approx(recipe["lr"] / 30)  # warmup's first step, on both sides
+        for side in (a, t):
+            assert all(4 < x < 7 for x in side["losses"]), (
+                name
+            )  # cross-entropy near ln(300) ~ 5.7: random init
+            assert all(x is not None and x > 0 for x in side["aux_losses"]), name
+            assert side["tokens_per_s"] > 0 and side["seconds"] > 0, name
+            for k in ("peak_gib", "peak_backward_gib", "peak_step_gib", "start_gib"):
+                assert math.isfinite(side[k]) and side[k] >= 0, (name, k)
+            assert side["peak_gib"] == max(side["peak_backward_gib"], side["peak_step_gib"]), name
+        assert a["estimate_gib"] > 0 and r["estimate_gib"] == a["estimate_gib"], name
+        # fp32 on the CPU: the first step's loss agrees to rounding (the aux loss is not in either recorded loss)
+        assert a["losses"][0] == pytest.approx(t["losses"][0], rel=1e-5, abs=1e-5), name
+        assert a["aux_losses"][0] == pytest.approx(t["aux_losses"][0], rel=1e-4), name
+        # full fine-tuning stays equal to rounding; LoRA's A factors are drawn differently by moe8.lora and PEFT
+        tol = 1e-4 if r["method"] == "full" else 1e-2
+        assert a["losses"] == pytest.approx(t["losses"], abs=tol), name
+
+
+def test_bench_tiny_order_of_sides_changes_nothing(tmp_path):
+    """transformers first, then moe8: the same losses and lrs as the other way round (no state of the first side,
+    moe8's patches of transformers included, reaches the second)."""
+    b = bench()
+    runs = {}
+    for first in ("moe8", "transformers"):
+        out = tmp_path / first
+        assert (
+            b.main(["--tiny", "--out", str(out), "--recipes", "qwen2_moe_a2_7b_full", "--first", first]) == 0
+        )
+        runs[first] = json.loads((out / "recipes.json").read_text())["recipes"]["qwen2_moe_a2_7b_full"]
+    assert (
+        runs["moe8"]["order"] == ["moe8", "transformers"]
+        and runs["transformers"]["order"][0] == "transformers"
+    )
     for side in ("moe8", "transformers"):
-        assert r[side]["tokens_per_s"] > 0 and r[side]["peak_gib"] > 0
-        assert 4 < r[side]["loss_last"] < 7  # ln(300) ~ 5.7: random init, the same data
-    assert r["moe8"]["experts_on"] == "moe8" and r["moe8"]["estimate_gib"] > 0
-    # the same model and data: the first-step losses agree; after 3 steps the two trainings stay close
-    assert abs(r["moe8"]["loss_last"] - r["transformers"]["loss_last"]) < 0.1
+        x, y = runs["moe8"][side], runs["transformers"][side]
+        assert x["losses"] == pytest.approx(y["losses"], abs=1e-6) and x["lrs"] == y["lrs"], side
+        assert x["settings"] == y["settings"], side
+
+
+def test_bench_writes_each_recipe_when_done(tmp_path, monkeypatch):
+    """recipes.json holds every finished recipe while the next runs: a run cut short keeps them."""
+    b = bench()
+    done = []
+
+    def fake(name, args, device):
+        if done:
+            saved = json.loads((tmp_path / "recipes.json").read_text())
+            assert list(saved["recipes"]) == done
+            raise KeyboardInterrupt
+        done.append(name)
+        return dict(marker=name)
+
+    monkeypatch.setattr(b, "run_recipe", fake)
+    with pytest.raises(KeyboardInterrupt):
+        b.main(["--tiny", "--out", str(tmp_path), "--recipes", "mixtral_8x7b_lora,olmoe_1b_7b_full"])
+    assert json.loads((tmp_path / "recipes.json").read_text())["recipes"] == {
+        "mixtral_8x7b_lora": {"marker": "mixtral_8x7b_lora"}
+    }
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    b = bench()
+    for argv, word in (
+        (["--recipes", "nope"], "--recipes"),
+        (["--steps", "2"], "--steps"),
+        (["--layers", "-1"], "--layers"),
+    ):
+        with pytest.raises(SystemExit):
+            b.main(["--out", "/nonexistent/never", *argv])
+        assert word in capsys.readouterr().err

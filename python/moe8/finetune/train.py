@@ -118,6 +118,13 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def adamw(groups: list[dict], lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; on a GPU torch's fused kernel (as transformers' Trainer picks it): the default foreach one holds an
+    fp32 temporary per parameter (the sqrt of exp_avg_sq, a whole param group at once) through the step, which
+    makes the step of a full fine-tune 22 bytes per parameter instead of 18."""
+    return torch.optim.AdamW(groups, lr=lr, fused=device.type == "cuda")
+
+
 def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first (incomplete ones are hidden .tmp directories)."""
     found = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / STATE).is_file()]
@@ -175,12 +182,13 @@ class Trainer:
             else 2e-5
         )
         groups = [[p for p in self.master if p.ndim >= 2], [p for p in self.master if p.ndim < 2]]
-        self.opt = torch.optim.AdamW(
+        self.opt = adamw(
             [
                 {"params": groups[0], "weight_decay": cfg.weight_decay},
                 {"params": groups[1], "weight_decay": 0.0},
             ],
-            lr=lr,
+            lr,
+            self.device,
         )
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else self.steps // 20
         self.sched = torch.optim.lr_scheduler.LambdaLR(
