@@ -25,6 +25,7 @@ table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import statistics
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf_train import MODELS  # noqa: E402  (Qwen3-30B-A3B and Mixtral-8x7B shapes)
+from peers import HUB_EXPERTS, LIGER, liger_version, prepare_liger, probe_experts  # noqa: E402
 from profiling import CATEGORIES, profile_breakdown, region_hooks  # noqa: E402
 from run_info import run_info  # noqa: E402
 
@@ -115,6 +117,8 @@ FAMILIES = {  # name: (model_type, config at the real model's sizes; 2 layers)
     ),
 }
 
+PEERS = ("liger", "sonicmoe", "deepgemm")  # --peers: Liger Kernel, transformers' hub-kernel experts
+
 EAGER_ONLY = {
     "gpt_oss": "eager"
 }  # transformers' GPT-OSS has no SDPA path (its sinks); FA3 needs a hub kernel
@@ -143,7 +147,7 @@ TINY = dict(  # --tiny: every family at toy sizes; an odd vocabulary takes the f
 )
 
 
-def build(name, tiny, device, dtype, vocab=0):
+def build(name, tiny, device, dtype, vocab=0, experts="grouped_mm"):
     import transformers
 
     family, over = FAMILIES[name]
@@ -158,7 +162,9 @@ def build(name, tiny, device, dtype, vocab=0):
         over["vocab_size"] = vocab
     cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=2, max_position_embeddings=4096, **over)
     cfg._attn_implementation = "eager" if tiny else EAGER_ONLY.get(family, "sdpa")
-    cfg._experts_implementation = "grouped_mm"  # transformers' default (get_correct_experts_implementation)
+    cfg._experts_implementation = (
+        experts  # grouped_mm: transformers' default (get_correct_experts_implementation)
+    )
     if hasattr(cfg, "output_router_logits"):
         cfg.output_router_logits = True  # the aux loss, as the Trainer trains these models
     torch.manual_seed(0)
@@ -241,6 +247,11 @@ def main():
         help="vocabulary size for every family (default: each model's own), e.g. 151669, Qwen3's tokenizer: "
         "the LM head's alignment at work",
     )
+    ap.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"rows beside transformers and moe8: comma-separated from {list(PEERS)}, or none (default: all)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: toy configs, fp32, batch 2 x 32")
     ap.add_argument("--out", required=True, help="directory for step_profile_<device>.json")
     a = ap.parse_args()
@@ -248,6 +259,13 @@ def main():
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}, expected from {list(FAMILIES)}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--families: each family once, got {names}")
+    peers = set() if a.peers == "none" else set(a.peers.split(","))
+    if peers - set(PEERS):
+        raise SystemExit(
+            f"--peers: unknown {sorted(peers - set(PEERS))}, expected from {list(PEERS)} or none"
+        )
     for flag in ("batch", "seq", "steps"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"--{flag}: expected >= 1, got {getattr(a, flag)}")
@@ -263,42 +281,33 @@ def main():
             raise SystemExit("bench_step_profile: needs a CUDA GPU and moe8 built with CUDA (or --tiny)")
         device, dtype = torch.device("cuda"), torch.bfloat16
 
+    hub = [h for h in HUB_EXPERTS if HUB_EXPERTS[h][0] in peers]
+    # Liger's rows come last: apply_liger_kernel_to_<family> reassigns names in the family's modeling module
+    # (apply_rotary_pos_emb, the RMSNorm and experts classes), not only the instance's modules, so a
+    # transformers or moe8 row built after it would run Liger's kernels. Each family's patch touches its own
+    # modeling module only (cross_entropy stays off), so one family's Liger row leaves the others' alone.
+    plan = [(n, i) for n in names for i in ("transformers", "moe8")] + [(n, h) for n in names for h in hub]
+    plan += [(n, LIGER) for n in names if "liger" in peers]
     rows = []
-    for name in names:
-        for impl in ("transformers", "moe8"):
-            model = build(name, a.tiny, device, dtype, a.vocab)
-            ids = torch.randint(
-                0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
-            )
-            ids = ids.to(device)
-            if impl == "moe8":
-                moe8.accelerate(model, **fusions)
-            print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
-            sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
-            cfg = hf.config_of(model) if impl == "moe8" else None
-            rows.append(
-                {
-                    "family": name,
-                    "model_type": model.config.model_type,
-                    "impl": impl,
-                    "config": {k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
-                    "layers": model.config.num_hidden_layers,
-                    "params": sum(p.numel() for p in model.parameters()),
-                    "vocab": model.config.vocab_size,
-                    "step_ms": sec * 1e3,
-                    "tokens_per_s": a.batch * a.seq / sec,
-                    "peak_gib": peak,
-                    "losses": losses,
-                    "profile_ms": split,
-                }
-            )
-            del model
-            moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    for k, (name, impl) in enumerate(plan):
+        rows.append({**run_row(name, impl, a, device, dtype, fusions), "run_order": k})
+        moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    order = {i: k for k, i in enumerate(("transformers", "moe8", *hub, LIGER))}
+    rows.sort(key=lambda r: (names.index(r["family"]), order[r["impl"]]))
+    for r in rows:
+        base = next(b for b in rows if b["family"] == r["family"] and b["impl"] == "transformers")
+        if r["status"] == "ran":
+            r["speedup_vs_transformers"] = base["step_ms"] / r["step_ms"]
+            r["peak_vs_transformers"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
+            # same weights and batch: the first step's loss differs by rounding only (a wrong kernel shows here)
+            r["first_loss_rel_diff"] = abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0])
 
     meta = {
         **run_info(device),
+        "liger_kernel": liger_version() or "not installed",
         "dtype": str(dtype).replace("torch.", ""),
         "optimizer": "AdamW" + (" fused" if device.type == "cuda" else ""),
         "batch": a.batch,
@@ -306,6 +315,7 @@ def main():
         "steps": a.steps,
         "warmup": a.warmup,
         "fusions": fusions or "moe8.Config() defaults",
+        "peers": sorted(peers),
         "tiny": a.tiny,
         "vocab": a.vocab or "each model's own",
     }
@@ -315,21 +325,83 @@ def main():
     path = out / f"step_profile_{gpu}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\n{meta}\nwrote {path}")
+    report(rows, names, device)
+
+
+def run_row(name, impl, a, device, dtype, fusions) -> dict:
+    """One row of the table: the family's model under `impl`, measured; or, for a peer that cannot run here,
+    status "skipped" (or "failed") and the reason."""
+    row = {"family": name, "model_type": FAMILIES[name][0], "impl": impl}
+    experts, info = "grouped_mm", None
+    if impl in HUB_EXPERTS:
+        experts, why = HUB_EXPERTS[impl]
+        error = probe_experts(lambda: build(name, True, device, torch.bfloat16, experts=experts), device)
+        if error is not None:
+            return {**row, "status": "skipped", "reason": f"{error} ({why})", "error": error, "why": why}
+    model = build(name, a.tiny, device, dtype, a.vocab, experts)
+    if impl == "moe8":
+        moe8.accelerate(model, **fusions)
+    if impl == LIGER:
+        reason, info = prepare_liger(model, device)
+        if reason is not None:
+            return {**row, "status": "skipped", "reason": reason, "liger": info}
+    ids = torch.randint(
+        0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
+    )
+    ids = ids.to(device)
+    print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
+    try:
+        sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
+    except Exception as e:  # noqa: BLE001  (a peer that fails here is reported, the other rows still run)
+        if impl in ("transformers", "moe8"):
+            raise
+        return {**row, "status": "failed", "reason": f"{type(e).__name__}: " + " ".join(str(e).split())}
+    cfg = hf.config_of(model) if impl == "moe8" else None
+    row.update(
+        status="ran",
+        config={k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
+        layers=model.config.num_hidden_layers,
+        params=sum(p.numel() for p in model.parameters()),
+        vocab=model.config.vocab_size,
+        step_ms=sec * 1e3,
+        tokens_per_s=a.batch * a.seq / sec,
+        peak_gib=peak,
+        losses=losses,
+        profile_ms=split,
+    )
+    if info is not None:
+        row["liger"] = info
+    return row
+
+
+def report(rows, names, device):
+    """The table (every row that ran: tokens/s, speed-up and peak memory against the family's transformers
+    row, ms per category), the peers that did not run and why, and one line per family."""
     unit = "ms (CPU op time)" if device.type == "cpu" else "ms of GPU time in the profiled step"
     short = ["experts", "dense", "attn", "head+loss", "optim", "elementw", "idle"]
     print(
-        f"{'family':<12} {'impl':<12} {'step ms':>8} {'tok/s':>9} {'GiB':>5} "
+        f"{'family':<12} {'impl':<24} {'step ms':>8} {'tok/s':>9} {'vs HF':>6} {'GiB':>5} "
         + " ".join(f"{s:>9}" for s in short)
     )
-    for r in rows:
+    ran = [r for r in rows if r["status"] == "ran"]
+    for r in ran:
         p = r["profile_ms"]
         cells = " ".join(f"{p[c]:>9.1f}" for c in (*CATEGORIES, "idle"))
         print(
-            f"{r['family']:<12} {r['impl']:<12} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['peak_gib']:>5.1f} {cells}"
+            f"{r['family']:<12} {r['impl']:<24} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
+            f"{r['speedup_vs_transformers']:>5.2f}x {r['peak_gib']:>5.1f} {cells}"
         )
+    for impl in dict.fromkeys(r["impl"] for r in rows if r["status"] != "ran"):
+        by_reason = {}
+        for r in rows:
+            if r["impl"] == impl and r["status"] != "ran":
+                by_reason.setdefault((r["status"], r["reason"]), []).append(r["family"])
+        for (status, reason), fams in by_reason.items():
+            print(f"{impl} not run ({status}) for {', '.join(fams)}: {reason}")
     for name in names:
-        hf_ms, m8_ms = (r["step_ms"] for r in rows if r["family"] == name)
-        print(f"{name}: moe8 {hf_ms / m8_ms:.2f}x transformers' step ({unit} per category above)")
+        fam = [r for r in ran if r["family"] == name and r["impl"] != "transformers"]
+        ratios = ", ".join(f"{r['impl']} {r['speedup_vs_transformers']:.2f}x" for r in fam)
+        print(f"{name}: {ratios} transformers' step ({unit} per category above)")
 
 
 if __name__ == "__main__":
