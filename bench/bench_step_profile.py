@@ -1,25 +1,39 @@
 """Where a Hugging Face MoE training step's GPU time goes, per family: transformers (its default experts
-implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`), same process, same weights,
-same batch: forward + backward + fused AdamW, bf16, random init.
+implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`) and against peers, same process,
+same weights, same batch: forward + backward + fused AdamW, bf16, random init.
 
 Each model is a slice of the real one: 2 decoder layers at the real hidden, expert, attention and vocabulary
 sizes (attention through SDPA; GPT-OSS eager, its only built-in one for sinks); only DeepSeek-V3's expert count
 is cut (256 -> 32 routed experts, 8 groups of 4, top-4 groups: one layer of 256 would be 11.3B parameters), and
 its 2 layers are one dense (first_k_dense_replace) and one MoE. --fusions fuse_mlp=1 measures the fused dense
 MLPs (off by default).
+
+Rows per family: `transformers`, `moe8`, and the peers (--peers, bench/peers.py):
+- `transformers (sonicmoe)`, `transformers (deepgemm)`: transformers' experts implementations that load a
+  kernel from the Hugging Face Hub; a toy model is stepped once with each first, and when that raises (no
+  `kernels` package, no Hub access) the row is "skipped" with the exception and why it cannot be installed.
+- `transformers + Liger`: Liger Kernel's `apply_liger_kernel_to_<family>(model=model)` with its defaults
+  (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU / fused MoE experts where the family has them); Qwen2-MoE
+  and OLMoE have no such function and get `_apply_liger_kernel_to_instance`, skipped when it changes nothing.
+  These rows run after all others: Liger's patches also reassign names in the family's modeling module. On the
+  CPU (--tiny) the patch is applied and the row skipped (its Triton kernels need a GPU).
+Every row carries a status ("ran", "skipped" or "failed", with the reason) and, when it ran, tokens/s, peak
+memory and both as ratios to the family's transformers row.
+
 After the timed steps one more step runs under torch.profiler (shapes recorded); its kernels are classified
 (bench/profiling.py classify_trace) into experts (router, moe8's plan / permute / grouped GEMM / combine, or
 transformers' grouped_mm and its index ops), dense GEMMs (attention projections, shared experts, dense MLPs),
 attention, LM head + loss, optimizer, norms/rope/elementwise, and idle (the profiled step's span minus its
 kernel time).
 
-    python bench/bench_step_profile.py --out bench/results            # all six families, ~2.5 min on an H200
+    python bench/bench_step_profile.py --out bench/results            # six families with peers, ~4 min on an H200
+    python bench/bench_step_profile.py --peers none --out /tmp/p      # transformers and moe8 only, ~2.5 min
     python bench/bench_step_profile.py --families qwen3 --fusions fuse_loss=0 --out /tmp/p
     python bench/bench_step_profile.py --families qwen3 --vocab 151669 --out /tmp/p   # an unaligned LM head
     python bench/bench_step_profile.py --tiny --out /tmp/p             # CPU smoke run: tiny configs, seconds
 
-Writes step_profile_<gpu>.json (run_info stamp, one row per family and implementation) to --out; prints a
-table last.
+The Liger rows need `pip install liger-kernel==0.8.5` (pure Python and Triton). Writes step_profile_<gpu>.json
+(run_info stamp, one row per family and implementation) to --out; prints a table last.
 """
 
 from __future__ import annotations
