@@ -302,23 +302,6 @@ def main():
     # modeling module only (cross_entropy stays off), so one family's Liger row leaves the others' alone.
     plan = [(n, i) for n in names for i in ("transformers", "moe8")] + [(n, h) for n in names for h in hub]
     plan += [(n, LIGER) for n in names if "liger" in peers]
-    rows = []
-    for k, (name, impl) in enumerate(plan):
-        rows.append({**run_row(name, impl, a, device, dtype, fusions), "run_order": k})
-        moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    order = {i: k for k, i in enumerate(("transformers", "moe8", *hub, LIGER))}
-    rows.sort(key=lambda r: (names.index(r["family"]), order[r["impl"]]))
-    for r in rows:
-        base = next(b for b in rows if b["family"] == r["family"] and b["impl"] == "transformers")
-        if r["status"] == "ran":
-            r["speedup_vs_transformers"] = base["step_ms"] / r["step_ms"]
-            r["peak_vs_transformers"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
-            # same weights and batch: the first step's loss differs by rounding only (a wrong kernel shows here)
-            r["first_loss_rel_diff"] = abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0])
-
     meta = {
         **run_info(device),
         "liger_kernel": liger_version() or "not installed",
@@ -337,9 +320,30 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     gpu = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", meta["gpu"].lower()).strip("_")
     path = out / f"step_profile_{gpu}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    order = {i: k for k, i in enumerate(("transformers", "moe8", *hub, LIGER))}
+    rows = []
+    for k, (name, impl) in enumerate(plan):
+        rows.append({**run_row(name, impl, a, device, dtype, fusions), "run_order": k})
+        rows.sort(key=lambda r: (names.index(r["family"]), order[r["impl"]]))
+        compare(rows)
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # each time: a crash keeps them
+        moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(f"\n{meta}\nwrote {path}")
     report(rows, names, device)
+
+
+def compare(rows):
+    """Each row that ran against its family's transformers row: speed-up, peak ratio, first-step loss."""
+    for r in rows:
+        base = next((b for b in rows if b["family"] == r["family"] and b["impl"] == "transformers"), None)
+        if r["status"] == "ran" and base is not None:
+            r["speedup_vs_transformers"] = base["step_ms"] / r["step_ms"]
+            r["peak_vs_transformers"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
+            # same weights and batch: the first step's loss differs by rounding only (a wrong kernel shows here)
+            r["first_loss_rel_diff"] = abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0])
 
 
 def run_row(name, impl, a, device, dtype, fusions) -> dict:

@@ -249,6 +249,37 @@ def test_classify_trace_attributes_kernels():
     assert _classify(ev, vocab=(4096,))["dense GEMMs"] == pytest.approx(0.058)
 
 
+def test_classify_trace_liger_kernels():
+    """Liger Kernel's Triton kernels (launched through the driver, from Python autograd.Functions) in
+    classify_trace: its fused MoE's backward kernels are experts without a region, its fused linear
+    cross-entropy is the LM head and loss, its RMSNorm backward elementwise."""
+    ev = []
+
+    def op(cat, name, ts, dur, tid=1, **args):
+        ev.append(
+            {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+        )
+
+    def launch(corr, ts, kernel, kts, kdur, tid=1):
+        op("cuda_driver", "cuLaunchKernelEx", ts, 1, tid, correlation=corr)
+        ev.append({"ph": "X", "cat": "kernel", "name": kernel, "ts": kts, "dur": kdur, "pid": 1, "tid": 7})
+        ev[-1]["args"] = {"correlation": corr}
+
+    op("user_annotation", "step.experts", 0, 50)
+    launch(1, 1, "_fused_up_proj_swiglu_kernel", 5, 20)  # forward: the experts region says so
+    launch(2, 60, "_liger_cross_entropy_kernel", 60, 10)  # forward of the fused linear cross-entropy
+    op("cpu_op", "autograd::engine::evaluate_function: LigerFusedMoEFunctionBackward", 100, 50, tid=2)
+    launch(3, 101, "_moe_bwd_dW1_kernel", 110, 30, tid=2)
+    launch(4, 102, "_token_gather_weighted_sum_kernel", 141, 4, tid=2)
+    op("cpu_op", "autograd::engine::evaluate_function: LigerRMSNormFunctionBackward", 160, 10, tid=2)
+    launch(5, 161, "_rms_norm_backward_kernel", 162, 6, tid=2)
+    got = _classify(ev)
+    assert got["experts"] == pytest.approx(0.054), got
+    assert got["LM head + loss"] == pytest.approx(0.010), got
+    assert got["norms/rope/elementwise"] == pytest.approx(0.006), got
+    assert got["dense GEMMs"] == 0 and got["attention"] == 0
+
+
 def test_bench_step_profile_tiny(tmp_path):
     """bench_step_profile.py --tiny on CPU: both columns of two families (Qwen2-MoE: a shared expert;
     DeepSeek-V3: MLA, a dense first layer), an odd vocabulary, fusions changed by --fusions; every category in
