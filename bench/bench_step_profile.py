@@ -356,21 +356,21 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         error = probe_experts(lambda: build(name, True, device, torch.bfloat16, experts=experts), device)
         if error is not None:
             return {**row, "status": "skipped", "reason": f"{error} ({why})", "error": error, "why": why}
-    model = build(name, a.tiny, device, dtype, a.vocab, experts)
-    if impl == "moe8":
-        moe8.accelerate(model, **fusions)
-    if impl == LIGER:
-        reason, info = prepare_liger(model, device)
-        if reason is not None:
-            return {**row, "status": "skipped", "reason": reason, "liger": info}
-    ids = torch.randint(
-        0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
-    )
-    ids = ids.to(device)
-    print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
     try:
+        model = build(name, a.tiny, device, dtype, a.vocab, experts)
+        if impl == "moe8":
+            moe8.accelerate(model, **fusions)
+        if impl == LIGER:
+            reason, info = prepare_liger(model, device)
+            if reason is not None:
+                return {**row, "status": "skipped", "reason": reason, "liger": info}
+        ids = torch.randint(
+            0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
+        )
+        ids = ids.to(device)
+        print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
         sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
-    except Exception as e:  # noqa: BLE001  (a peer that fails here is reported, the other rows still run)
+    except Exception as e:  # noqa: BLE001  (a peer that fails is reported, the other rows still run)
         if impl in ("transformers", "moe8"):
             raise
         return {**row, "status": "failed", "reason": f"{type(e).__name__}: " + " ".join(str(e).split())}
