@@ -1,30 +1,45 @@
 """Where a Hugging Face MoE training step's GPU time goes, per family: transformers (its default experts
-implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`), same process, same weights,
-same batch: forward + backward + fused AdamW, bf16, random init.
+implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`) and against peers, same process,
+same weights, same batch: forward + backward + fused AdamW, bf16, random init.
 
 Each model is a slice of the real one: 2 decoder layers at the real hidden, expert, attention and vocabulary
 sizes (attention through SDPA; GPT-OSS eager, its only built-in one for sinks); only DeepSeek-V3's expert count
 is cut (256 -> 32 routed experts, 8 groups of 4, top-4 groups: one layer of 256 would be 11.3B parameters), and
 its 2 layers are one dense (first_k_dense_replace) and one MoE. --fusions fuse_mlp=1 measures the fused dense
 MLPs (off by default).
+
+Rows per family: `transformers`, `moe8`, and the peers (--peers, bench/peers.py):
+- `transformers (sonicmoe)`, `transformers (deepgemm)`: transformers' experts implementations that load a
+  kernel from the Hugging Face Hub; a toy model is stepped once with each first, and when that raises (no
+  `kernels` package, no Hub access) the row is "skipped" with the exception and why it cannot be installed.
+- `transformers + Liger`: Liger Kernel's `apply_liger_kernel_to_<family>(model=model)` with its defaults
+  (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU / fused MoE experts where the family has them); Qwen2-MoE
+  and OLMoE have no such function and get `_apply_liger_kernel_to_instance`, skipped when it changes nothing.
+  These rows run after all others: Liger's patches also reassign names in the family's modeling module. On the
+  CPU (--tiny) the patch is applied and the row skipped (its Triton kernels need a GPU).
+Every row carries a status ("ran", "skipped" or "failed", with the reason) and, when it ran, tokens/s, peak
+memory and both as ratios to the family's transformers row.
+
 After the timed steps one more step runs under torch.profiler (shapes recorded); its kernels are classified
 (bench/profiling.py classify_trace) into experts (router, moe8's plan / permute / grouped GEMM / combine, or
 transformers' grouped_mm and its index ops), dense GEMMs (attention projections, shared experts, dense MLPs),
 attention, LM head + loss, optimizer, norms/rope/elementwise, and idle (the profiled step's span minus its
 kernel time).
 
-    python bench/bench_step_profile.py --out bench/results            # all six families, ~2.5 min on an H200
+    python bench/bench_step_profile.py --out bench/results            # six families with peers, ~4 min on an H200
+    python bench/bench_step_profile.py --peers none --out /tmp/p      # transformers and moe8 only, ~2.5 min
     python bench/bench_step_profile.py --families qwen3 --fusions fuse_loss=0 --out /tmp/p
     python bench/bench_step_profile.py --families qwen3 --vocab 151669 --out /tmp/p   # an unaligned LM head
     python bench/bench_step_profile.py --tiny --out /tmp/p             # CPU smoke run: tiny configs, seconds
 
-Writes step_profile_<gpu>.json (run_info stamp, one row per family and implementation) to --out; prints a
-table last.
+The Liger rows need `pip install liger-kernel==0.8.5` (pure Python and Triton). Writes step_profile_<gpu>.json
+(run_info stamp, one row per family and implementation) to --out; prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import statistics
@@ -36,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf_train import MODELS  # noqa: E402  (Qwen3-30B-A3B and Mixtral-8x7B shapes)
+from peers import HUB_EXPERTS, LIGER, liger_version, prepare_liger, probe_experts  # noqa: E402
 from profiling import CATEGORIES, profile_breakdown, region_hooks  # noqa: E402
 from run_info import run_info  # noqa: E402
 
@@ -115,6 +131,8 @@ FAMILIES = {  # name: (model_type, config at the real model's sizes; 2 layers)
     ),
 }
 
+PEERS = ("liger", "sonicmoe", "deepgemm")  # --peers: Liger Kernel, transformers' hub-kernel experts
+
 EAGER_ONLY = {
     "gpt_oss": "eager"
 }  # transformers' GPT-OSS has no SDPA path (its sinks); FA3 needs a hub kernel
@@ -143,7 +161,7 @@ TINY = dict(  # --tiny: every family at toy sizes; an odd vocabulary takes the f
 )
 
 
-def build(name, tiny, device, dtype, vocab=0):
+def build(name, tiny, device, dtype, vocab=0, experts="grouped_mm"):
     import transformers
 
     family, over = FAMILIES[name]
@@ -158,7 +176,9 @@ def build(name, tiny, device, dtype, vocab=0):
         over["vocab_size"] = vocab
     cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=2, max_position_embeddings=4096, **over)
     cfg._attn_implementation = "eager" if tiny else EAGER_ONLY.get(family, "sdpa")
-    cfg._experts_implementation = "grouped_mm"  # transformers' default (get_correct_experts_implementation)
+    cfg._experts_implementation = (
+        experts  # grouped_mm: transformers' default (get_correct_experts_implementation)
+    )
     if hasattr(cfg, "output_router_logits"):
         cfg.output_router_logits = True  # the aux loss, as the Trainer trains these models
     torch.manual_seed(0)
@@ -241,6 +261,11 @@ def main():
         help="vocabulary size for every family (default: each model's own), e.g. 151669, Qwen3's tokenizer: "
         "the LM head's alignment at work",
     )
+    ap.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"rows beside transformers and moe8: comma-separated from {list(PEERS)}, or none (default: all)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: toy configs, fp32, batch 2 x 32")
     ap.add_argument("--out", required=True, help="directory for step_profile_<device>.json")
     a = ap.parse_args()
@@ -248,6 +273,13 @@ def main():
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}, expected from {list(FAMILIES)}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--families: each family once, got {names}")
+    peers = set() if a.peers == "none" else set(a.peers.split(","))
+    if peers - set(PEERS):
+        raise SystemExit(
+            f"--peers: unknown {sorted(peers - set(PEERS))}, expected from {list(PEERS)} or none"
+        )
     for flag in ("batch", "seq", "steps"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"--{flag}: expected >= 1, got {getattr(a, flag)}")
@@ -263,42 +295,16 @@ def main():
             raise SystemExit("bench_step_profile: needs a CUDA GPU and moe8 built with CUDA (or --tiny)")
         device, dtype = torch.device("cuda"), torch.bfloat16
 
-    rows = []
-    for name in names:
-        for impl in ("transformers", "moe8"):
-            model = build(name, a.tiny, device, dtype, a.vocab)
-            ids = torch.randint(
-                0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
-            )
-            ids = ids.to(device)
-            if impl == "moe8":
-                moe8.accelerate(model, **fusions)
-            print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
-            sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
-            cfg = hf.config_of(model) if impl == "moe8" else None
-            rows.append(
-                {
-                    "family": name,
-                    "model_type": model.config.model_type,
-                    "impl": impl,
-                    "config": {k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
-                    "layers": model.config.num_hidden_layers,
-                    "params": sum(p.numel() for p in model.parameters()),
-                    "vocab": model.config.vocab_size,
-                    "step_ms": sec * 1e3,
-                    "tokens_per_s": a.batch * a.seq / sec,
-                    "peak_gib": peak,
-                    "losses": losses,
-                    "profile_ms": split,
-                }
-            )
-            del model
-            moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
+    hub = [h for h in HUB_EXPERTS if HUB_EXPERTS[h][0] in peers]
+    # Liger's rows come last: apply_liger_kernel_to_<family> reassigns names in the family's modeling module
+    # (apply_rotary_pos_emb, the RMSNorm and experts classes), not only the instance's modules, so a
+    # transformers or moe8 row built after it would run Liger's kernels. Each family's patch touches its own
+    # modeling module only (cross_entropy stays off), so one family's Liger row leaves the others' alone.
+    plan = [(n, i) for n in names for i in ("transformers", "moe8")] + [(n, h) for n in names for h in hub]
+    plan += [(n, LIGER) for n in names if "liger" in peers]
     meta = {
         **run_info(device),
+        "liger_kernel": liger_version() or "not installed",
         "dtype": str(dtype).replace("torch.", ""),
         "optimizer": "AdamW" + (" fused" if device.type == "cuda" else ""),
         "batch": a.batch,
@@ -306,6 +312,7 @@ def main():
         "steps": a.steps,
         "warmup": a.warmup,
         "fusions": fusions or "moe8.Config() defaults",
+        "peers": sorted(peers),
         "tiny": a.tiny,
         "vocab": a.vocab or "each model's own",
     }
@@ -313,23 +320,106 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     gpu = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", meta["gpu"].lower()).strip("_")
     path = out / f"step_profile_{gpu}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    order = {i: k for k, i in enumerate(("transformers", "moe8", *hub, LIGER))}
+    rows = []
+    for k, (name, impl) in enumerate(plan):
+        rows.append({**run_row(name, impl, a, device, dtype, fusions), "run_order": k})
+        rows.sort(key=lambda r: (names.index(r["family"]), order[r["impl"]]))
+        compare(rows)
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # each time: a crash keeps them
+        moe8.disable()  # RoPE's fusion is process-wide: the next transformers column must not get it
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(f"\n{meta}\nwrote {path}")
+    report(rows, names, device)
+
+
+def compare(rows):
+    """Each row that ran against its family's transformers row: speed-up, peak ratio, first-step loss."""
+    for r in rows:
+        base = next((b for b in rows if b["family"] == r["family"] and b["impl"] == "transformers"), None)
+        if r["status"] == "ran" and base is not None:
+            r["speedup_vs_transformers"] = base["step_ms"] / r["step_ms"]
+            r["peak_vs_transformers"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
+            # same weights and batch: the first step's loss differs by rounding only (a wrong kernel shows here)
+            r["first_loss_rel_diff"] = abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0])
+
+
+def run_row(name, impl, a, device, dtype, fusions) -> dict:
+    """One row of the table: the family's model under `impl`, measured; or, for a peer that cannot run here,
+    status "skipped" (or "failed") and the reason."""
+    row = {"family": name, "model_type": FAMILIES[name][0], "impl": impl}
+    experts, info = "grouped_mm", None
+    if impl in HUB_EXPERTS:
+        experts, why = HUB_EXPERTS[impl]
+        error = probe_experts(lambda: build(name, True, device, torch.bfloat16, experts=experts), device)
+        if error is not None:
+            return {**row, "status": "skipped", "reason": f"{error} ({why})", "error": error, "why": why}
+    try:
+        model = build(name, a.tiny, device, dtype, a.vocab, experts)
+        if impl == "moe8":
+            moe8.accelerate(model, **fusions)
+        if impl == LIGER:
+            reason, info = prepare_liger(model, device)
+            if reason is not None:
+                return {**row, "status": "skipped", "reason": reason, "liger": info}
+        ids = torch.randint(
+            0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)
+        )
+        ids = ids.to(device)
+        print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
+        sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
+    except Exception as e:  # noqa: BLE001  (a peer that fails is reported, the other rows still run)
+        if impl in ("transformers", "moe8"):
+            raise
+        return {**row, "status": "failed", "reason": f"{type(e).__name__}: " + " ".join(str(e).split())}
+    cfg = hf.config_of(model) if impl == "moe8" else None
+    row.update(
+        status="ran",
+        config={k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
+        layers=model.config.num_hidden_layers,
+        params=sum(p.numel() for p in model.parameters()),
+        vocab=model.config.vocab_size,
+        step_ms=sec * 1e3,
+        tokens_per_s=a.batch * a.seq / sec,
+        peak_gib=peak,
+        losses=losses,
+        profile_ms=split,
+    )
+    if info is not None:
+        row["liger"] = info
+    return row
+
+
+def report(rows, names, device):
+    """The table (every row that ran: tokens/s, speed-up and peak memory against the family's transformers
+    row, ms per category), the peers that did not run and why, and one line per family."""
     unit = "ms (CPU op time)" if device.type == "cpu" else "ms of GPU time in the profiled step"
     short = ["experts", "dense", "attn", "head+loss", "optim", "elementw", "idle"]
     print(
-        f"{'family':<12} {'impl':<12} {'step ms':>8} {'tok/s':>9} {'GiB':>5} "
+        f"{'family':<12} {'impl':<24} {'step ms':>8} {'tok/s':>9} {'vs HF':>6} {'GiB':>5} "
         + " ".join(f"{s:>9}" for s in short)
     )
-    for r in rows:
+    ran = [r for r in rows if r["status"] == "ran"]
+    for r in ran:
         p = r["profile_ms"]
         cells = " ".join(f"{p[c]:>9.1f}" for c in (*CATEGORIES, "idle"))
         print(
-            f"{r['family']:<12} {r['impl']:<12} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['peak_gib']:>5.1f} {cells}"
+            f"{r['family']:<12} {r['impl']:<24} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
+            f"{r['speedup_vs_transformers']:>5.2f}x {r['peak_gib']:>5.1f} {cells}"
         )
+    for impl in dict.fromkeys(r["impl"] for r in rows if r["status"] != "ran"):
+        by_reason = {}
+        for r in rows:
+            if r["impl"] == impl and r["status"] != "ran":
+                by_reason.setdefault((r["status"], r["reason"]), []).append(r["family"])
+        for (status, reason), fams in by_reason.items():
+            print(f"{impl} not run ({status}) for {', '.join(fams)}: {reason}")
     for name in names:
-        hf_ms, m8_ms = (r["step_ms"] for r in rows if r["family"] == name)
-        print(f"{name}: moe8 {hf_ms / m8_ms:.2f}x transformers' step ({unit} per category above)")
+        fam = [r for r in ran if r["family"] == name and r["impl"] != "transformers"]
+        ratios = ", ".join(f"{r['impl']} {r['speedup_vs_transformers']:.2f}x" for r in fam)
+        print(f"{name}: {ratios} transformers' step ({unit} per category above)")
 
 
 if __name__ == "__main__":

@@ -113,9 +113,14 @@ REGION = "step."  # record_function labels that region_hooks puts around modules
 _GEMM = re.compile(r"gemm|matmul|cutlass|xmma|nvjet|cublas|wgmma|aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
 _ATTN = re.compile(r"flash|fmha|attention|softmax|aten::(bmm|baddbmm|matmul)$", re.I)
 _ROPE = re.compile(r"rope|rotary", re.I)
-# kernels / ops of the experts when no region says so: moe8's (its namespace is in every kernel name) and
-# torch's grouped GEMM that transformers' grouped_mm calls
-_EXPERTS = re.compile(r"moe8::|grouped_mm|GroupProblemShape", re.I)
+# kernels / ops of the experts when no region says so: moe8's (its namespace is in every kernel name),
+# torch's grouped GEMM that transformers' grouped_mm calls, and Liger Kernel's fused MoE (Triton: its
+# backward kernels run outside any region, from a Python autograd.Function)
+_EXPERTS = re.compile(
+    r"moe8::|grouped_mm|GroupProblemShape|_moe_(router|bwd)_|_fused_(up_proj_swiglu|down_proj)_kernel"
+    r"|_token_gather_weighted_sum_kernel|LigerFusedMoE",
+    re.I,
+)
 
 
 def region_hooks(model, vocab_module=None):
@@ -188,7 +193,7 @@ def classify_trace(trace: dict, vocab: tuple) -> dict:
     (torch's Optimizer.step range); the LM head and loss (an op with one of the `vocab` sizes among its input
     dims, or a cross-entropy op; embeddings excluded); the region (region_hooks) of the op, or in the backward
     of the forward op with the same autograd sequence number, or else moe8's kernels and torch's grouped_mm:
-    experts; attention (its GEMMs are dense, its RoPE elementwise); norm; then any GEMM is dense and the rest
+    experts (Liger's fused MoE kernels too); attention (its GEMMs are dense, its RoPE elementwise); norm; then any GEMM is dense and the rest
     elementwise."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]

@@ -3,6 +3,7 @@ in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30
 bench_fp8_refresh.py --tiny, bench_step_profile.py --tiny, finetune_compare.py; and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
 bench_hf_train.py, scripts/carry_prebuilt.sh)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -248,10 +249,42 @@ def test_classify_trace_attributes_kernels():
     assert _classify(ev, vocab=(4096,))["dense GEMMs"] == pytest.approx(0.058)
 
 
+def test_classify_trace_liger_kernels():
+    """Liger Kernel's Triton kernels (launched through the driver, from Python autograd.Functions) in
+    classify_trace: its fused MoE's backward kernels are experts without a region, its fused linear
+    cross-entropy is the LM head and loss, its RMSNorm backward elementwise."""
+    ev = []
+
+    def op(cat, name, ts, dur, tid=1, **args):
+        ev.append(
+            {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+        )
+
+    def launch(corr, ts, kernel, kts, kdur, tid=1):
+        op("cuda_driver", "cuLaunchKernelEx", ts, 1, tid, correlation=corr)
+        ev.append({"ph": "X", "cat": "kernel", "name": kernel, "ts": kts, "dur": kdur, "pid": 1, "tid": 7})
+        ev[-1]["args"] = {"correlation": corr}
+
+    op("user_annotation", "step.experts", 0, 50)
+    launch(1, 1, "_fused_up_proj_swiglu_kernel", 5, 20)  # forward: the experts region says so
+    launch(2, 60, "_liger_cross_entropy_kernel", 60, 10)  # forward of the fused linear cross-entropy
+    op("cpu_op", "autograd::engine::evaluate_function: LigerFusedMoEFunctionBackward", 100, 50, tid=2)
+    launch(3, 101, "_moe_bwd_dW1_kernel", 110, 30, tid=2)
+    launch(4, 102, "_token_gather_weighted_sum_kernel", 141, 4, tid=2)
+    op("cpu_op", "autograd::engine::evaluate_function: LigerRMSNormFunctionBackward", 160, 10, tid=2)
+    launch(5, 161, "_rms_norm_backward_kernel", 162, 6, tid=2)
+    got = _classify(ev)
+    assert got["experts"] == pytest.approx(0.054), got
+    assert got["LM head + loss"] == pytest.approx(0.010), got
+    assert got["norms/rope/elementwise"] == pytest.approx(0.006), got
+    assert got["dense GEMMs"] == 0 and got["attention"] == 0
+
+
 def test_bench_step_profile_tiny(tmp_path):
     """bench_step_profile.py --tiny on CPU: both columns of two families (Qwen2-MoE: a shared expert;
     DeepSeek-V3: MLA, a dense first layer), an odd vocabulary, fusions changed by --fusions; every category in
-    the JSON, the table last; bad flags fail naming the flag."""
+    the JSON, the table last; the peer rows (transformers + Liger, transformers' sonicmoe and deepgemm experts)
+    each with a status and its reason, the Liger rows run after every other; bad flags fail naming the flag."""
     args = ("bench/bench_step_profile.py", "--tiny", "--steps", "1", "--warmup", "0", "--out", tmp_path)
     fams = ("qwen2_moe", "deepseek_v3")
     p = run(
@@ -267,10 +300,17 @@ def test_bench_step_profile_tiny(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads((tmp_path / "step_profile_cpu.json").read_text())
     assert data["meta"]["tiny"] and data["meta"]["commit"] and data["meta"]["vocab"] == 517
-    rows = data["rows"]
-    assert [(r["family"], r["impl"]) for r in rows] == [
-        (f, i) for f in fams for i in ("transformers", "moe8")
-    ]
+    assert data["meta"]["peers"] == ["deepgemm", "liger", "sonicmoe"]
+    impls = (
+        "transformers",
+        "moe8",
+        "transformers (sonicmoe)",
+        "transformers (deepgemm)",
+        "transformers + Liger",
+    )
+    assert [(r["family"], r["impl"]) for r in data["rows"]] == [(f, i) for f in fams for i in impls]
+    rows = [r for r in data["rows"] if r["status"] == "ran"]
+    assert [(r["family"], r["impl"]) for r in rows] == [(f, i) for f in fams for i in impls[:2]]
     cats = ("experts", "dense GEMMs", "attention", "LM head + loss", "optimizer", "norms/rope/elementwise")
     for r in rows:
         prof = r["profile_ms"]
@@ -278,12 +318,38 @@ def test_bench_step_profile_tiny(tmp_path):
         assert prof["experts"] > 0 and prof["LM head + loss"] > 0 and prof["optimizer"] > 0
         assert sum(prof[c] for c in cats) == pytest.approx(prof["busy"], rel=1e-3)  # trace times: ~1e15 us
         assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 517
-    for r in rows[1::2]:
-        assert r["config"]["fuse_mlp"] and r["config"]["fuse_loss"] and not r["config"]["fuse_norm"]
+    for hf_row, m8 in zip(rows[0::2], rows[1::2]):
+        assert hf_row["speedup_vs_transformers"] == 1.0
+        assert m8["speedup_vs_transformers"] == pytest.approx(hf_row["step_ms"] / m8["step_ms"])
+        assert m8["config"]["fuse_mlp"] and m8["config"]["fuse_loss"] and not m8["config"]["fuse_norm"]
+        assert m8["first_loss_rel_diff"] < 1e-3  # same weights and batch: moe8 changes rounding only
     assert rows[0]["config"] is None
-    assert p.stdout.rstrip().splitlines()[-1].startswith("deepseek_v3: moe8")
+    # peers that cannot run here: skipped, with the exception of the real call and why
+    skipped = [r for r in data["rows"] if r["status"] != "ran"]
+    assert all(r["status"] == "skipped" and r["reason"] for r in skipped)
+    for r in skipped:
+        if r["impl"] != "transformers + Liger":  # the toy model's first step raised: recorded as such
+            assert r["error"] and r["error"] in r["reason"] and r["why"] in r["reason"]
+            assert "Hugging Face Hub" in r["why"]
+    liger = {r["family"]: r for r in skipped if r["impl"] == "transformers + Liger"}
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert all("liger-kernel is not installed" in r["reason"] for r in liger.values())
+    else:  # no Liger function for Qwen2-MoE; DeepSeek-V3's applies, but its Triton kernels need a GPU
+        assert "changed nothing" in liger["qwen2_moe"]["reason"]
+        assert "need a CUDA GPU" in liger["deepseek_v3"]["reason"]
+        assert liger["deepseek_v3"]["liger"]["function"] == "apply_liger_kernel_to_deepseek_v3"
+        assert {"fused_linear_cross_entropy", "rms_norm", "swiglu"} <= set(
+            liger["deepseek_v3"]["liger"]["kernels"]
+        )
+    last_plain = max(r["run_order"] for r in data["rows"] if r["impl"] in impls[:4])
+    assert min(r["run_order"] for r in liger.values()) > last_plain  # Liger's module-global patches come last
+    out = p.stdout.rstrip().splitlines()
+    assert any(line.startswith("transformers + Liger not run (skipped) for qwen2_moe") for line in out)
+    assert out[-1].startswith("deepseek_v3: moe8")
     bad = run(*args, "--fusions", "fuse_everything=1")
     assert bad.returncode != 0 and "--fusions: expected" in bad.stderr
+    bad = run(*args, "--peers", "liger,unsloth")
+    assert bad.returncode != 0 and "--peers: unknown ['unsloth']" in bad.stderr
 
 
 def test_bench_host_runs(tmp_path):

@@ -1,0 +1,109 @@
+"""The peers bench_step_profile.py measures beside plain transformers and moe8, and why a peer's row did not run.
+
+- Liger Kernel (`liger-kernel`, Triton): `apply_liger_kernel_to_<model_type>(model=model)` with its defaults
+  (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU / its fused MoE experts, each where the family has one);
+  a family without such a function gets `_apply_liger_kernel_to_instance(model)`, and the row is skipped when
+  that changes nothing.
+- transformers' own experts implementations that load a kernel from the Hugging Face Hub (`sonicmoe`,
+  `deepgemm`): a toy model of the family is built with that implementation and stepped once on the run's
+  device (`probe_experts`); the full row runs only if that works, otherwise the row records the exception.
+
+    from peers import LIGER, HUB_EXPERTS, prepare_liger, probe_experts   # this folder is on sys.path
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+
+import torch
+
+LIGER = "transformers + Liger"
+LIGER_PIN = "liger-kernel==0.8.5"
+
+# impl name in the table -> transformers' experts_implementation, and why it cannot be installed on a machine
+# without network access (checked against transformers 5.17.0's integrations/{sonicmoe,deepgemm}.py and the
+# PyPI distributions' metadata); the probe's own exception is recorded beside it
+HUB_EXPERTS = {
+    "transformers (sonicmoe)": (
+        "sonicmoe",
+        "transformers 5.17 loads kernels-community/sonic-moe (revision ep-support) from the Hugging Face Hub "
+        "through the `kernels` package (0.16.x) and wants nvidia-cutlass-dsl >= 4.6.0; the PyPI package "
+        "sonic-moe 0.1.2.post1 is not what it imports, and pins torch<=2.9.1 and nvidia-cutlass-dsl==4.4.2",
+    ),
+    "transformers (deepgemm)": (
+        "deepgemm",
+        "transformers 5.17 loads kernels-community/deep-gemm (version 2) from the Hugging Face Hub through the "
+        "`kernels` package (0.16.x) and JIT-compiles it with nvcc; the PyPI deep-gemm 1.0.0 is an sdist of "
+        "DeepGEMM 1.0 with FP8 GEMMs only (no m_grouped_bf16_gemm_nt_contiguous) and without its CUDA headers",
+    ),
+}
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + " ".join(str(e).split())
+
+
+def liger_version() -> str | None:
+    try:
+        return importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _snapshot(model) -> tuple:
+    """What a Liger patch changes: per module its class, its class's and its instance's forward, and the
+    modeling module's globals (RoPE functions, norm / MLP classes)."""
+    mods = tuple(
+        (name, type(m), type(m).__dict__.get("forward"), m.__dict__.get("forward"))
+        for name, m in model.named_modules()
+    )
+    modeling = sys.modules[type(model).__module__]
+    return mods, tuple(sorted((k, id(v)) for k, v in vars(modeling).items()))
+
+
+def prepare_liger(model, device: torch.device) -> tuple[str | None, dict]:
+    """Apply Liger's defaults to `model` (in place). Returns (None, what was applied) when the row can run, or
+    (why it cannot, what was applied). Liger's patches also reassign names in the family's modeling module
+    (RoPE, the RMSNorm and experts classes), so the caller runs these rows after every other row."""
+    version = liger_version()
+    try:
+        import liger_kernel.transformers as lk
+    except ImportError as e:
+        return f"liger-kernel is not installed (pip install {LIGER_PIN}): {_one_line(e)}", {}
+    model_type = model.config.model_type
+    fn_name = f"apply_liger_kernel_to_{model_type}"
+    fn = getattr(lk, fn_name, None)
+    if fn is None:
+        before = _snapshot(model)
+        lk._apply_liger_kernel_to_instance(model)
+        info = {"version": version, "function": "_apply_liger_kernel_to_instance", "kernels": []}
+        if _snapshot(model) == before:
+            return (
+                f"liger-kernel {version} has no {fn_name}, and _apply_liger_kernel_to_instance(model) changed "
+                f"nothing (no entry for model_type {model_type!r} in its MODEL_TYPE_TO_APPLY_LIGER_FN)",
+                info,
+            )
+    else:
+        defaults = [k for k, p in inspect.signature(fn).parameters.items() if p.default is True]
+        fn(model=model)
+        info = {"version": version, "function": fn_name, "kernels": defaults}
+    if device.type != "cuda":
+        return (
+            f"Liger's Triton kernels need a CUDA GPU; this run is on the CPU ({info['function']} applied)",
+            info,
+        )
+    return None, info
+
+
+def probe_experts(build_tiny, device: torch.device) -> str | None:
+    """One forward + backward of the toy model `build_tiny()` (bf16, on `device`): None when it ran, else the
+    exception, on one line. The hub-kernel experts raise at their first call, not when the model is built."""
+    try:
+        model = build_tiny()
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+        model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as e:  # noqa: BLE001  (any failure is the finding: it is recorded, not hidden)
+        return _one_line(e)
+    return None
