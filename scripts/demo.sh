@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: installs moe8 (and its pinned build tools) on a fresh machine, then fine-tunes a tiny MoE
+# The main job: installs moe8 (with torch, transformers and its build tools, pinned: requirements-build.txt) on a
+# fresh machine, then fine-tunes a tiny MoE
 # model (built-in tiny Qwen3-MoE) through moe8 on the GPU when present, else the CPU, printing loss and tokens/s,
 # and writes the checkpoint, metrics.jsonl and report.html under runs/.
 #   bash scripts/demo.sh [moe8 finetune options]     (see: moe8 finetune --help)
@@ -11,8 +12,8 @@ source scripts/lib/build.sh
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install --disable-pip-version-check)
 
-echo "== installing build tools (requirements-dev.txt, nvidia-cutlass==4.2.0.0)"
-"${PIP[@]}" -q -r requirements-dev.txt
+echo "== installing torch, transformers and the build tools (requirements-build.txt, nvidia-cutlass==4.2.0.0)"
+"${PIP[@]}" -q -r requirements-build.txt
 # CUTLASS headers for the sm_90a kernels (header-only; --no-deps skips its Python generator's dependencies)
 "${PIP[@]}" -q --no-deps nvidia-cutlass==4.2.0.0
 
