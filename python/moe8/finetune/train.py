@@ -181,6 +181,9 @@ class Trainer:
                 {"params": groups[1], "weight_decay": 0.0},
             ],
             lr=lr,
+            # fused on CUDA: torch's default there (foreach) holds sqrt(exp_avg_sq) of every tensor at once,
+            # T x 4 bytes more at the step (memory.py)
+            fused=True if self.device.type == "cuda" else None,
         )
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else self.steps // 20
         self.sched = torch.optim.lr_scheduler.LambdaLR(
