@@ -4,7 +4,9 @@ For assistant turn i the template renders the conversation up to the turn with t
 (G = messages[:i] + "<|im_start|>assistant\\n" or whatever the template's header is) and up to and
 including the turn (R = messages[:i+1]). When the tokens of G are a prefix of the tokens of R, the turn
 is R's tokens after G (its content, reasoning included, and the token closing it; trailing whitespace
-tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found.
+tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found. A turn
+that opens the conversation has no G (transformers renders no empty conversation): it is the tokens the
+template gives the same message after a user message, when R ends with them.
 
 The turns of one conversation go into one sequence as long as each R extends the previous one. A
 template that rewrites earlier turns (Qwen3 drops the <think> block of assistant turns before the last
@@ -16,9 +18,11 @@ unmatched and gets no loss."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 IGNORE = -100  # label of tokens without loss
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")  # {% generation %}: return_assistant_tokens_mask
 
 
 @dataclass
@@ -59,22 +63,21 @@ def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int
     docs: list[tuple[list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
-    template = getattr(tok, "chat_template", None) or ""
+    tagged = bool(GENERATION_TAG.search(getattr(tok, "chat_template", None) or ""))
     for i, m in enumerate(chat):
         if m.get("role") != "assistant":
             continue
         stats.turns += 1
-        g = _render(tok, chat[:i], True) if i else []
         r = _render(tok, chat[: i + 1], False)
-        if r[: len(g)] != g:
-            span = _generation_span(tok, chat[: i + 1], r) if "generation" in template else None
-            if span is None:
-                if len(stats.unmatched_examples) < 3:
-                    stats.unmatched_examples.append(m.get("content", "")[:60])
-                continue
-            start, end = span
-        else:
-            start, end = len(g), _trailing_whitespace(tok, r, len(g))
+        start = _opening_start(tok, m, r) if i == 0 else _prompt_end(_render(tok, chat[:i], True), r)
+        span = None if start is None else (start, _trailing_whitespace(tok, r, start))
+        if span is None and tagged:
+            span = _generation_span(tok, chat[: i + 1], r)
+        if span is None:
+            if len(stats.unmatched_examples) < 3:
+                stats.unmatched_examples.append(m.get("content", "")[:60])
+            continue
+        start, end = span
         if end <= start:
             continue
         if r[: len(ids)] == ids:  # the turn extends the sequence so far
@@ -89,6 +92,30 @@ def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int
     if ids:
         docs.append((ids, labels))
     return [d for d in docs if d[0]], stats
+
+
+def _prompt_end(g: list[int], r: list[int]) -> int | None:
+    """Where the turn starts in r: after g, the generation prompt, when g is a prefix of r."""
+    return len(g) if r[: len(g)] == g else None
+
+
+def _opening_start(tok, m: dict, r: list[int]) -> int | None:
+    """Where an assistant turn that opens the conversation starts in r, its rendering. Transformers renders no
+    empty conversation, so there is no generation prompt to take off: the turn is what the template adds for
+    the same message after a user message (its tokens after that one's generation prompt), when r ends with
+    those tokens; else None (a template rendering the turn differently there: unmatched, no loss)."""
+    from jinja2 import TemplateError
+
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        g, r2 = _render(tok, probe, True), _render(tok, [*probe, m], False)
+    except TemplateError:  # a template that refuses the probe
+        return None
+    start = _prompt_end(g, r2)
+    if start is None or start == len(r2):
+        return None
+    turn = r2[start:]
+    return len(r) - len(turn) if len(turn) <= len(r) and r[len(r) - len(turn) :] == turn else None
 
 
 def _generation_span(tok, messages, r: list[int]) -> tuple[int, int] | None:
