@@ -143,7 +143,9 @@ def run_transformers(cfg, trainer_data, tok, device, dtype, steps: int) -> dict:
         model = peft_lora(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     master = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(master, lr=1e-5)
+    opt = torch.optim.AdamW(
+        master, lr=1e-5, fused=True if device.type == "cuda" else None
+    )  # as the trainer's
     model.train()
     times, loss = [], None
     for step in range(steps):
