@@ -216,3 +216,22 @@ def test_opening_assistant_turn_without_its_header():
     assert tok.decode(ids) == text + "<|im_end|>\n"
     got = [(tok.decode(ids[:s]), tok.decode(ids[s:e])) for s, e in spans(ids, labels)]
     assert got == [("<|im_start|>assistant\n", "assistant here<|im_end|>"), (text, "<|im_end|>")]
+
+
+@needs_qwen3
+def test_opening_assistant_turn_qwen3():
+    """Qwen3's own template: the opening turn as it renders it (no <think> block: no user turn precedes it),
+    the later one with its empty <think> block; one document (the first turn is not rewritten)."""
+    tok = load_tokenizer(Config(tokenizer="qwen3"), None)
+    chat = [
+        {"role": "assistant", "content": "assistant"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    docs, stats = tokenize_chat(tok, chat)
+    [(ids, labels)] = docs
+    assert (stats.turns, stats.matched, stats.split) == (2, 2, 0)
+    first = "<|im_start|>assistant\n"
+    second = first + "assistant<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    got = [(tok.decode(ids[:s]), tok.decode(ids[s:e])) for s, e in spans(ids, labels)]
+    assert got == [(first, "assistant<|im_end|>"), (second, "<think>\n\n</think>\n\n4<|im_end|>")]

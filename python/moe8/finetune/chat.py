@@ -5,8 +5,9 @@ For assistant turn i the template renders the conversation up to the turn with t
 including the turn (R = messages[:i+1]). When the tokens of G are a prefix of the tokens of R, the turn
 is R's tokens after G (its content, reasoning included, and the token closing it; trailing whitespace
 tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found. A turn
-that opens the conversation has no G (transformers renders no empty conversation): it is the tokens the
-template gives the same message after a user message, when R ends with them.
+that opens the conversation has no G (transformers renders no empty conversation): it starts after the
+assistant header (what the generation prompt adds after a user message) where that header follows only what
+the template renders before any message.
 
 The turns of one conversation go into one sequence as long as each R extends the previous one. A
 template that rewrites earlier turns (Qwen3 drops the <think> block of assistant turns before the last
@@ -69,7 +70,7 @@ def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int
             continue
         stats.turns += 1
         r = _render(tok, chat[: i + 1], False)
-        start = _opening_start(tok, m, r) if i == 0 else _prompt_end(_render(tok, chat[:i], True), r)
+        start = _opening_start(tok, r) if i == 0 else _prompt_end(_render(tok, chat[:i], True), r)
         span = None if start is None else (start, _trailing_whitespace(tok, r, start))
         if span is None and tagged:
             span = _generation_span(tok, chat[: i + 1], r)
@@ -99,23 +100,29 @@ def _prompt_end(g: list[int], r: list[int]) -> int | None:
     return len(g) if r[: len(g)] == g else None
 
 
-def _opening_start(tok, m: dict, r: list[int]) -> int | None:
+def _opening_start(tok, r: list[int]) -> int | None:
     """Where an assistant turn that opens the conversation starts in r, its rendering. Transformers renders no
-    empty conversation, so there is no generation prompt to take off: the turn is what the template adds for
-    the same message after a user message (its tokens after that one's generation prompt), when r ends with
-    those tokens; else None (a template rendering the turn differently there: unmatched, no loss)."""
+    empty conversation, so there is no generation prompt to take off: the assistant header is what the
+    generation prompt adds after a user message, and the turn starts after the first occurrence of that
+    header in r that only what the template renders before any message (a bos token, a default system prompt)
+    precedes; None if there is none (unmatched, no loss)."""
     from jinja2 import TemplateError
 
     probe = [{"role": "user", "content": "?"}]
     try:
-        g, r2 = _render(tok, probe, True), _render(tok, [*probe, m], False)
+        p, g = _render(tok, probe, False), _render(tok, probe, True)
     except TemplateError:  # a template that refuses the probe
         return None
-    start = _prompt_end(g, r2)
-    if start is None or start == len(r2):
+    n = _prompt_end(p, g)
+    header = g[n:] if n is not None else []
+    if not header:
         return None
-    turn = r2[start:]
-    return len(r) - len(turn) if len(turn) <= len(r) and r[len(r) - len(turn) :] == turn else None
+    for j in range(len(r) - len(header) + 1):
+        if r[:j] != p[:j]:
+            return None
+        if r[j : j + len(header)] == header:
+            return j + len(header)
+    return None
 
 
 def _generation_span(tok, messages, r: list[int]) -> tuple[int, int] | None:
