@@ -289,7 +289,13 @@ def test_memory_estimate_by_hand():
     assert memory.per_token_layer(config, 4) == 1808 + 3136
     est = memory.estimate(config, cfg, counts, torch.float32)
     want = dict(
-        weights=4 * P, master=0, adamw=8 * P, grads=4 * P, activations=tokens * L * 4944, logits=64 * 260 * 8
+        weights=4 * P,
+        master=0,
+        adamw=8 * P,
+        grads=4 * P,
+        activations=tokens * L * 4944,
+        logits=64 * 260 * 8,
+        loss_grads=tokens * 64 * 4 + 384 * 64 * 4,  # d hidden; d weight at the vocabulary padded to 128 rows
     )
     want["overhead"] = sum(want.values()) // 20
     assert est.parts == want and est.total == sum(want.values())
@@ -307,6 +313,7 @@ def test_memory_estimate_by_hand():
         grads=4 * T,
         activations=tokens * L * 64 * 2 + tokens * memory.per_token_layer(config, 2),
         logits=64 * 260 * 8,
+        loss_grads=tokens * 64 * 2,  # the head is frozen: d hidden only
     )
     want2["overhead"] = sum(want2.values()) // 20
     assert e2.parts == want2

@@ -4,7 +4,10 @@ For assistant turn i the template renders the conversation up to the turn with t
 (G = messages[:i] + "<|im_start|>assistant\\n" or whatever the template's header is) and up to and
 including the turn (R = messages[:i+1]). When the tokens of G are a prefix of the tokens of R, the turn
 is R's tokens after G (its content, reasoning included, and the token closing it; trailing whitespace
-tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found.
+tokens dropped). No text search: a reply that also occurs in a header or a system prompt is found. A turn
+that opens the conversation has no G (transformers renders no empty conversation): it starts after the
+assistant header (what the generation prompt adds after a user message) where that header follows only what
+the template renders before any message.
 
 The turns of one conversation go into one sequence as long as each R extends the previous one. A
 template that rewrites earlier turns (Qwen3 drops the <think> block of assistant turns before the last
@@ -16,9 +19,11 @@ unmatched and gets no loss."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 IGNORE = -100  # label of tokens without loss
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")  # {% generation %}: return_assistant_tokens_mask
 
 
 @dataclass
@@ -59,22 +64,21 @@ def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int
     docs: list[tuple[list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
-    template = getattr(tok, "chat_template", None) or ""
+    tagged = bool(GENERATION_TAG.search(getattr(tok, "chat_template", None) or ""))
     for i, m in enumerate(chat):
         if m.get("role") != "assistant":
             continue
         stats.turns += 1
-        g = _render(tok, chat[:i], True) if i else []
         r = _render(tok, chat[: i + 1], False)
-        if r[: len(g)] != g:
-            span = _generation_span(tok, chat[: i + 1], r) if "generation" in template else None
-            if span is None:
-                if len(stats.unmatched_examples) < 3:
-                    stats.unmatched_examples.append(m.get("content", "")[:60])
-                continue
-            start, end = span
-        else:
-            start, end = len(g), _trailing_whitespace(tok, r, len(g))
+        start = _opening_start(tok, r) if i == 0 else _prompt_end(_render(tok, chat[:i], True), r)
+        span = None if start is None else (start, _trailing_whitespace(tok, r, start))
+        if span is None and tagged:
+            span = _generation_span(tok, chat[: i + 1], r)
+        if span is None:
+            if len(stats.unmatched_examples) < 3:
+                stats.unmatched_examples.append(m.get("content", "")[:60])
+            continue
+        start, end = span
         if end <= start:
             continue
         if r[: len(ids)] == ids:  # the turn extends the sequence so far
@@ -89,6 +93,36 @@ def tokenize_chat(tok, chat: list[dict]) -> tuple[list[tuple[list[int], list[int
     if ids:
         docs.append((ids, labels))
     return [d for d in docs if d[0]], stats
+
+
+def _prompt_end(g: list[int], r: list[int]) -> int | None:
+    """Where the turn starts in r: after g, the generation prompt, when g is a prefix of r."""
+    return len(g) if r[: len(g)] == g else None
+
+
+def _opening_start(tok, r: list[int]) -> int | None:
+    """Where an assistant turn that opens the conversation starts in r, its rendering. Transformers renders no
+    empty conversation, so there is no generation prompt to take off: the assistant header is what the
+    generation prompt adds after a user message, and the turn starts after the first occurrence of that
+    header in r that only what the template renders before any message (a bos token, a default system prompt)
+    precedes; None if there is none (unmatched, no loss)."""
+    from jinja2 import TemplateError
+
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        p, g = _render(tok, probe, False), _render(tok, probe, True)
+    except TemplateError:  # a template that refuses the probe
+        return None
+    n = _prompt_end(p, g)
+    header = g[n:] if n is not None else []
+    if not header:
+        return None
+    for j in range(len(r) - len(header) + 1):
+        if r[:j] != p[:j]:
+            return None
+        if r[j : j + len(header)] == header:
+            return j + len(header)
+    return None
 
 
 def _generation_span(tok, messages, r: list[int]) -> tuple[int, int] | None:

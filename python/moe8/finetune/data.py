@@ -180,9 +180,17 @@ def tokenize(cfg: Config, tok, data: str) -> tuple[str, int, list, str, ChatStat
         return kind, len(docs), tokenize_text(tok, [d for d in docs if d.strip()]), source, None
     if not getattr(tok, "chat_template", None):
         raise FinetuneError(f"data: {source}: chat messages, but the tokenizer has no chat template")
+    from jinja2 import TemplateError
+
     stats, out = ChatStats(), []
-    for chat in docs:
-        pieces, s = tokenize_chat(tok, chat)
+    for n, chat in enumerate(docs, 1):
+        try:
+            pieces, s = tokenize_chat(tok, chat)
+        except TemplateError as e:  # the template's raise_exception: roles it does not take, their order
+            roles = ", ".join(str(m.get("role")) for m in chat)
+            raise FinetuneError(
+                f"data: {source}: conversation {n} (roles {roles}): the tokenizer's chat template refuses it: {e}"
+            ) from None
         out += pieces
         stats.add(s)
     return kind, len(docs), out, source, stats

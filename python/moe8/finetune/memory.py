@@ -10,16 +10,22 @@ seq_len), the larger of the backward peak and the optimizer-step peak:
   activations  backward only: tokens x layers x per-token-per-layer bytes (see per_token_layer), or with
                activation checkpointing tokens x layers x hidden x w + one layer's tokens x per-layer bytes
   logits       backward only: 1024-row chunks x vocab x 4 x 2 (moe8's chunked cross-entropy)
+  loss_grads   backward only: the gradients moe8's chunked cross-entropy computes in its forward and holds
+               until the backward: tokens x hidden x w (d hidden) + when the head trains (full) padded vocab x
+               hidden x 4 (d weight, fp32)
   overhead     5% of the above (allocator rounding, workspaces)
+The optimizer step adds nothing: the trainer's AdamW is fused on CUDA (torch's default there, foreach, would
+take sqrt(exp_avg_sq) of every tensor at once: T x 4 more).
 The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimate."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..loss import padded_vocab
 from .config import Config, FinetuneError
 
 GiB = 2**30
@@ -99,8 +105,10 @@ def per_token_layer(config, w: int) -> int:
 
 @dataclass(frozen=True)
 class Estimate:
-    parts: dict  # name -> bytes at the peak
+    parts: dict  # name -> bytes at the peak (the larger phase, plus overhead)
     total: int
+    backward: dict = field(default_factory=dict)  # name -> bytes of the backward peak (no overhead)
+    step: dict = field(default_factory=dict)  # name -> bytes of the optimizer-step peak (no overhead)
 
     def table(self) -> str:
         unit, div = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
@@ -126,13 +134,21 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     else:
         acts = tokens * L * per
     logits = min(LOSS_CHUNK, tokens) * config.vocab_size * 4 * 2
+    H = config.hidden_size
+    loss_grads = tokens * H * w + (0 if lora else padded_vocab(config.vocab_size) * H * 4)
     backward = dict(
-        weights=weights, master=master, adamw=adamw, grads=grads_bwd, activations=acts, logits=logits
+        weights=weights,
+        master=master,
+        adamw=adamw,
+        grads=grads_bwd,
+        activations=acts,
+        logits=logits,
+        loss_grads=loss_grads,
     )
-    step = dict(weights=weights, master=master, adamw=adamw, grads=grads_step, activations=0, logits=0)
+    step = dict(backward, grads=grads_step, activations=0, logits=0, loss_grads=0)
     parts = max(backward, step, key=lambda d: sum(d.values()))
     parts = dict(parts, overhead=sum(parts.values()) // 20)
-    return Estimate(parts, sum(parts.values()))
+    return Estimate(parts, sum(parts.values()), backward, step)
 
 
 def memory_gib(device) -> float:
