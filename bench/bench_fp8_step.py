@@ -4,10 +4,10 @@ layers. The slices of bench_hf_train.py (Qwen3-30B-A3B, 4 layers; Mixtral-8x7B, 
 SDPA), its model building and step: forward + backward + fused AdamW, one micro-batch of 8 x 2048 tokens per
 optimizer step, the same weights and batch in every row.
 
-    python bench/bench_fp8_step.py --out DIR                            # torchao row skipped: not importable
-    pip install --no-deps --target /tmp/torchao torchao-0.18.0-*.whl
-    PYTHONPATH=/tmp/torchao python bench/bench_fp8_step.py --out DIR   # with the torchao row
-    python bench/bench_fp8_step.py --tiny --out DIR                     # smoke test of every row, CPU is fine
+    pip install --no-deps --target /tmp/torchao torchao-0.18.0-*.whl     # torchao kept out of site-packages
+    PYTHONPATH=/tmp/torchao:python python bench/bench_fp8_step.py --out DIR   # every row, one H200
+    PYTHONPATH=python python bench/bench_fp8_step.py --out DIR        # without torchao: its row skipped, why said
+    PYTHONPATH=python python bench/bench_fp8_step.py --tiny --out DIR # smoke test of every row, CPU is fine
 
 Rows, per model:
     transformers      transformers' grouped_mm experts, bf16
@@ -164,7 +164,7 @@ def table(out: dict) -> None:
     )
     print(
         f"{'model':<8} {'row':<15} {'tokens/s':>10} {'peak GiB':>8} {'vs moe8':>7} {'vs HF':>6} "
-        f"{'first loss':>10} {'fp8 dense':>9}  note"
+        f"{'first loss':>10} {'- HF':>9} {'fp8 dense':>9}  note"
     )
 
     def f(x, spec):
@@ -175,6 +175,7 @@ def table(out: dict) -> None:
             f"{r['model']:<8} {r['row']:<15} {f(r.get('tokens_per_s'), ',.0f'):>10} "
             f"{f(r.get('peak_gib'), '.1f'):>8} {f(r.get('speedup_vs_moe8'), '.2f'):>7} "
             f"{f(r.get('speedup_vs_transformers'), '.2f'):>6} {f(r.get('first_loss'), '.5f'):>10} "
+            f"{f(r.get('first_loss_diff'), '+.1e'):>9} "
             f"{len(r.get('fp8_dense_layers', [])):>9}  {r.get('skipped') or r.get('error') or ''}"
         )
 
