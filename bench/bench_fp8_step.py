@@ -245,6 +245,10 @@ def main():
         rows=[],
     )
     no_torchao = torchao_unavailable(device)
+    if no_torchao is None or not no_torchao.startswith("torchao not importable"):
+        import torchao
+
+        out["meta"]["torchao"] = torchao.__version__
     for name in names:
         for row in rows_asked:
             r = dict(model=name, row=row)

@@ -526,7 +526,7 @@ def table(out):
         print(
             f"step-0 loss |moe8_fp8base - moe8| = {out['fp8base_step0_loss_diff']:.2e} (the FP8 base's error)"
         )
-    bf16_bytes = res.get("moe8", {}).get("base_bytes")
+    bf16_bytes = res.get("moe8", {}).get("base_bytes")  # the base in the model dtype
     for v in FP8_BASES:
         r = res.get(v)
         if not r:
@@ -534,7 +534,7 @@ def table(out):
         print(
             f"{v}: {r.get('frozen_at_load')} weights quantised at load, {r.get('frozen_after_lora', '-')} left for "
             f"freeze_base_fp8; parameters {r.get('base_bytes', 0) / GiB:.3f} GiB"
-            + (f" (bf16 base {bf16_bytes / GiB:.3f} GiB)" if bf16_bytes else "")
+            + (f" (moe8: {bf16_bytes / GiB:.3f} GiB)" if bf16_bytes else "")
         )
     t = out["targets"]
     if "moe8" in res:
