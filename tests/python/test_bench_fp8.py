@@ -133,3 +133,64 @@ def test_bench_lora_30b_fp8_base_tiny(tmp_path):
         assert r["losses"][0] != m8["losses"][0]  # the base GEMMs really ran in FP8
     assert 0 < res["fp8base_step0_loss_diff"] < 2e-2
     assert "moe8_fp8base / moe8 tokens/s" in p.stdout
+
+
+def test_fp8_base_is_quantised_a_layer_at_a_time(monkeypatch):
+    """bench_lora_30b.build_fp8_base: when layer i is quantised, the earlier layers' targets are FP8 already
+    and the later layers are not yet materialised, so at most one layer is held in bf16; the weights are
+    build()'s, bitwise."""
+    pytest.importorskip("transformers", minversion="5.0")
+    import argparse
+
+    import torch
+
+    from moe8 import fp8
+    from moe8.fp8 import frozen_fp8
+
+    lora30 = importlib.import_module("bench_lora_30b")
+    args = argparse.Namespace(tiny=True, layers=3, seed=0)
+    seen = []
+    freeze = lora30._freeze_layer
+
+    def watch(layer, attention=True):
+        model_layers = layer_list[0]
+        i = next(j for j, m in enumerate(model_layers) if m is layer)
+        experts = [m.mlp.experts for m in model_layers]
+        state = [
+            "fp8" if frozen_fp8(e.gate_up_proj) is not None else "meta" if e.gate_up_proj.is_meta else "real"
+            for e in experts
+        ]
+        seen.append((i, state))
+        return freeze(layer, attention)
+
+    import transformers
+
+    layer_list = []  # the decoder layers of the model being built
+    orig_from_config = transformers.AutoModelForCausalLM.from_config
+
+    def from_config(*a, **k):
+        model = orig_from_config(*a, **k)
+        layer_list.append(model.model.layers)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
+    monkeypatch.setattr(lora30, "_freeze_layer", watch)
+    model, total, fingerprint, n = lora30.build_fp8_base(args, torch.device("cpu"), torch.float32)
+    monkeypatch.undo()
+    assert seen == [
+        (0, ["real", "meta", "meta"]),
+        (1, ["fp8", "real", "meta"]),
+        (2, ["fp8", "fp8", "real"]),
+    ]
+    assert n == 3 * 6
+    ref, ref_total, ref_fingerprint = lora30.build(args, torch.device("cpu"), torch.float32)
+    assert (total, fingerprint) == (ref_total, ref_fingerprint)
+    # the frozen copies hold build()'s weights: dequantised, within e4m3's rounding of them
+    f = frozen_fp8(model.model.layers[1].mlp.experts.down_proj)
+    d = fp8.dequantize(f.value.q, f.value.scale, 128, 128, torch.float32)
+    w = ref.model.layers[1].mlp.experts.down_proj.detach()
+    assert ((d - w).norm() / w.norm()).item() < 0.05
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert torch.equal(
+        model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq
+    )  # made again on the device
