@@ -54,17 +54,19 @@ MODELS = {  # name: (family, config overrides, layers) — expert shapes of the 
 }
 
 
-def build(name, layers, dtype=torch.bfloat16):
+def build(name, layers, dtype=torch.bfloat16, device="cuda", models=MODELS):
+    """The model `name` of `models` (family, config overrides, default layers), HF's random init after
+    torch.manual_seed(0): every build of a name gives the same weights."""
     import transformers
 
-    family, over, default_layers = MODELS[name]
+    family, over, default_layers = models[name]
     cfg = transformers.AutoConfig.for_model(
         family, num_hidden_layers=layers or default_layers, max_position_embeddings=4096, **over
     )
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model
 
@@ -72,15 +74,19 @@ def build(name, layers, dtype=torch.bfloat16):
 def measure(model, batch, seq, steps, warmup, accum=1, profile_top=0):
     """tokens/s (median over steps), peak GiB and the loss of every step; each optimizer step takes accum
     micro-batches of batch x seq (the same tokens each time), their losses averaged. profile_top: one more
-    optimizer step under torch.profiler, its kernels with the most GPU time printed (and returned)."""
+    optimizer step under torch.profiler, its kernels with the most GPU time printed (and returned). Runs on
+    the model's device; on a CPU the peak is None and AdamW is not fused."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     ids = torch.randint(
         0,
         model.config.vocab_size,
         (batch, seq),
-        device="cuda",
-        generator=torch.Generator("cuda").manual_seed(0),
+        device=device,
+        generator=torch.Generator(device).manual_seed(0),
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
     times, losses = [], []
 
     def step():
@@ -93,16 +99,17 @@ def measure(model, batch, seq, steps, warmup, accum=1, profile_top=0):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         loss = step()
-        torch.cuda.synchronize()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     profile = None
     if profile_top:
         from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)

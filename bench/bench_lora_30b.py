@@ -4,17 +4,41 @@ shared/data/baselines/h200.md) vs moe8.lora.apply_lora (expert LoRA through moe8
 formed). Same base weights, same batch, r=16, alpha=32, targets q,k,v,o + experts, gradient checkpointing
 (non-reentrant), AdamW on the adapters only; median of --steps steps after --warmup.
 
-    PYTHONPATH=python python bench/bench_lora_30b.py --json bench/results/lora_30b_h200.json
+    PYTHONPATH=python python bench/bench_lora_30b.py --adapter-dtype bfloat16 --peft-adapter-dtype float32 \
+        --json bench/results/lora_30b_h200.json
     PYTHONPATH=python python bench/bench_lora_30b.py --layers 4 --steps 2     # quicker look on a GPU
     PYTHONPATH=python python bench/bench_lora_30b.py --tiny                   # smoke test, CPU is fine
 
 Each variant runs in a child process of its own: it builds the model (no HF init, then a seeded in-place
-normal_ fill, so both children get bitwise the same base weights: their checksums are compared), adds LoRA,
+normal_ fill, so every child gets bitwise the same base weights: their checksums are compared), adds LoRA,
 trains, and rewrites its result file after every step. So at most one 61 GB model exists at a time, PEFT's
 hooks and moe8's registration in transformers can't leak into the other variant, all GPU memory is returned
 between them, and an OOM, crash or --timeout in one still leaves the other's numbers. The parent never
 touches CUDA. --json is rewritten after each variant. Prints a table last: tokens/s, peak memory
-(torch.cuda.max_memory_allocated), the ratio, and the targets (>= 2.0x the baseline, peak <= 64 GiB)."""
+(torch.cuda.max_memory_allocated over the training steps; load GiB: the peak while building and adding LoRA),
+the ratio, and the targets (>= 2.0x the baseline, peak <= 64 GiB; the FP8 base: peak <= 40 GiB at >= 0.9x the
+bf16 base's tokens/s).
+
+Variants: peft (transformers grouped_mm + PEFT), moe8 (moe8.lora.apply_lora, bf16 base), moe8_fp8base (LoRA
+over FP8 base weights: the frozen q,k,v,o and expert weights held as FP8 blockwise codes with 128x128 fp32
+scales, the experts run with fp8="blockwise", the adapters in --adapter-dtype), moe8_fp8experts (the same with
+only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 dense GEMMs cost or save).
+
+The FP8 base is quantised once, at load, a decoder layer at a time: the model is built on the meta device and
+its parameters materialised on the GPU in the order, and from the seeded generator, that build() fills them
+(so the weights are bitwise those of the other variants, checksums compared); as soon as a layer is filled its
+LoRA-target weights are quantised (moe8.fp8.freeze_fp8) and their bf16 values freed. At most one layer
+(~1.2 GiB) is ever held in bf16, so the load peaks near the FP8 model's ~29 GiB rather than at the bf16 model's
+57 GiB (load GiB in the table); moe8.lora.freeze_base_fp8 after apply_lora then finds nothing left to quantise
+(frozen_after_lora: 0). Expected training peak of moe8_fp8base on an H200 (an estimate: 27.0 GiB of expert
+codes, 0.8 GiB of attention codes, 1.2 GiB of bf16 embeddings and LM head, 3.6 GiB of bf16 adapters and their
+AdamW state, the 3.1 GiB above that steady state that the bf16 base measured, 63.7 against 60.5 GiB: the
+adapters' gradients, checkpointed activations, one layer's recompute; ~0.6 GiB of transposed expert codes for
+a layer's input gradient): about 36-37 GiB.
+
+The first command above (four variants, --steps 3 after --warmup 2) takes about 3 minutes on one H200 (an
+estimate from bench/results/lora_30b_h200.json: 54 s of wall time for the PEFT child, 32 s for moe8; each FP8
+base ~35 s, its load quantising 29B values at ~3 TB/s, its steps assumed 0.7-0.9 s)."""
 
 from __future__ import annotations
 
@@ -29,7 +53,8 @@ import tempfile
 import time
 import traceback
 
-VARIANTS = ("peft", "moe8")
+VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts")
+FP8_BASES = {"moe8_fp8base": True, "moe8_fp8experts": False}  # variant: attention in FP8 too
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # PEFT target_parameters
 # Qwen3-30B-A3B's config.json (intermediate_size is unused: every layer is MoE)
@@ -64,6 +89,7 @@ TINY = dict(
 )
 BASELINE = {"tokens_per_s": 5035, "peak_gib": 79.6}  # shared/data/baselines/h200.md (PEFT, q,k,v,o + experts)
 TARGET_RATIO, TARGET_PEAK_GIB = 2.0, 64.0
+FP8BASE_RATIO, FP8BASE_PEAK_GIB = 0.9, 40.0  # the FP8 base against the bf16 base's tokens/s; its peak
 GiB = 2**30
 
 
@@ -75,12 +101,7 @@ def build(args, device, dtype):
     import transformers
     from transformers.initialization import no_init_weights
 
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", num_hidden_layers=args.layers, **(TINY if args.tiny else QWEN3_30B)
-    )
-    cfg._attn_implementation = "sdpa"
-    cfg._experts_implementation = "grouped_mm"
-    cfg.use_cache = False
+    cfg = _config(args)
     with torch.device(device), no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     gen = torch.Generator(device).manual_seed(args.seed)
@@ -93,6 +114,87 @@ def build(args, device, dtype):
         sums = torch.stack([p.sum(dtype=torch.float32) for p in model.parameters()])
     model.train()
     return model, float(sums.double().sum()), hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def _config(args):
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", num_hidden_layers=args.layers, **(TINY if args.tiny else QWEN3_30B)
+    )
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    cfg.use_cache = False
+    return cfg
+
+
+def _freeze_layer(layer, attention=True):
+    """Quantise a decoder layer's LoRA-target base weights (q,k,v,o and the experts, the ones
+    moe8.lora.freeze_base_fp8 quantises after apply_lora; attention=False: the experts only) to FP8
+    blockwise, dropping their bf16 values."""
+    import torch
+
+    from moe8.fp8 import freeze_fp8
+
+    n = 0
+    for name, m in layer.named_modules():
+        if attention and type(m) is torch.nn.Linear and name.rpartition(".")[2] in ATTN:
+            m.weight = freeze_fp8(m.weight.detach(), 0)
+            n += 1
+        elif hasattr(m, "has_gate") and hasattr(m, "is_transposed"):  # a transformers experts module
+            for p in ("gate_up_proj", "down_proj"):
+                setattr(m, p, freeze_fp8(getattr(m, p).detach(), int(m.is_transposed)))
+                n += 1
+    return n
+
+
+def build_fp8_base(args, device, dtype, attention=True):
+    """build()'s model with its LoRA-target weights stored in FP8 only, quantised a decoder layer at a time as
+    the layer is filled (so no more than one layer is ever held in bf16). Built on the meta device, then each
+    parameter materialised and filled in build()'s order from the same seeded generator (the same values);
+    returns (model, checksum, fingerprint, weights quantised) with build()'s checksum of the bf16 values."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    cfg = _config(args)
+    with torch.device("meta"), no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    layers = model.model.layers
+    names = [n for n, _ in model.named_parameters()]
+    sums, frozen, current = [], 0, None
+    with torch.no_grad():
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            i = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if current is not None and i != current:
+                frozen += _freeze_layer(layers[current], attention)
+            current = i
+            meta = mod._parameters[leaf]
+            p = torch.nn.Parameter(
+                torch.empty(meta.shape, dtype=meta.dtype, device=device), meta.requires_grad
+            )
+            if p.dim() >= 2:
+                p.normal_(0.0, cfg.initializer_range, generator=gen)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+            sums.append(p.sum(dtype=torch.float32))
+            mod._parameters[leaf] = p
+            del p, meta
+        if current is not None:
+            frozen += _freeze_layer(layers[current], attention)
+    rotary = model.model.rotary_emb  # its buffers are computed at init: made again on the device
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=cfg)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_fp8_base: still on the meta device: {left[:5]}")
+    sums = torch.stack(sums)
+    model.train()
+    fingerprint = hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
+    return model, float(sums.double().sum()), fingerprint, frozen
 
 
 def add_peft(model, args):
@@ -113,7 +215,8 @@ def add_peft(model, args):
     return peft.get_peft_model(model, config)
 
 
-def add_moe8(model, args):
+def add_moe8(model, args, fp8=None):
+    """moe8 LoRA; fp8="blockwise": the experts' base GEMMs in FP8 (the FP8 base's)."""
     import moe8
     from moe8.lora import apply_lora
 
@@ -122,6 +225,7 @@ def add_moe8(model, args):
     # as `moe8 finetune` runs it: routing, RMSNorms and RoPE fused too
     return moe8.accelerate(
         model,
+        fp8=fp8 or "none",
         fuse_router="router" in fuse,
         fuse_norm="norm" in fuse,
         fuse_rope="rope" in fuse,
@@ -162,10 +266,15 @@ def child(args):
             raise RuntimeError(
                 "needs a CUDA GPU; on CPU use --tiny, or --layers 1 for a slow full-width check"
             )
-        if v == "moe8" and cuda and not moe8.cuda_available():
+        if v != "peft" and cuda and not moe8.cuda_available():
             raise RuntimeError("moe8 is built without CUDA kernels (build it with nvcc first)")
         t = time.perf_counter()
-        model, res["weights_sum"], res["weights_fingerprint"] = build(args, device, dtype)
+        if v in FP8_BASES:  # quantised a layer at a time as it is built: no whole bf16 model
+            model, res["weights_sum"], res["weights_fingerprint"], res["frozen_at_load"] = build_fp8_base(
+                args, device, dtype, FP8_BASES[v]
+            )
+        else:
+            model, res["weights_sum"], res["weights_fingerprint"] = build(args, device, dtype)
         res["params"] = sum(p.numel() for p in model.parameters())
         res["build_s"], res["weights_gib"] = time.perf_counter() - t, gib(torch.cuda.memory_allocated())
         log(
@@ -175,16 +284,31 @@ def child(args):
         )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         t = time.perf_counter()
-        model = (add_peft if v == "peft" else add_moe8)(model, args)
+        if v == "peft":
+            model = add_peft(model, args)
+        elif v == "moe8":
+            model = add_moe8(model, args)
+        else:
+            from moe8.lora import freeze_base_fp8
+
+            model = add_moe8(model, args, fp8="blockwise")
+            if FP8_BASES[v]:  # (it would quantise the attention of moe8_fp8experts)
+                res["frozen_after_lora"] = freeze_base_fp8(model)  # 0: every target was quantised at load
         params = [p for p in model.parameters() if p.requires_grad]
         adapter_dtype = getattr(torch, args.peft_adapter_dtype if v == "peft" else args.adapter_dtype)
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(adapter_dtype)
         res["trainable"] = sum(p.numel() for p in params)
+        if v != "peft":
+            from moe8.lora import base_nbytes
+
+            # every parameter's bytes, the frozen base as bf16 or as FP8 codes and scales, adapters included
+            res["base_bytes"] = base_nbytes(model)
         res["lora_s"] = time.perf_counter() - t
         res["adapter_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         res["with_lora_gib"] = gib(torch.cuda.memory_allocated())
+        res["load_peak_gib"] = gib(torch.cuda.max_memory_allocated())  # building, quantising, adding LoRA
         base = model.get_base_model() if v == "peft" else model
         res["experts_implementation"] = base.config._experts_implementation
         res["gradient_checkpointing"] = base.is_gradient_checkpointing
@@ -201,7 +325,7 @@ def child(args):
             generator=torch.Generator(device).manual_seed(args.seed + 1),
         )
         opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
-        chunked = v == "moe8" and args.moe8_loss == "chunked"
+        chunked = v != "peft" and args.moe8_loss == "chunked"
         res["loss"] = "moe8.loss.chunked_cross_entropy" if chunked else "transformers (labels=)"
         if chunked:
             from moe8.loss import chunked_cross_entropy, hidden_states_as_logits
@@ -288,7 +412,7 @@ def run_variant(v, args, path):
 
 
 def summary(args, results):
-    peft, m8 = results.get("peft", {}), results.get("moe8", {})
+    peft, m8, f8, e8 = (results.get(v, {}) for v in VARIANTS)
     meta = next((r["meta"] for r in results.values() if "meta" in r), {})
     out = dict(
         meta=dict(meta, date=time.strftime("%Y-%m-%d"), optimizer="AdamW (fused on CUDA), adapters only"),
@@ -309,28 +433,53 @@ def summary(args, results):
             moe8_fuse=args.moe8_fuse,
             ce_chunk=args.ce_chunk,
             gradient_checkpointing="non-reentrant",
+            fp8_base="blockwise (1x128 activations, 128x128 weights), quantised per layer at load",
             lr=args.lr,
             seed=args.seed,
         ),
         variants=results,
         baseline_h200_md=BASELINE,
-        targets=dict(ratio=TARGET_RATIO, peak_gib=TARGET_PEAK_GIB),
+        targets=dict(
+            ratio=TARGET_RATIO,
+            peak_gib=TARGET_PEAK_GIB,
+            fp8base_ratio_to_moe8=FP8BASE_RATIO,
+            fp8base_peak_gib=FP8BASE_PEAK_GIB,
+        ),
     )
-    if "weights_sum" in peft and "weights_sum" in m8:
-        out["same_base_weights"] = peft["weights_fingerprint"] == m8["weights_fingerprint"] and (
-            peft["weights_sum"] == m8["weights_sum"]
+    built = [r for r in results.values() if "weights_sum" in r]
+    if len(built) > 1:
+        out["same_base_weights"] = all(
+            (r["weights_fingerprint"], r["weights_sum"])
+            == (built[0]["weights_fingerprint"], built[0]["weights_sum"])
+            for r in built
         )
-    if "trainable" in peft and "trainable" in m8:
-        out["same_trainable"] = peft["trainable"] == m8["trainable"]
+    counts = [r["trainable"] for r in results.values() if "trainable" in r]
+    if len(counts) > 1:
+        out["same_trainable"] = len(set(counts)) == 1
     if peft.get("losses") and m8.get("losses"):
         out["step0_loss_diff"] = abs(peft["losses"][0] - m8["losses"][0])
+    if f8.get("losses") and m8.get("losses"):
+        out["fp8base_step0_loss_diff"] = abs(f8["losses"][0] - m8["losses"][0])
     if peft.get("tokens_per_s") and m8.get("tokens_per_s"):
         out["ratio"] = m8["tokens_per_s"] / peft["tokens_per_s"]
+    if m8.get("tokens_per_s") and f8.get("tokens_per_s"):
+        out["fp8base_ratio_to_moe8"] = f8["tokens_per_s"] / m8["tokens_per_s"]
+    if peft.get("tokens_per_s") and f8.get("tokens_per_s"):
+        out["fp8base_ratio_to_peft"] = f8["tokens_per_s"] / peft["tokens_per_s"]
+    if m8.get("tokens_per_s") and e8.get("tokens_per_s"):
+        out["fp8experts_ratio_to_moe8"] = e8["tokens_per_s"] / m8["tokens_per_s"]
     return out
 
 
 def _count(n):
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _target(name, value, unit, op, bound):
+    if value is None:
+        return f"{name}: n/a (target {op} {bound}{unit}: NOT met)"
+    met = value >= bound if op == ">=" else value <= bound
+    return f"{name}: {value:.2f}{unit} (target {op} {bound}{unit}: {'met' if met else 'NOT met'})"
 
 
 def table(out):
@@ -342,8 +491,8 @@ def table(out):
         f"{s['steps']} after {s['warmup']}"
     )
     print(
-        f"{'variant':<8} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
-        f"{'weights':>8} {'steady':>7}  losses / error"
+        f"{'variant':<15} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
+        f"{'load GiB':>8} {'weights':>8} {'steady':>7}  losses / error"
     )
     for v, r in res.items():
         timed = r["step_s"][s["warmup"] :]
@@ -354,7 +503,7 @@ def table(out):
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
             *(
                 f"{r[k]:.1f}" if r.get(k) is not None else "-"
-                for k in ("peak_gib", "weights_gib", "steady_gib")
+                for k in ("peak_gib", "load_peak_gib", "weights_gib", "steady_gib")
             ),
         ]
         shown = [f"{x:.4f}" for x in r["losses"]]
@@ -362,27 +511,48 @@ def table(out):
             shown = [*shown[:6], "...", shown[-1]]
         tail = ", ".join(shown) + (f"  ERROR {r['error']}" if "error" in r else "")
         print(
-            f"{v:<8} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
-            f"{cells[6]:>7}  {tail}"
+            f"{v:<15} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
+            f"{cells[6]:>8} {cells[7]:>7}  {tail}"
         )
     b = out["baseline_h200_md"]
     print(f"baseline in shared/data/baselines/h200.md: {b['tokens_per_s']:,} tokens/s, {b['peak_gib']} GiB")
     if "same_base_weights" in out:
-        print(f"same base weights in both variants: {out['same_base_weights']}")
+        print(f"same base weights in every variant: {out['same_base_weights']}")
     if "same_trainable" in out:
-        print(f"same trainable parameter count in both variants: {out['same_trainable']}")
+        print(f"same trainable parameter count in every variant: {out['same_trainable']}")
     if "step0_loss_diff" in out:
         print(f"step-0 loss |peft - moe8| = {out['step0_loss_diff']:.2e} (LoRA B starts at zero)")
-    ratio, peak = out.get("ratio"), res.get("moe8", {}).get("peak_gib")
+    if "fp8base_step0_loss_diff" in out:
+        print(
+            f"step-0 loss |moe8_fp8base - moe8| = {out['fp8base_step0_loss_diff']:.2e} (the FP8 base's error)"
+        )
+    bf16_bytes = res.get("moe8", {}).get("base_bytes")  # the base in the model dtype
+    for v in FP8_BASES:
+        r = res.get(v)
+        if not r:
+            continue
+        print(
+            f"{v}: {r.get('frozen_at_load')} weights quantised at load, {r.get('frozen_after_lora', '-')} left for "
+            f"freeze_base_fp8; parameters {r.get('base_bytes', 0) / GiB:.3f} GiB"
+            + (f" (moe8: {bf16_bytes / GiB:.3f} GiB)" if bf16_bytes else "")
+        )
     t = out["targets"]
-    print(
-        "moe8 / peft tokens/s: "
-        + (f"{ratio:.2f}x" if ratio else "n/a")
-        + f" (target >= {t['ratio']}x: {'met' if ratio and ratio >= t['ratio'] else 'NOT met'}); "
-        + "moe8 peak: "
-        + (f"{peak:.1f} GiB" if peak is not None else "n/a")
-        + f" (target <= {t['peak_gib']:.0f} GiB: {'met' if peak is not None and peak <= t['peak_gib'] else 'NOT met'})"
-    )
+    if "moe8" in res:
+        print(
+            _target("moe8 / peft tokens/s", out.get("ratio"), "x", ">=", t["ratio"])
+            + "; "
+            + _target("moe8 peak", res["moe8"].get("peak_gib"), " GiB", "<=", t["peak_gib"])
+        )
+    for v, key in (
+        ("moe8_fp8base", "fp8base_ratio_to_moe8"),
+        ("moe8_fp8experts", "fp8experts_ratio_to_moe8"),
+    ):
+        if v in res:
+            print(
+                _target(f"{v} / moe8 tokens/s", out.get(key), "x", ">=", t["fp8base_ratio_to_moe8"])
+                + "; "
+                + _target(f"{v} peak", res[v].get("peak_gib"), " GiB", "<=", t["fp8base_peak_gib"])
+            )
 
 
 def main():

@@ -100,9 +100,9 @@ def test_bench_lowrank_tiny(tmp_path):
 def test_bench_lora_30b_tiny(tmp_path):
     pytest.importorskip("peft", minversion="0.17")
     out = tmp_path / "lora.json"
-    p = run(
+    p = run(  # the FP8-base variants: test_bench_fp8.py
         "bench/bench_lora_30b.py", "--tiny", "--steps", "1", "--warmup", "1", "--adapter-dtype", "bfloat16",
-        "--peft-adapter-dtype", "float32", "--profile", "3", "--json", out,
+        "--peft-adapter-dtype", "float32", "--profile", "3", "--variants", "peft,moe8", "--json", out,
     )  # fmt: skip
     res = json.loads(out.read_text())
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
