@@ -14,27 +14,14 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
+import test_finetune  # noqa: E402 - its fixtures
+
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
 from moe8.finetune.train import Trainer  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _undo_moe8():
-    yield
-    from moe8 import hf
-
-    hf.disable()
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = random.Random(0)
-    words = "the cat a model routes every expert token data loss reads builds small big".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(300)]
-    p = tmp_path_factory.mktemp("data") / "docs.txt"
-    p.write_text("\n".join(lines) + "\n")
-    return p
+_undo_moe8 = test_finetune._undo_moe8  # the same fixtures: moe8 undone after each test, the text data
+text_file = test_finetune.text_file
 
 
 def storage_bytes(tensors) -> int:
