@@ -9,6 +9,7 @@ full fine-tuning recipes for 4 or 8 GPUs included: fewer layers make them fit), 
 first 2 are not timed:
 
     python bench/bench_recipes.py --out bench/results/recipes
+    python bench/bench_recipes.py --full --out DIR     # the one-GPU recipes as written: full depth, 4096 tokens
 
 --tiny: every model at toy width (hidden 64, 8 experts, 2 layers) on the CPU in fp32, 4 steps: the test suite's
 check that each recipe runs through both paths and that the two compute the same losses.
@@ -340,13 +341,20 @@ def run_transformers(cfg, data, tok, device, dtype) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ run
+def recipe_ep(name: str) -> int:
+    """The expert-parallel size recipes/NAME.toml asks for (1 when it sets none)."""
+    from moe8.finetune.config import load_toml
+
+    return int(load_toml(str(ROOT / "recipes" / f"{name}.toml")).get("ep", 1))
+
+
 def recipe_config(name: str, args, tmp: str):
     from moe8.finetune.config import make_config
 
-    layers = args.layers or (2 if args.tiny else RECIPES[name][1])
+    layers = args.layers or (2 if args.tiny else 0 if args.full else RECIPES[name][1])
     over = dict(
         model_config=model_config_json(name, args.tiny),
-        num_layers=layers,
+        num_layers=layers,  # 0: the config's own depth
         seq_len=32 if args.tiny else args.seq_len,
         steps=args.steps or (4 if args.tiny else 50),
         grad_accum=1,
@@ -359,6 +367,9 @@ def recipe_config(name: str, args, tmp: str):
         overwrite=True,
         max_documents=2000 if args.tiny else 5000,  # 5000 sentences: ~370 sequences of 1024 tokens
     )
+    if args.full:  # the recipe as written: its sequence length and micro-batch
+        del over["seq_len"]
+        over["max_documents"] = 20000  # ~1,500 sequences of 1024 tokens: 50 steps of 4096 without a repeat
     if args.lr:
         over["lr"] = args.lr
     if args.tiny:
@@ -455,12 +466,27 @@ def main(argv=None) -> int:
         "--lr", type=float, default=0.0, help="peak learning rate of both sides (0: the recipe's)"
     )
     ap.add_argument("--first", choices=("moe8", "transformers"), default="moe8", help="which side runs first")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="the one-GPU recipes as written: the config's full depth, the recipe's sequence length and "
+        "micro-batch (recipes with ep > 1 need that many GPUs and are left out, saying so)",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy-width models on the CPU (the tests)")
     args = ap.parse_args(argv)
     names = [n for n in args.recipes.split(",") if n]
     unknown = sorted(set(names) - set(RECIPES))
     if unknown:
         ap.error(f"--recipes: unknown {unknown}; expected some of {list(RECIPES)}")
+    if args.full:
+        if args.tiny or args.layers:
+            ap.error("--full: the recipes' own depth on a GPU; not with --tiny or --layers")
+        multi = {n: recipe_ep(n) for n in names if recipe_ep(n) > 1}
+        for n, ep in multi.items():
+            print(
+                f"{n}: left out by --full: ep = {ep} needs {ep} GPUs (expert parallelism), this run has one"
+            )
+        names = [n for n in names if n not in multi]
     for flag in ("steps", "layers", "micro_batch"):
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')}: expected >= 0, got {getattr(args, flag)}")
