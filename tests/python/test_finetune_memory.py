@@ -16,6 +16,7 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune need
 
 import test_finetune  # noqa: E402 - its fixtures
 
+from moe8 import lora  # noqa: E402
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
 from moe8.finetune.train import Trainer  # noqa: E402
@@ -70,7 +71,7 @@ def measure(tmp_path, text_file, **kw) -> tuple[memory.Estimate, dict]:
         if t is not None
     }
     got = dict(
-        weights=storage_bytes(model.parameters()),
+        weights=lora.base_nbytes(model),  # the parameters, FP8 copies of frozen bases included
         master=storage_bytes(m for p, m in zip(tr.params, tr.master) if m is not p),
         loss_grads=sum(held.values()),
         activations=sum(v for k, v in saved.items() if k not in held),
@@ -93,10 +94,11 @@ CASES = [
     dict(method="full", dtype="bf16"),
     dict(method="lora", dtype="fp32"),
     dict(method="lora", dtype="bf16"),
+    dict(method="lora", dtype="bf16", fp8="blockwise"),  # LoRA over FP8 bases
 ]
 
 
-@pytest.mark.parametrize("kw", CASES, ids=lambda kw: f"{kw['method']}-{kw['dtype']}")
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(kw.values()))
 def test_estimate_parts_equal_the_bytes_a_run_holds(tmp_path, text_file, kw):
     est, got = measure(tmp_path, text_file, **kw)
     b, s = est.backward, est.step

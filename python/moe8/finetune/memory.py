@@ -3,7 +3,8 @@
 
 Per GPU, in bytes (w: 2 for bf16, 4 for fp32; T: trainable parameters held by the GPU; tokens = micro_batch x
 seq_len), the larger of the backward peak and the optimizer-step peak:
-  weights      (dense + experts / ep) x w
+  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" holds the weights it adapts in FP8 only
+               (a byte each, an fp32 scale per 128 x 128 block) instead
   master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
   adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
   grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
@@ -20,6 +21,7 @@ The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimat
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -44,6 +46,10 @@ class Counts:
     total: int
     experts: int
     lora: int
+    # the weights LoRA adapts (frozen bases, held in FP8 with fp8 blockwise): (parameters, bytes of their
+    # blockwise FP8 copies: a byte each and an fp32 scale per 128 x 128 block, how many), Linear and experts
+    lora_base: tuple = (0, 0, 0)
+    lora_base_experts: tuple = (0, 0, 0)
 
 
 def count_params(config, cfg: Config) -> Counts:
@@ -56,25 +62,38 @@ def count_params(config, cfg: Config) -> Counts:
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
-    return Counts(total, experts, lora_params(model, cfg))
+    return Counts(total, experts, *lora_params(model, cfg))
 
 
-def lora_params(model, cfg: Config) -> int:
-    """LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix."""
+def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple]:
+    """(LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix;
+    the Linear weights they adapt: (parameters, bytes in blockwise FP8, how many); the expert weights they
+    adapt: the same)."""
+
+    def fp8_bytes(w) -> int:
+        *e, d1, d2 = w.shape
+        return w.numel() + 4 * math.prod(e) * math.ceil(d1 / 128) * math.ceil(d2 / 128)
+
     from ..lora import TARGETS
     from .routing import experts_modules
 
     targets = set(cfg.lora_targets or TARGETS)
-    r, n = cfg.lora_r, 0
+    r, n, base, experts = cfg.lora_r, 0, [0, 0, 0], [0, 0, 0]
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             n += r * (m.in_features + m.out_features)
+            base[0] += m.weight.numel()
+            base[1] += fp8_bytes(m.weight)
+            base[2] += 1
     if "experts" in targets:
         for _, m in experts_modules(model):
             for w in (m.gate_up_proj, m.down_proj):
                 E, d1, d2 = w.shape
                 n += E * r * (d1 + d2)
-    return n
+                experts[0] += w.numel()
+                experts[1] += fp8_bytes(w)
+                experts[2] += 1
+    return n, tuple(base), tuple(experts)
 
 
 def per_token_layer(config, w: int) -> int:
@@ -123,6 +142,9 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     lora = cfg.method == "lora"
     T = counts.lora if lora else held
     weights = held * w + (counts.lora * 4 if lora else 0)
+    if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
+        (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
+        weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
     master = T * 4 if (not lora and w == 2) else 0
     adamw = T * 8
     grads_bwd, grads_step = T * (4 if lora else w), T * 4
