@@ -1,35 +1,41 @@
 """Does moe8 train to the same loss as plain transformers? Per family, the same model trained twice on the same
 real text in the same order: once through transformers (its default experts implementation, `grouped_mm`),
 once through `moe8.accelerate(model)` with the default Config (every fusion on, the fused loss: outputs.logits
-is None there, the loss is outputs.loss). Target: the mean loss of the last 10 steps within 1 % (bf16 noise).
+is None there, the loss is outputs.loss). Target: the means of the last 10 steps within 1 % (bf16 noise).
 
 The models are bench_step_profile.py's slices (its `build()`: 2 decoder layers at the real widths of
 Qwen3-30B-A3B, Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, GPT-OSS-20B and DeepSeek-V3 with 32 routed
-experts), every one built with Qwen3-30B-A3B's vocabulary, 151,936 rows: every id of its tokenizer (151,669)
-is a row, so the text needs no remapping and both sides train the identical model; the LM head's width is then
-not the family's own (--vocab changes it; the tokenizer's own 151,669 puts transformers' LM head on an unaligned
-GEMM, ~2x slower, bench/results/step_profile_vocab151669_h200.json). Per family: built once with seed 0, its initial state dict kept on the CPU, trained
-through transformers; then a fresh model is built, the same initial weights loaded (checked equal), moe8
-switched on, the same steps trained, and `moe8.disable()` undoes every patch (RoPE's is process-wide) before
-the next family's transformers side. Training: bf16 (fp32 with --tiny), AdamW (fused on CUDA, betas 0.9 /
-0.95, weight decay 0.1), lr 3e-4 with 10 warm-up steps then cosine to 10 %, gradient clip 1.0, the family's
-aux loss (router_aux_loss_coef x load-balancing loss, output_router_logits on; DeepSeek-V3 has none) on
-both sides. outputs.loss is that sum on both sides; the cross-entropy is recorded as outputs.loss -
-coef x outputs.aux_loss, and both are compared.
+experts), each built with Qwen3-30B-A3B's vocabulary of 151,936 rows, which hold every id of its tokenizer
+(151,669): the text needs no remapping and both sides train the identical model, whose LM head is then not the
+family's own width (--vocab changes it; 151,669 itself puts transformers' LM head on an unaligned GEMM, ~2x
+slower: bench/results/step_profile_vocab151669_h200.json).
 
-    python bench/bench_loss_parity.py --out bench/results    # six families x 2 sides x 50 steps of 8 x 2048: ~3.5 min on an H200
-    python bench/bench_loss_parity.py --batch 4 --out /tmp/lp  # 4 x 2048 tokens a step: ~2 min
+Per family: built with seed 0, its initial state dict copied to the CPU, trained through transformers; then a
+fresh model is built, the same initial weights loaded (checked equal), moe8 switched on, the same steps
+trained, and `moe8.disable()` undoes every patch (RoPE's is process-wide) before the next family's
+transformers side (checked to run transformers' experts). Training: bf16 (fp32 with --tiny), AdamW (fused on
+CUDA, betas 0.9 / 0.95, weight decay 0.1), lr 3e-4 with 10 warm-up steps then cosine to 10 %, gradient clip
+1.0, the family's aux loss on both sides (output_router_logits on: outputs.loss is the cross-entropy plus
+router_aux_loss_coef x outputs.aux_loss; DeepSeek-V3 has none). The cross-entropy is recorded as outputs.loss
+minus coef x outputs.aux_loss; both it and the total are compared.
+
+    python bench/bench_loss_parity.py --out bench/results     # 6 families x 2 sides x 50 steps of 8 x 2048 tokens
+    python bench/bench_loss_parity.py --batch 4 --out /tmp/lp   # 4 x 2048 tokens a step
     python bench/bench_loss_parity.py --families qwen3,gpt_oss --steps 100 --out /tmp/lp
-    python bench/bench_loss_parity.py --tiny --out /tmp/lp      # CPU: toy configs, fp32, 8 steps of 2 x 32
+    python bench/bench_loss_parity.py --tiny --out /tmp/lp       # CPU: toy configs, fp32, 8 steps of 2 x 32
+
+H200 time at the defaults, estimated from bench/results/step_profile_peers_h200.json (tokens/s at 4 x 2048, the
+LM heads of Mixtral and OLMoE grown to 151,936 rows): ~200 us a token for the 12 runs, so 50 x 16,384 tokens
+take ~160 s, plus ~45 s of imports, tokenising, building and copying weights: ~3.5 min (--batch 4: ~2 min).
 
 Data: the shared corpus (text/sentences.txt) and Qwen3 tokenizer (tokenizers/qwen3) under $MOE8_SHARED_DATA
 (or ../shared/data beside the checkout; --data-dir overrides), tokenised and batched by
-bench_fp8_convergence.py's token_batches; without them the script says where it looked and exits with status 2.
---tiny folds the ids into the toy vocabulary (ids % 1001, stated in the JSON).
+bench_fp8_convergence.py's token_batches; without them the script says where it looked and exits with status
+2. --tiny folds the ids into the toy vocabulary (ids % 1001, stated in the JSON).
 
-Writes loss_parity_<device>.json (run_info stamp; per family both loss curves, cross-entropy and total, the
-means of the last 10 steps and their relative gap, the largest per-step gap, the first step's gap, tokens/s and
-peak memory of each side, PASS / FAIL against --target) after every family; prints a table last. A FAIL is
+Writes loss_parity_<device>.json (run_info stamp; per family both curves, cross-entropy and total, the means
+of the last 10 steps and their relative gap, the largest per-step gap, the first step's gap, tokens/s and peak
+memory of each side, PASS / FAIL against --target) after every family; prints a table last. A FAIL is
 reported, not raised: the exit status is 0 whenever both sides ran.
 """
 
