@@ -445,14 +445,18 @@ def test_bench_loss_parity_tiny(tmp_path):
         assert r["moe8_config"]["fuse_loss"] == "True" and r["moe8_config"]["fuse_router"] == "True"
         for side in (ref, m8):
             assert len(side["loss"]) == len(side["ce"]) == 8 and side["finite"] and side["tokens_per_s"] > 0
-            ce = [t - side["aux_coef"] * x for t, x in zip(side["loss"], side["aux_loss"])]
-            assert side["ce"] == pytest.approx(ce, rel=1e-12)
+        # the aux loss reads the router logits, which moe8's fused router still returns
+        assert m8["aux_coef"] == ref["aux_coef"] and m8["aux_loss"] == pytest.approx(
+            ref["aux_loss"], rel=1e-5
+        )
         assert sum(ref["ce"][-3:]) / 3 < ref["ce"][0] - 0.1  # it trained: the curves compared move
         for key in ("ce", "loss"):
             assert r[key]["max_step_rel_gap"] < 1e-5 and r[key]["last_rel_gap"] < 1e-5, r[key]
         assert r["verdict"] == "PASS" and r["last_steps"] == 8
     qwen3, deepseek = data["families"]
-    assert qwen3["moe8"]["aux_coef"] == 0.001 and min(qwen3["moe8"]["aux_loss"]) > 1.0  # top-2 of 4: >= 1
+    assert (
+        qwen3["moe8"]["aux_coef"] == 0.001 and min(qwen3["moe8"]["aux_loss"]) > 1.0
+    )  # ~top_k (2) when balanced: a real one
     assert deepseek["transformers"]["aux_coef"] == 0.0
     assert "2 of 2 families within 1 %" in p.stdout and "verdict" in p.stdout
     missing = run("bench/bench_loss_parity.py", "--tiny", "--data-dir", tmp_path / "none", "--out", tmp_path)
