@@ -454,9 +454,8 @@ def test_bench_loss_parity_tiny(tmp_path):
             assert r[key]["max_step_rel_gap"] < 1e-5 and r[key]["last_rel_gap"] < 1e-5, r[key]
         assert r["verdict"] == "PASS" and r["last_steps"] == 8
     qwen3, deepseek = data["families"]
-    assert (
-        qwen3["moe8"]["aux_coef"] == 0.001 and min(qwen3["moe8"]["aux_loss"]) > 1.0
-    )  # ~top_k (2) when balanced: a real one
+    assert qwen3["moe8"]["aux_coef"] == 0.001
+    assert min(qwen3["moe8"]["aux_loss"]) > 1.0  # ~top_k (2) when balanced: a real aux loss, not zeros
     assert deepseek["transformers"]["aux_coef"] == 0.0
     assert "2 of 2 families within 1 %" in p.stdout and "verdict" in p.stdout
     missing = run("bench/bench_loss_parity.py", "--tiny", "--data-dir", tmp_path / "none", "--out", tmp_path)
