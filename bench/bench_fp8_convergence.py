@@ -81,6 +81,19 @@ def find_data(data_dir):
     return None
 
 
+def require_data(data_dir, prog: str):
+    """find_data's (sentences.txt, tokenizer folder), or None after saying on stderr where `prog` looked."""
+    found = find_data(data_dir)
+    if found is None:
+        looked = ", ".join(str(r) for r in data_roots(data_dir))
+        print(
+            f"{prog}: no corpus and Qwen3 tokenizer (text/sentences.txt, tokenizers/qwen3/tokenizer.json) under "
+            f"{looked}; set MOE8_SHARED_DATA or --data-dir",
+            file=sys.stderr,
+        )
+    return found
+
+
 def token_batches(text: Path, tok_dir: Path, lines: int, seq: int, batch: int, steps: int, seed: int):
     """[steps, batch, seq] token ids: the corpus tokenised once, documents joined by EOS, cut into sequences,
     shuffled with `seed` and repeated as needed (the same order for every run). Also the vocabulary size."""
@@ -212,14 +225,8 @@ def main(argv=None) -> int:
         p.error(f"--runs: unknown {unknown}; expected a subset of {list(RUNS)}")
     if a.tiny:
         a.steps, a.batch, a.seq, a.lines, a.warmup = 8, 2, 32, 400, 3
-    found = find_data(a.data_dir)
+    found = require_data(a.data_dir, "bench_fp8_convergence")
     if found is None:
-        looked = ", ".join(str(r) for r in data_roots(a.data_dir))
-        print(
-            f"bench_fp8_convergence: no corpus and Qwen3 tokenizer (text/sentences.txt, tokenizers/qwen3/"
-            f"tokenizer.json) under {looked}; set MOE8_SHARED_DATA or --data-dir",
-            file=sys.stderr,
-        )
         return 2
     device = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

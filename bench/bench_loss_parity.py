@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fp8_convergence import data_roots, find_data, lr_at, token_batches  # noqa: E402
+from bench_fp8_convergence import lr_at, require_data, token_batches  # noqa: E402
 from bench_step_profile import FAMILIES, TINY, build  # noqa: E402
 from run_info import run_info  # noqa: E402
 
@@ -257,14 +257,8 @@ def main(argv=None) -> int:
         ap.error(f"--seq: expected <= {MAX_POSITIONS} (the slices' max_position_embeddings), got {a.seq}")
     if a.warmup < 0 or not 0 < a.target < 1:
         ap.error(f"--warmup: expected >= 0, got {a.warmup}; --target: expected in (0, 1), got {a.target}")
-    found = find_data(a.data_dir)
+    found = require_data(a.data_dir, "bench_loss_parity")
     if found is None:
-        looked = ", ".join(str(r) for r in data_roots(a.data_dir))
-        print(
-            f"bench_loss_parity: no corpus and Qwen3 tokenizer (text/sentences.txt, tokenizers/qwen3/"
-            f"tokenizer.json) under {looked}; set MOE8_SHARED_DATA or --data-dir",
-            file=sys.stderr,
-        )
         return 2
     if a.tiny:
         device, dtype = torch.device("cpu"), torch.float32
