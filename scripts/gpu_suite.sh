@@ -16,7 +16,9 @@
 #   --pytest-workers N   pytest-xdist workers when it is installed (default 6)
 #   --timeout S          time limit of each test or benchmark command (default: none)
 #   --benchmarks LIST    comma-separated, from speed (the *Speed* gtests' TFLOP/s tables), layer, gemm,
-#                        hf_train, fp8_refresh, lora_30b, lowrank, host, clocks (default speed,layer,gemm)
+#                        hf_train, fp8_refresh, lora_30b, lowrank, host, clocks, and (each writing into
+#                        OUT/<name>/) step_profile, loss_parity, recipes, recipes_full, fp8_step, fp8_dense,
+#                        fp8_convergence (default speed,layer,gemm)
 #   --prebuilt DIR       use DIR/_C*.so and DIR/moe8_tests, built elsewhere for this Python, instead of
 #                        building (DIR.tgz is unpacked when DIR is missing; docs/developing.md)
 #   --wheels DIR         pinned wheels to install into /tmp/moe8-site and put on PYTHONPATH
@@ -66,6 +68,7 @@ done
 for b in ${BENCHMARKS//,/ }; do
   case "$b" in
     speed | layer | gemm | hf_train | fp8_refresh | lora_30b | lowrank | host | clocks) ;;
+    step_profile | loss_parity | recipes | recipes_full | fp8_step | fp8_dense | fp8_convergence) ;;
     *) die "--benchmarks: unknown '$b' (see --help)" ;;
   esac
 done
@@ -176,6 +179,13 @@ if [ -n "$BENCH" ]; then
       lowrank) limit $PY bench/bench_lowrank.py --ranks 16,32 --json "$json" >"$log" 2>&1 ;;
       host) limit $PY bench/bench_host.py --json "$json" >"$log" 2>&1 ;;
       clocks) limit $PY bench/bench_clocks.py --json "$json" >"$log" 2>&1 ;;
+      step_profile) limit $PY bench/bench_step_profile.py --out "$OUT/$b" >"$log" 2>&1 ;;
+      loss_parity) limit $PY bench/bench_loss_parity.py --out "$OUT/$b" >"$log" 2>&1 ;;
+      recipes) limit $PY bench/bench_recipes.py --out "$OUT/$b" >"$log" 2>&1 ;;
+      recipes_full) limit $PY bench/bench_recipes.py --full --out "$OUT/$b" >"$log" 2>&1 ;;
+      fp8_step) limit $PY bench/bench_fp8_step.py --out "$OUT/$b" >"$log" 2>&1 ;;
+      fp8_dense) limit $PY bench/bench_fp8_dense.py --memory --out "$OUT/$b" >"$log" 2>&1 ;;
+      fp8_convergence) limit $PY bench/bench_fp8_convergence.py --out "$OUT/$b" >"$log" 2>&1 ;;
     esac
     rc=$?
     [ $rc = 0 ] || { FAILED=1; echo "$b: failed (rc $rc), see $log"; }
