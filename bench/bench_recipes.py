@@ -388,6 +388,7 @@ def recipe_config(name: str, args, tmp: str):
 
 def run_recipe(name: str, args, device) -> dict:
     from moe8.finetune.data import Data, load_tokenizer
+    from moe8.finetune.memory import MemoryCheckError
     from moe8.finetune.train import device_and_dtype
 
     result = {}
@@ -399,23 +400,36 @@ def run_recipe(name: str, args, device) -> dict:
         order = ("moe8", "transformers") if args.first == "moe8" else ("transformers", "moe8")
         for side in order:
             t0 = time.perf_counter()
-            if side == "moe8":
-                r, first = run_moe8(cfg, device)
-                if not all(torch.equal(a, b) for a, b in zip(first, data.batch(0))):
-                    raise RuntimeError(f"{name}: the trainer's first micro-batch is not the baseline's")
-            else:
-                r = run_transformers(cfg, data, tok, device, dtype)
+            try:
+                if side == "moe8":
+                    r, first = run_moe8(cfg, device)
+                    if not all(torch.equal(a, b) for a, b in zip(first, data.batch(0))):
+                        raise RuntimeError(f"{name}: the trainer's first micro-batch is not the baseline's")
+                else:
+                    r = run_transformers(cfg, data, tok, device, dtype)
+            except (torch.OutOfMemoryError, MemoryCheckError) as e:  # a side that does not fit: kept as such,
+                r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}")  # the other side still runs
+                _free(device)
             r["seconds"] = time.perf_counter() - t0
             result[side] = r
+            if "error" in r:
+                print(f"{name} {side}: {r['error']}", flush=True)
+                continue
             print(
                 f"{name} {side}: {len(r['losses'])} steps in {r['seconds']:.1f} s, loss {r['losses'][0]:.4f} -> "
                 f"{r['losses'][-1]:.4f}, {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.2f} GiB",
                 flush=True,
             )
     _free(device)
-    result["transformers"]["estimate_gib"] = result["moe8"]["estimate_gib"]  # moe8 finetune's, for this run
-    a, b = result["moe8"]["settings"], result["transformers"]["settings"]
-    differ = sorted(k for k in a.keys() | b.keys() if k not in ("trainable_params",) and a.get(k) != b.get(k))
+    estimate = result["moe8"].get("estimate_gib")
+    if "error" not in result["transformers"]:
+        result["transformers"]["estimate_gib"] = estimate  # moe8 finetune's, for this run
+    a, b = result["moe8"].get("settings"), result["transformers"].get("settings")
+    differ = (
+        sorted(k for k in a.keys() | b.keys() if k not in ("trainable_params",) and a.get(k) != b.get(k))
+        if a and b
+        else []
+    )
     if differ:
         print(f"{name}: the two sides' settings differ in {differ}", flush=True)
     return dict(
@@ -424,7 +438,7 @@ def run_recipe(name: str, args, device) -> dict:
         micro_batch=cfg.micro_batch,
         method=cfg.method,
         activation_checkpointing=cfg.activation_checkpointing,
-        estimate_gib=result["moe8"]["estimate_gib"],
+        estimate_gib=estimate,
         settings_differ=differ,
         order=list(result),
         moe8=result["moe8"],
@@ -439,6 +453,10 @@ def table(results: dict) -> str:
     ]
     for name, r in results.items():
         a, b = r["moe8"], r["transformers"]
+        failed = [f"{side}: {r[side]['error']}" for side in ("moe8", "transformers") if "error" in r[side]]
+        if failed:
+            rows.append(f"{name:26} {r['layers']:>6} " + "; ".join(failed))
+            continue
         rows.append(
             f"{name:26} {r['layers']:>6} {a['peak_gib']:>9.2f} {b['peak_gib']:>7.2f} {r['estimate_gib']:>6.2f} "
             f"{a['tokens_per_s']:>11,.0f} {b['tokens_per_s']:>9,.0f} {a['tokens_per_s'] / b['tokens_per_s']:>5.2f} "

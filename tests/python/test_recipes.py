@@ -164,3 +164,19 @@ def test_bench_full_leaves_out_the_multi_gpu_recipes():
     args = b.argparse.Namespace(full=True, tiny=False, layers=0, seq_len=1024, steps=0, lr=0.0, micro_batch=0)
     cfg = b.recipe_config("qwen3_30b_a3b_lora", args, "/tmp/never-written")
     assert cfg.num_layers == 0 and cfg.seq_len == 4096 and cfg.micro_batch == 2  # the recipe's own
+
+
+def test_bench_a_side_out_of_memory_is_recorded_and_the_other_side_kept(tmp_path, monkeypatch, capsys):
+    """--full runs real sizes: a side that runs out of GPU memory is an error entry of that side, the other
+    side's figures stay, and the table says which side failed."""
+    b = bench()
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
+
+    monkeypatch.setattr(b, "run_transformers", oom)
+    assert b.main(["--tiny", "--out", str(tmp_path), "--recipes", "olmoe_1b_7b_full"]) == 0
+    r = json.loads((tmp_path / "recipes.json").read_text())["recipes"]["olmoe_1b_7b_full"]
+    assert r["transformers"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"
+    assert len(r["moe8"]["losses"]) == 4 and r["estimate_gib"] > 0 and r["settings_differ"] == []
+    assert "transformers: OutOfMemoryError" in capsys.readouterr().out
