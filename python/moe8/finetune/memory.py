@@ -21,7 +21,6 @@ The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimat
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 
@@ -70,11 +69,12 @@ def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple]:
     the Linear weights they adapt: (parameters, bytes in blockwise FP8, how many); the expert weights they
     adapt: the same)."""
 
-    def fp8_bytes(w) -> int:
-        *e, d1, d2 = w.shape
-        return w.numel() + 4 * math.prod(e) * math.ceil(d1 / 128) * math.ceil(d2 / 128)
-
+    from ..fp8 import Float8Recipe, fp8_nbytes, quantize_weight
     from ..lora import TARGETS
+
+    def fp8_bytes(w) -> int:  # what freeze_fp8 keeps (w is on the meta device: shapes only)
+        return fp8_nbytes(quantize_weight(w, 0, Float8Recipe("blockwise")))
+
     from .routing import experts_modules
 
     targets = set(cfg.lora_targets or TARGETS)
