@@ -35,6 +35,7 @@ from .model import (
     attention_flops,
     attention_layers,
     build_model,
+    dtype_name,
     model_config,
     peak_flops,
     quiet_bars,
@@ -388,7 +389,7 @@ class Trainer:
             ranks = f"\n  {self.dist.world} ranks, {how}{', FSDP2' if c.fsdp else ''}; micro_batch per rank"
         return (
             f"moe8 finetune: {c.model} ({self.total_params / 1e6:.1f}M params, {self.active_params / 1e6:.1f}M "
-            f"active per token), {c.method}, {self.device.type} {str(self.dtype).replace('torch.', '')}, "
+            f"active per token), {c.method}, {self.device.type} {dtype_name(self.dtype)}, "
             f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} "
             f"{d.kind} documents, {d.tokens:,} tokens -> {len(d.train[0])} train / {len(d.eval[0])} eval "
             f"sequences of {c.seq_len}{'' if not c.eval_data else f' (eval: {d.eval_source})'}"
