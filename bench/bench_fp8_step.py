@@ -20,6 +20,8 @@ Rows, per model:
     moe8_fp8          moe8.accelerate(model, fp8=--fp8): the expert GEMMs in FP8 (blockwise + FP8 dgrad)
     moe8_fp8_dense    the same with fp8_dense=True: attention projections, shared experts and dense MLPs in FP8
                       too (moe8.fp8_linear, the same layers as the torchao row)
+    moe8_fp8_both     moe8_fp8_dense with fp8_cache="both": the weights' FP8 copies (both layouts) kept from
+                      one optimizer step to the next instead of made at every use (the default "frozen")
     moe8_auto         fp8="auto", fp8_dense=True: every GEMM, expert or dense, in FP8 only where
                       moe8.fp8_rules.fp8_pays says it pays, else bf16
 
@@ -48,7 +50,7 @@ from run_info import run_info
 
 import moe8
 
-ROWS = ("transformers", "torchao", "moe8", "moe8_fp8", "moe8_fp8_dense", "moe8_auto")
+ROWS = ("transformers", "torchao", "moe8", "moe8_fp8", "moe8_fp8_dense", "moe8_fp8_both", "moe8_auto")
 TINY = {  # the same families at toy sizes (multiples of 16, as FP8 GEMMs need): a CPU smoke test
     "qwen3": (
         "qwen3_moe",
@@ -128,15 +130,18 @@ def prepare(row: str, model, recipe, fuse_loss: bool) -> list:
         return []
     if row == "torchao":
         return convert_torchao(model)
-    fp8 = {"moe8": "none", "moe8_fp8": recipe, "moe8_fp8_dense": recipe, "moe8_auto": "auto"}[row]
-    moe8.accelerate(model, fp8=fp8, fp8_dense=row in ("moe8_fp8_dense", "moe8_auto"), fuse_loss=fuse_loss)
+    fp8 = {"moe8": "none", "moe8_auto": "auto"}.get(row, recipe)
+    dense = row in ("moe8_fp8_dense", "moe8_fp8_both", "moe8_auto")
+    cache = "both" if row == "moe8_fp8_both" else "frozen"
+    moe8.accelerate(model, fp8=fp8, fp8_dense=dense, fp8_cache=cache, fuse_loss=fuse_loss)
     return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
 def free() -> None:
     """Everything of the previous row goes: its Python objects, moe8's switches and FP8 copies, cached blocks."""
     moe8.disable()
-    moe8.fp8.default_cache.clear()
+    for cache in (moe8.fp8.default_cache, moe8.fp8.one_layout_cache, moe8.fp8.frozen_only_cache):
+        cache.clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -107,6 +107,7 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
 
 // w [E,N,K] -> q [E,N,K], scale [E, ceil(N/128), ceil(K/128)]. With q_t [E,K,N] and scale_t [E, ceil(K/128),
 // ceil(N/128)] (optional, together): also the other layout's copy, q and scale transposed, in the same pass.
+// q / scale may be left out (together) when q_t / scale_t are given: only the other layout is written.
 void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, intptr_t stream,
                              const TensorView& q_t = TensorView{}, const TensorView& scale_t = TensorView{});
 

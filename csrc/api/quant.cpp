@@ -67,10 +67,15 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
                              const TensorView& q_t, const TensorView& scale_t) {
   check_input("w", w, 3);
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  check_q("q", q, "w", w, {E, N, K});
-  check_scale("scale", scale, "w", w, {E, quant_blocks(N), quant_blocks(K)});
+  MOE8_CHECK(q.present == scale.present, "q and scale: expected both or neither, got ",
+             q.present ? "q only" : "scale only");
   MOE8_CHECK(q_t.present == scale_t.present, "q_t and scale_t: expected both or neither, got ",
              q_t.present ? "q_t only" : "scale_t only");
+  MOE8_CHECK(q.present || q_t.present, "q and q_t: expected at least one of the two layouts to write, got neither");
+  if (q.present) {
+    check_q("q", q, "w", w, {E, N, K});
+    check_scale("scale", scale, "w", w, {E, quant_blocks(N), quant_blocks(K)});
+  }
   if (q_t.present) {
     check_q("q_t", q_t, "w", w, {E, K, N});
     check_scale("scale_t", scale_t, "w", w, {E, quant_blocks(K), quant_blocks(N)});

@@ -97,6 +97,7 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
 
 // 128x128 blocks of each expert's weight: w [E,N,K] -> q [E,N,K] u8, scale [E,NB,KB] f32.
 // q_t / scale_t (optional, together): also the other layout, q_t [E,K,N] = q transposed, scale_t [E,KB,NB].
+// q / scale may be left out (together) when q_t is given: the other layout only.
 void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, const TensorView& q_t,
                              const TensorView& scale_t);
 

@@ -63,7 +63,8 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
   const int64_t NB = quant_blocks(N), KB = quant_blocks(K);
   MOE8_CPU_DISPATCH_FLOAT(w.dtype, "quantize_weight_128x128", [&] {
     const scalar_t* W = w.ptr<scalar_t>();
-    uint8_t* Q = q.ptr<uint8_t>();
+    uint8_t* Q = q.present ? q.ptr<uint8_t>() : nullptr;  // either layout may be left out (not both)
+    uint8_t* QT = q_t.present ? q_t.ptr<uint8_t>() : nullptr;
     parallel_for(E * NB * KB, 4, [&](int64_t t) {
       const int64_t e = t / (NB * KB), nb = (t / KB) % NB, kb = t % KB;
       const int64_t n0 = nb * kQuantBlock, n1 = std::min(N, n0 + kQuantBlock);
@@ -72,14 +73,15 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(to_f(W[(e * N + n) * K + i])));
       const float s = e4m3_scale(amax);  // std::max(amax, NaN) keeps amax
-      scale.ptr<float>()[t] = s;
+      if (Q != nullptr) scale.ptr<float>()[t] = s;
+      if (QT != nullptr) scale_t.ptr<float>()[(e * KB + kb) * NB + nb] = s;
       const float inv = e4m3_inv_scale(s);
       for (int64_t n = n0; n < n1; ++n)
-        for (int64_t i = k0; i < k1; ++i) Q[(e * N + n) * K + i] = float_to_e4m3(to_f(W[(e * N + n) * K + i]) * inv);
-      if (!q_t.present) return;
-      scale_t.ptr<float>()[(e * KB + kb) * NB + nb] = s;
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t i = k0; i < k1; ++i) q_t.ptr<uint8_t>()[(e * K + i) * N + n] = Q[(e * N + n) * K + i];
+        for (int64_t i = k0; i < k1; ++i) {
+          const uint8_t code = float_to_e4m3(to_f(W[(e * N + n) * K + i]) * inv);
+          if (Q != nullptr) Q[(e * N + n) * K + i] = code;
+          if (QT != nullptr) QT[(e * K + i) * N + n] = code;
+        }
     });
   });
 }

@@ -106,7 +106,8 @@ void check_launch(const char* what);
 // slot_to_row (row_to_slot's inverse, optional): reads each token once (k <= 8) instead of once per row.
 void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, const TensorView& slot_to_row, int k,
                          const TensorView& q, const TensorView& scale, void* stream);
-// q_t / scale_t (optional, together): the other layout's copy, [E, K, N] / [E, KB, NB], written in the same pass.
+// q_t / scale_t (optional, together): the other layout's copy, [E, K, N] / [E, KB, NB], written in the same pass;
+// q / scale absent (with q_t present): that layout only.
 void quantize_weight_128x128(const TensorView& w, const TensorView& q, const TensorView& scale, const TensorView& q_t,
                              const TensorView& scale_t, void* stream);
 void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const TensorView& q_t, const TensorView& scale,

@@ -21,7 +21,8 @@ namespace {
 // leave a block latency-bound; docs/kernels.md).
 // With q_t (the other layout, [E, K, N], and scale_t [E, KB, NB]) the tile's codes are also staged in shared
 // memory and written transposed: the same codes and scale, so the dgrad's copy costs one more byte per weight
-// written, instead of a second pass. vec_t: N % 4 == 0 and q_t aligned (4-byte stores of 4 columns n).
+// written, instead of a second pass. q may be null (q_t only): a weight quantised for the other layout with no
+// transposed bf16 copy made first. vec_t: N % 4 == 0 and q_t aligned (4-byte stores of 4 columns n).
 constexpr int kWeightThreads = 512, kWeightWarps = kWeightThreads / 32;
 constexpr int kWeightRows = kQuantBlock / kWeightWarps;  // rows per thread: 8
 // Blocks per SM (the launch bounds: 64 registers for 16-bit T; float's two tiles of values need ~113).
@@ -116,9 +117,9 @@ __global__ void __launch_bounds__(kWeightThreads, weight_blocks_per_sm<T>())
 #pragma unroll
       for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(raw[i].at(j)));
     const float s = scale_of(block_max<kWeightWarps>(m));  // its first barrier: staged is free again
-    if (threadIdx.x == 0) scale[t] = s;
+    if (threadIdx.x == 0 && scale != nullptr) scale[t] = s;
     const float inv = inv_scale(s);
-    uint8_t* dst = q + g.first;
+    uint8_t* dst = q + g.first;  // q == nullptr (only the other layout written): never stored through
 #pragma unroll
     for (int i = 0; i < kWeightRows; ++i, dst += kWeightWarps * K) {
       float v[4];
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kWeightThreads, weight_blocks_per_sm<T>())
       for (int j = 0; j < 4; ++j) v[j] = raw[i].at(j);
       uint32_t code[1];
       encode_n(v, inv, code);
-      if (r0 + kWeightWarps * i < g.rows) store_codes<4>(dst, 0, g.cols - c, g.packed, code);
+      if (q != nullptr && r0 + kWeightWarps * i < g.rows) store_codes<4>(dst, 0, g.cols - c, g.packed, code);
       if (q_t != nullptr) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -161,13 +162,14 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
   if (tiles == 0) return;
   MOE8_DISPATCH_FLOAT(w.dtype, "quantize_weight_128x128: w", [&] {
     using T = scalar_t;
-    const bool vec = K % 4 == 0 && aligned(w.data, 4 * sizeof(T)) && aligned(q.data, 4);
+    const bool vec = K % 4 == 0 && aligned(w.data, 4 * sizeof(T)) && (!q.present || aligned(q.data, 4));
     const bool vec_t = q_t.present && N % 4 == 0 && aligned(q_t.data, 4);
     // as many blocks as fit at once (the kernel's launch bounds), walking the tiles; at most one per tile
     const int sms = std::max(1, device_facts(current_device("quantize_weight_128x128: cudaGetDevice")).sms);
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, weight_blocks_per_sm<T>() * sms));
     quantize_weight_kernel<T><<<grid, kWeightThreads, 0, as_stream(stream)>>>(
-        w.ptr<T>(), N, K, tiles, vec, q.ptr<uint8_t>(), scale.ptr<float>(), q_t.present ? q_t.ptr<uint8_t>() : nullptr,
+        w.ptr<T>(), N, K, tiles, vec, q.present ? q.ptr<uint8_t>() : nullptr, q.present ? scale.ptr<float>() : nullptr,
+        q_t.present ? q_t.ptr<uint8_t>() : nullptr,
         scale_t.present ? scale_t.ptr<float>() : nullptr, vec_t);
     check_launch("quantize_weight_kernel");
   });

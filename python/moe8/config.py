@@ -57,10 +57,13 @@ class Config:
         attention projections, shared experts and dense MLPs), or the kinds to convert, a subset of
         ("attention", "shared_expert", "mlp"); routers, embeddings, norms and the LM head stay as they are.
         Needs fp8. fp8_dense_skip_first_last: the first and last decoder layers stay in the model's dtype.
-    fp8_cache: what the FP8 weight copies cost between calls: "both" (the forward's and, with FP8 dgrad, the
-        backward's layout, made in one pass, kept until the next optimizer step: fastest), "one" (one layout
-        kept, the other derived from it for each use: at most half the bf16 weights' bytes), "none"
-        (quantised at every call, nothing kept between calls).
+    fp8_cache: what the FP8 weight copies cost between calls: "frozen" (the default: weights that train are
+        quantised at every use, forward and FP8 dgrad, each in one pass, and nothing of them is held, so the
+        FP8 step's peak is bf16's; frozen weights, LoRA bases, are cached in both layouts), "both" (every
+        weight's forward and, with FP8 dgrad, backward layout, made in one pass and kept until the next
+        optimizer step: one quantisation pass per step instead of two per micro-batch, for 1 byte per weight
+        element of each layout on top of the peak), "one" (one layout kept, the other derived from it for each
+        use: at most half the bf16 weights' bytes), "none" (quantised at every call, frozen weights too).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (ipc when the experts are on CUDA and the expert-parallel group is on one
@@ -89,7 +92,7 @@ class Config:
     # FP8 for the dense layers (moe8.fp8_linear)
     fp8_dense: Union[bool, str, tuple] = False
     fp8_dense_skip_first_last: bool = False
-    fp8_cache: str = "both"
+    fp8_cache: str = "frozen"
 
     def __post_init__(self):
         fp8 = self.fp8

@@ -11,10 +11,11 @@ saturating; quantised tensors are uint8 (view them as torch.float8_e4m3fn if you
 
 Raw ops (torch.library custom ops with fake implementations; CPU reference or CUDA kernels):
     quantize_rows_1x128 (optionally fused with the permutation into expert order), quantize_weight_128x128
-    (and _pair: both layouts in one pass), quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
+    (and _pair: both layouts in one pass; _t: the other layout only), quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
     quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad
-Weights: quantize_weight, and Fp8WeightCache / default_cache (refreshed when a weight changes or an optimizer
-steps, not per micro-batch).
+Weights: quantize_weight, and Fp8WeightCache: default_cache (copies refreshed when a weight changes or an
+optimizer steps, not per micro-batch) or frozen_only_cache (what Config's default fp8_cache="frozen" names:
+trainable weights quantised at every use, nothing of them held; frozen ones cached).
 The experts pipeline runs on these through its FP8 precision strategy (moe8.precision.Fp8Gemms): pass
 fp8="blockwise" (or a Float8Recipe) to moe8.experts_forward, or set moe8.Config(fp8=...).
 """
@@ -163,6 +164,24 @@ def _(w):
         w.new_empty(E, K, N, dtype=u8),
         w.new_empty(E, _blocks(K), _blocks(N), dtype=f32),
     )
+
+
+@torch.library.custom_op("moe8::quantize_weight_128x128_t", mutates_args=())
+def quantize_weight_128x128_t(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [E, N, K] -> the other layout only: q_t [E, K, N] and scale_t [E, ceil(K/128), ceil(N/128)], the bits
+    quantize_weight_128x128_pair gives (the same square blocks), in one pass over w and without a transposed
+    bf16 copy of it: what a weight's transposed GEMM (the FP8 dgrad) reads when nothing is cached."""
+    _c.tensor("w", w, 3, "[E, N, K]")
+    E, N, K = w.shape
+    q_t, scale_t = _u8((E, K, N), w), _f32((E, _blocks(K), _blocks(N)), w)
+    _C.quantize_weight_128x128(w, None, None, _stream(w), q_t, scale_t)
+    return q_t, scale_t
+
+
+@quantize_weight_128x128_t.register_fake
+def _(w):
+    E, N, K = w.shape
+    return w.new_empty(E, K, N, dtype=torch.uint8), w.new_empty(E, _blocks(K), _blocks(N), dtype=torch.float32)
 
 
 def col_scale_blocks(rows: int, num_experts: int) -> int:
@@ -325,12 +344,15 @@ def _nk(w: Tensor, layout: int) -> Tensor:
 
 
 def quantize_weight(w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
-    """w [E, N, K] (layout 0) or [E, K, N] (layout 1) -> Fp8Weight; a dense weight [N, K] is one expert."""
+    """w [E, N, K] (layout 0) or [E, K, N] (layout 1) -> Fp8Weight; a dense weight [N, K] is one expert.
+    Blockwise in layout 1: quantised as stored, the codes written transposed (no bf16 transpose of w)."""
+    if recipe.name == "blockwise":
+        if layout == 1:
+            stored = (w if w.dim() == 3 else w.unsqueeze(0)).detach().contiguous()
+            return Fp8Weight(*quantize_weight_128x128_t(stored), None)
+        return Fp8Weight(*quantize_weight_128x128(_nk(w, 0)), None)
     w = _nk(w, layout)
     E, N, K = w.shape
-    if recipe.name == "blockwise":
-        q, scale = quantize_weight_128x128(w)
-        return Fp8Weight(q, scale, None)
     ones = torch.ones(E, _blocks(N), _blocks(K), dtype=torch.float32, device=w.device)
     if recipe.name == "tensorwise":
         q, s = quantize_tensorwise(w)
@@ -427,11 +449,17 @@ class Fp8WeightCache:
     keep_transposed: keep the other layout's blockwise copy once made (default); False keeps one layout per
     weight and derives the other from it for each use (a transient copy: FP8 weights then cost at most half
     the bf16 weights' bytes). A weight that does not require grad is not refreshed by optimizer steps (no
-    optimizer changes it; in-place changes still move its version counter)."""
+    optimizer changes it; in-place changes still move its version counter).
 
-    def __init__(self, keep_transposed: bool = True):
+    hold_trainable: keep copies of weights that require grad (default). False: those are quantised at every
+    use and nothing of them is held between calls (an optimizer changes them every step anyway, so a copy
+    would live from one step's forward to the next step's, on top of the step's peak); frozen weights (LoRA
+    bases) are still cached, both layouts."""
+
+    def __init__(self, keep_transposed: bool = True, hold_trainable: bool = True):
         self._entries: dict = {}
         self.keep_transposed = bool(keep_transposed)
+        self.hold_trainable = bool(hold_trainable)
 
     def _current(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp) -> Optional[Fp8Weight]:
         hit = self._entries.get((id(w), layout, recipe.name))
@@ -443,6 +471,8 @@ class Fp8WeightCache:
         frozen = frozen_fp8(w)
         if frozen is not None:  # stored in FP8 only: its own copy, or that copy's transpose
             return frozen.value if frozen.layout == layout else transposed(frozen.value)
+        if w.requires_grad and not self.hold_trainable:
+            return quantize_weight(w, layout, recipe)
         stamp = (w._version, w.data_ptr(), _optimizer_steps if w.requires_grad else -1)
         value = self._current(w, layout, recipe, stamp)
         if value is not None:
@@ -500,14 +530,16 @@ class Fp8WeightCache:
 
 default_cache = Fp8WeightCache()
 one_layout_cache = Fp8WeightCache(keep_transposed=False)  # Config(fp8_cache="one")
-CACHES = ("both", "one", "none")  # Config.fp8_cache: default_cache, one_layout_cache, no cache
+frozen_only_cache = Fp8WeightCache(hold_trainable=False)  # Config(fp8_cache="frozen"), the default
+# Config.fp8_cache: frozen_only_cache, default_cache, one_layout_cache, no cache
+CACHES = ("frozen", "both", "one", "none")
 
 
 def cache_named(name: str) -> Optional[Fp8WeightCache]:
     """The weight cache a Config's fp8_cache names."""
     if name not in CACHES:
         raise ValueError(f"fp8_cache: expected one of {list(CACHES)}, got {name!r}")
-    return {"both": default_cache, "one": one_layout_cache, "none": None}[name]
+    return {"frozen": frozen_only_cache, "both": default_cache, "one": one_layout_cache, "none": None}[name]
 
 
 make_direct(globals())  # after every op's registrations (moe8._core: direct calls)

@@ -146,6 +146,15 @@ TEST_F(CudaTest, QuantWeightMatchesCpuBitExact) {
       EXPECT_TRUE(same(qg2, qc, "q (pair)"));
       EXPECT_TRUE(same(qtg, qtc, "q_t"));
       EXPECT_TRUE(same(stg, stc, "scale_t"));
+      // The other layout alone (q and scale left out): the same codes and scales as the pair's.
+      HostTensor qt1 = u8({s[0], s[2], s[1]}), st1 = f32({s[0], kb(s[2]), kb(s[1])});
+      {
+        Runner r(true);
+        api::quantize_weight_128x128(r.in(w), absent(), absent(), 0, r.out(qt1), r.out(st1));
+        r.finish();
+      }
+      EXPECT_TRUE(same(qt1, qtc, "q_t alone"));
+      EXPECT_TRUE(same(st1, stc, "scale_t alone"));
     }
 }
 

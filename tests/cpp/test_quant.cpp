@@ -251,6 +251,13 @@ TEST(Quant, Weight128x128MatchReference) {
       }
       EXPECT_TRUE(same_bytes(bytes(qt), want_t, "q_t " + what));
       EXPECT_TRUE(same_floats(floats(sct), want_st, "scale_t " + what));
+      // The other layout alone (q and scale left out): the same q_t and scale_t.
+      HostTensor qt1 = u8({s[0], s[2], s[1]}), sct1 = f32({s[0], kb(s[2]), kb(s[1])});
+      qt1.poison();
+      sct1.poison();
+      api::quantize_weight_128x128(w.view(), absent(), absent(), 0, qt1.view(), sct1.view());
+      EXPECT_TRUE(same_bytes(bytes(qt1), want_t, "q_t alone " + what));
+      EXPECT_TRUE(same_floats(floats(sct1), want_st, "scale_t alone " + what));
     }
 }
 
@@ -528,6 +535,9 @@ TEST(Validation, Quant) {
   HostTensor wqt = u8({2, 4, 3}), wst = f32({2, 1, 1});
   EXPECT_MOE8_ERROR("q_t and scale_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wqt.view()));
   EXPECT_MOE8_ERROR("q_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wq.view(), wst.view()));
+  EXPECT_MOE8_ERROR("q and scale", api::quantize_weight_128x128(w.view(), wq.view(), absent(), 0, wqt.view(), wst.view()));
+  EXPECT_MOE8_ERROR("q and q_t", api::quantize_weight_128x128(w.view(), absent(), absent(), 0));
+  EXPECT_NO_THROW(api::quantize_weight_128x128(w.view(), absent(), absent(), 0, wqt.view(), wst.view()));
 
   HostTensor offs = ints({3}, {0, 3, 2}), offs_ok = ints({3}, {0, 2, 4});
   HostTensor qt = u8({130, 4}), cs = f32({api::col_scale_blocks(4, 2), 130}), cs_bad = f32({1, 130});

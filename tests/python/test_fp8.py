@@ -641,6 +641,11 @@ def test_weight_pair_is_both_layouts(device, shape):
     want, want_t = fp8.quantize_weight_128x128(w), fp8.quantize_weight_128x128(w.transpose(1, 2).contiguous())
     for got, ref in zip((q, s, q_t, s_t), want + want_t):
         assert got.dtype == ref.dtype and torch.equal(got.cpu(), ref.cpu())
+    # the other layout alone (no transposed bf16 copy), and quantize_weight's layout 1, which uses it
+    alone = fp8.quantize_weight_128x128_t(w)
+    via_layout = fp8.quantize_weight(w.transpose(1, 2).contiguous(), 1, fp8.Float8Recipe())
+    for got, ref in zip((*alone, via_layout.q, via_layout.scale), want_t + want):
+        assert got.dtype == ref.dtype and torch.equal(got.cpu(), ref.cpu())
 
 
 @pytest.mark.parametrize("device", devices())
@@ -675,6 +680,10 @@ def test_weight_pair_checks_its_arguments():
         _C.quantize_weight_128x128(
             w, q, s, 0, torch.empty(2, 128, 64, dtype=torch.uint8), torch.empty(2, 1, 1)
         )
+    with pytest.raises(Exception, match="q and q_t"):
+        _C.quantize_weight_128x128(w, None, None, 0, None, None)
+    with pytest.raises(Exception, match="q and scale"):
+        _C.quantize_weight_128x128(w, q, None, 0, torch.empty(2, 64, 128, dtype=torch.uint8), torch.empty(2, 1, 1))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -767,6 +776,7 @@ def test_fake_implementations():
     torch.library.opcheck(fp8.quantize_rows_1x128, (x, None, 1))
     torch.library.opcheck(fp8.quantize_weight_128x128, (w,))
     torch.library.opcheck(fp8.quantize_weight_128x128_pair, (w,))
+    torch.library.opcheck(fp8.quantize_weight_128x128_t, (w,))
     torch.library.opcheck(fp8.quantize_cols_1x128, (x, offsets))
     torch.library.opcheck(fp8.quantize_rowwise, (x,))
     torch.library.opcheck(fp8.quantize_tensorwise, (x,))

@@ -289,8 +289,9 @@ def test_frozen_weights_survive_optimizer_steps():
 
 @pytest.mark.parametrize("device", devices())
 def test_fp8_cache_policies_same_bits_less_memory(device):
-    """Config.fp8_cache "both" / "one" / "none": the same outputs and gradients bit for bit; "one" holds half
-    of "both"'s bytes (one layout per weight), "none" nothing between calls."""
+    """Config.fp8_cache "frozen" / "both" / "one" / "none": the same outputs and gradients bit for bit; "one"
+    holds half of "both"'s bytes (one layout per weight), "none" nothing between calls, "frozen" (the default)
+    nothing of weights that train and both layouts of frozen ones."""
     torch.manual_seed(4)
     E, H, I, T = 4, 256, 128, 96
     x = torch.randn(T, H, device=device, requires_grad=True)
@@ -299,16 +300,28 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
     dn = (torch.randn(E, H, I, device=device) * 0.1).requires_grad_()
     r = Float8Recipe("blockwise", dgrad="fp8")
     results, held = [], {}
-    for name in fp8.CACHES:
-        fp8.default_cache.clear(), fp8.one_layout_cache.clear()
+    caches = (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache)
+
+    def run(name, weights_train=True):
+        for c in caches:
+            c.clear()
         cfg = moe8.Config(fp8=r, fp8_cache=name)
-        y = layer.experts_forward(x, ids, w, gu, dn, config=cfg)
-        results.append((y, *torch.autograd.grad(y.square().sum(), [x, gu, dn])))
-        held[name] = fp8.default_cache.nbytes() + fp8.one_layout_cache.nbytes()
+        a, b = (gu, dn) if weights_train else (gu.detach(), dn.detach())
+        y = layer.experts_forward(x, ids, w, a, b, config=cfg)
+        grads = torch.autograd.grad(y.square().sum(), [x, a, b] if weights_train else [x])
+        return (y, *grads), sum(c.nbytes() for c in caches)
+
+    assert moe8.Config().fp8_cache == "frozen"
+    for name in fp8.CACHES:
+        out, held[name] = run(name)
+        results.append(out)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     one_copy = sum(t.numel() for t in (gu, dn)) + 4 * 4 * (2 * 2 + 2 * 1)
-    assert held == {"both": 2 * one_copy, "one": one_copy, "none": 0}
+    assert held == {"frozen": 0, "both": 2 * one_copy, "one": one_copy, "none": 0}
+    frozen_out, frozen_held = run("frozen", weights_train=False)  # frozen weights: both layouts cached
+    assert frozen_held == 2 * one_copy
+    assert torch.equal(frozen_out[0], results[0][0]) and torch.equal(frozen_out[1], results[0][1])
     with pytest.raises(ValueError, match="fp8_cache: expected one of"):
         moe8.Config(fp8="blockwise", fp8_cache="all")
 
