@@ -10,6 +10,7 @@ first 2 are not timed:
 
     python bench/bench_recipes.py --out bench/results/recipes
     python bench/bench_recipes.py --full --out DIR     # the one-GPU recipes as written: full depth, 4096 tokens
+    python bench/bench_recipes.py --full --baseline-steps 20 --out DIR   # the transformers side's first 20 steps
 
 --tiny: every model at toy width (hidden 64, 8 experts, 2 layers) on the CPU in fp32, 4 steps: the test suite's
 check that each recipe runs through both paths and that the two compute the same losses.
@@ -253,8 +254,9 @@ def run_moe8(cfg, device) -> dict:
     return out, first_batch
 
 
-def run_transformers(cfg, data, tok, device, dtype) -> dict:
-    """The same model (seed, config), data and training in plain transformers: labels= loss, PEFT for LoRA."""
+def run_transformers(cfg, data, tok, device, dtype, steps: int = 0) -> dict:
+    """The same model (seed, config), data and training in plain transformers: labels= loss, PEFT for LoRA.
+    steps: how many of the run's steps to take (0: all of cfg.steps); the schedule is still cfg.steps'."""
     from transformers import AutoModelForCausalLM
 
     from moe8 import hf
@@ -302,7 +304,7 @@ def run_transformers(cfg, data, tok, device, dtype) -> dict:
     peaks.around(opt)
     model.train()
     times, losses, auxes, lrs, norms = [], [], [], [], []
-    for step in range(cfg.steps):
+    for step in range(min(cfg.steps, steps or cfg.steps)):
         t0 = time.perf_counter()
         x, y, pos = (t.to(device) for t in data.batch(step))
         out = model(input_ids=x, labels=y, position_ids=pos)
@@ -406,7 +408,7 @@ def run_recipe(name: str, args, device) -> dict:
                     if not all(torch.equal(a, b) for a, b in zip(first, data.batch(0))):
                         raise RuntimeError(f"{name}: the trainer's first micro-batch is not the baseline's")
                 else:
-                    r = run_transformers(cfg, data, tok, device, dtype)
+                    r = run_transformers(cfg, data, tok, device, dtype, args.baseline_steps)
             except (torch.OutOfMemoryError, MemoryCheckError) as e:  # a side that does not fit: kept as such,
                 r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}")  # the other side still runs
                 _free(device)
@@ -449,8 +451,8 @@ def run_recipe(name: str, args, device) -> dict:
 def table(results: dict) -> str:
     rows = [
         f"{'recipe':26} {'layers':>6} {'GiB moe8':>9} {'GiB hf':>7} {'est.':>6} {'tok/s moe8':>11} {'tok/s hf':>9} "
-        f"{'x':>5} {'loss0 moe8':>10} {'loss0 hf':>9} {'last moe8':>9} {'last hf':>8}"
-    ]
+        f"{'x':>5} {'loss0 moe8':>10} {'loss0 hf':>9} {'last moe8':>9} {'last hf':>8} {'step':>5}"
+    ]  # "last": both sides' loss at the transformers side's last step (--baseline-steps)
     for name, r in results.items():
         a, b = r["moe8"], r["transformers"]
         failed = [f"{side}: {r[side]['error']}" for side in ("moe8", "transformers") if "error" in r[side]]
@@ -460,7 +462,8 @@ def table(results: dict) -> str:
         rows.append(
             f"{name:26} {r['layers']:>6} {a['peak_gib']:>9.2f} {b['peak_gib']:>7.2f} {r['estimate_gib']:>6.2f} "
             f"{a['tokens_per_s']:>11,.0f} {b['tokens_per_s']:>9,.0f} {a['tokens_per_s'] / b['tokens_per_s']:>5.2f} "
-            f"{a['losses'][0]:>10.4f} {b['losses'][0]:>9.4f} {a['losses'][-1]:>9.4f} {b['losses'][-1]:>8.4f}"
+            f"{a['losses'][0]:>10.4f} {b['losses'][0]:>9.4f} {a['losses'][len(b['losses']) - 1]:>9.4f} "
+            f"{b['losses'][-1]:>8.4f} {len(b['losses']):>5}"
         )
     return "\n".join(rows)
 
@@ -485,6 +488,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--first", choices=("moe8", "transformers"), default="moe8", help="which side runs first")
     ap.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=0,
+        help="steps of the transformers side, the first of the same schedule (0: as many as moe8's)",
+    )
+    ap.add_argument(
         "--full",
         action="store_true",
         help="the one-GPU recipes as written: the config's full depth, the recipe's sequence length and "
@@ -505,11 +514,13 @@ def main(argv=None) -> int:
                 f"{n}: left out by --full: ep = {ep} needs {ep} GPUs (expert parallelism), this run has one"
             )
         names = [n for n in names if n not in multi]
-    for flag in ("steps", "layers", "micro_batch"):
+    for flag in ("steps", "layers", "micro_batch", "baseline_steps"):
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')}: expected >= 0, got {getattr(args, flag)}")
-    if args.steps and args.steps <= WARMUP and not args.tiny:
-        ap.error(f"--steps {args.steps}: expected more than the {WARMUP} untimed steps")
+    for flag in ("steps", "baseline_steps"):
+        n = getattr(args, flag)
+        if n and n <= WARMUP and not args.tiny:
+            ap.error(f"--{flag.replace('_', '-')} {n}: expected more than the {WARMUP} untimed steps")
     import transformers
 
     out = Path(args.out)
@@ -522,6 +533,7 @@ def main(argv=None) -> int:
         transformers=transformers.__version__,
         tiny=args.tiny,
         untimed_steps=WARMUP,
+        baseline_steps=args.baseline_steps or "as moe8's",
         first=args.first,
     )
     results, t0 = {}, time.perf_counter()
