@@ -401,6 +401,9 @@ def run_recipe(name: str, args, device) -> dict:
         data = Data(cfg, tok)
         order = ("moe8", "transformers") if args.first == "moe8" else ("transformers", "moe8")
         for side in order:
+            if side not in args.sides:
+                result[side] = dict(error=f"not run (--sides {','.join(args.sides)})")
+                continue
             t0 = time.perf_counter()
             try:
                 if side == "moe8":
@@ -424,7 +427,7 @@ def run_recipe(name: str, args, device) -> dict:
             )
     _free(device)
     estimate = result["moe8"].get("estimate_gib")
-    if "error" not in result["transformers"]:
+    if "error" not in result["transformers"] and estimate is not None:
         result["transformers"]["estimate_gib"] = estimate  # moe8 finetune's, for this run
     a, b = result["moe8"].get("settings"), result["transformers"].get("settings")
     differ = (
@@ -488,6 +491,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--first", choices=("moe8", "transformers"), default="moe8", help="which side runs first")
     ap.add_argument(
+        "--sides",
+        default="moe8,transformers",
+        help="which sides to run, comma-separated (default both; a side left out is recorded as not run)",
+    )
+    ap.add_argument(
         "--baseline-steps",
         type=int,
         default=0,
@@ -501,6 +509,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tiny", action="store_true", help="toy-width models on the CPU (the tests)")
     args = ap.parse_args(argv)
+    args.sides = [x for x in args.sides.split(",") if x]
+    if not args.sides or set(args.sides) - {"moe8", "transformers"}:
+        ap.error(f"--sides: expected moe8 and/or transformers, got {','.join(args.sides)!r}")
     names = [n for n in args.recipes.split(",") if n]
     unknown = sorted(set(names) - set(RECIPES))
     if unknown:

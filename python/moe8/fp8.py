@@ -181,7 +181,9 @@ def quantize_weight_128x128_t(w: Tensor) -> tuple[Tensor, Tensor]:
 @quantize_weight_128x128_t.register_fake
 def _(w):
     E, N, K = w.shape
-    return w.new_empty(E, K, N, dtype=torch.uint8), w.new_empty(E, _blocks(K), _blocks(N), dtype=torch.float32)
+    return w.new_empty(E, K, N, dtype=torch.uint8), w.new_empty(
+        E, _blocks(K), _blocks(N), dtype=torch.float32
+    )
 
 
 def col_scale_blocks(rows: int, num_experts: int) -> int:
@@ -388,6 +390,12 @@ def transposed(wq: Fp8Weight) -> Fp8Weight:
     return Fp8Weight(wq.q.transpose(1, 2).contiguous(), wq.scale.transpose(1, 2).contiguous(), None)
 
 
+def dequantized(value: Fp8Weight, dtype: torch.dtype) -> Tensor:
+    """A blockwise Fp8Weight's values [E, N, K] in `dtype` (each code times its block's scale): what a bf16
+    GEMM reads of a weight stored in FP8 only, e.g. its input gradient when the recipe's dgrad is bf16."""
+    return dequantize(value.q, value.scale, BLOCK, BLOCK, dtype)
+
+
 def fp8_nbytes(value) -> int:
     """Bytes held by an Fp8Weight (or None)."""
     return 0 if value is None else sum(t.nbytes for t in value if t is not None)
@@ -413,8 +421,9 @@ def freeze_fp8(w: Tensor, layout: int = 0, recipe="blockwise") -> Tensor:
     """A frozen weight stored in FP8 only (LoRA over FP8 base weights): returns a placeholder of w's shape,
     dtype and device that holds no values (a zero-stride view of one element) and carries w's blockwise copy
     in `layout` (0: the GEMM reads w as [E, N, K], 1: as its transpose); the caller drops w itself. The moe8
-    FP8 GEMMs read the copy (the input gradient too, through the same blocks transposed); anything that reads
-    the placeholder's values reads zeros, and moe8's bf16 paths refuse it (ValueError)."""
+    FP8 GEMMs read the copy; so does the input gradient: through the same blocks transposed with an FP8
+    dgrad (recipe dgrad="fp8"), dequantised for the bf16 GEMM (a transient copy) with the default bf16 dgrad.
+    Anything else that reads the placeholder's values reads zeros, and moe8's bf16 paths refuse it (ValueError)."""
     recipe = _recipe(recipe)
     if recipe.name != "blockwise":
         raise ValueError(f"recipe: frozen FP8 weights are blockwise (layout-symmetric), got {recipe.name!r}")

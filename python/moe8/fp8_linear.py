@@ -34,6 +34,7 @@ from .fp8 import (
     _recipe,
     cache_named,
     default_cache,
+    dequantized,
     frozen_fp8,
     quantize_rowwise,
     quantize_tensorwise,
@@ -152,6 +153,8 @@ def _fp8_linear_backward(
         if recipe.dgrad == "fp8":
             wt = _weight(w, (wt_q, wt_scale, wt_row_scale), 1, recipe, (w_q, w_scale, w_row_scale))
             dx = _gemm(g, wt, recipe, backend)
+        elif frozen_fp8(w) is not None:  # stored in FP8 only: its values dequantised for the bf16 GEMM
+            dx = g @ dequantized(frozen_fp8(w).value, g.dtype)[0]  # [M, N] . [N, K]
         else:
             dx = g @ w.to(g.dtype)  # [M, N] . [N, K]
     if need_dw:
@@ -219,10 +222,10 @@ def fp8_linear(
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     wq = wt = NO_COPY
     frozen = frozen_fp8(w)
-    if frozen is not None:  # stored in FP8 only: its copy (layout 0), the dgrad from its blocks transposed
-        if frozen.layout != 0:
+    if frozen is not None:  # stored in FP8 only: its copy (layout 0); the dgrad from its blocks transposed
+        if frozen.layout != 0:  # (FP8 dgrad) or dequantised (bf16 dgrad)
             raise ValueError("w: a dense weight stored in FP8 is frozen in layout 0 (freeze_fp8(w, 0))")
-        wq, recipe = frozen.value, Float8Recipe("blockwise", dgrad="fp8")
+        wq, recipe = frozen.value, Float8Recipe("blockwise", dgrad=recipe.dgrad, wgrad=recipe.wgrad)
     elif cache is not None and not torch.compiler.is_compiling():
         wq = cache.get(w, 0, recipe)
         if _dgrad_copy_cached(w, recipe, cache):

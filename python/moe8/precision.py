@@ -28,6 +28,7 @@ from .fp8 import (
     cache_named,
     check_not_frozen,
     default_cache,
+    dequantized,
     frozen_fp8,
     frozen_only_cache,
     grouped_gemm_fp8,
@@ -129,10 +130,14 @@ class Fp8Gemms:
         return _fp8_forward(ops.activation(h, *act), wq, offsets, self.recipe)
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
-        # g quantised like an activation, w like a weight, transposed (a weight stored in FP8 only: always)
-        if self.recipe.dgrad == "fp8" or frozen_fp8(w) is not None:
+        if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
             wt = self.quantized(w, 1 - layout)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
+        frozen = frozen_fp8(w)
+        if frozen is not None:  # stored in FP8 only: the bf16 GEMM reads its values dequantised, [E, N, K]
+            # of the GEMM in frozen.layout; in the other layout the same matrix is read transposed
+            values = dequantized(frozen.value, g.dtype)
+            return ops.grouped_gemm(g, values, offsets, 1 if layout == frozen.layout else 0, None)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
 
     def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):

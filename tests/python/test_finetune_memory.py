@@ -20,6 +20,7 @@ from moe8 import lora  # noqa: E402
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
 from moe8.finetune.train import Trainer  # noqa: E402
+from moe8.fp8 import frozen_fp8  # noqa: E402
 
 _undo_moe8 = test_finetune._undo_moe8  # the same fixtures: moe8 undone after each test, the text data
 text_file = test_finetune.text_file
@@ -75,6 +76,9 @@ def measure(tmp_path, text_file, **kw) -> tuple[memory.Estimate, dict]:
         master=storage_bytes(m for p, m in zip(tr.params, tr.master) if m is not p),
         loss_grads=sum(held.values()),
         activations=sum(v for k, v in saved.items() if k not in held),
+        largest_frozen=max(  # a weight stored in FP8 only, as its bf16 values would take
+            (p.numel() * p.element_size() for p in model.parameters() if frozen_fp8(p) is not None), default=0
+        ),
     )
     ce.backward()
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
@@ -109,6 +113,8 @@ def test_estimate_parts_equal_the_bytes_a_run_holds(tmp_path, text_file, kw):
     assert s["grads"] == got["step_grads"]  # the step's: fp32
     assert b["adamw"] == s["adamw"] == got["adamw"]
     assert b["loss_grads"] == got["loss_grads"] and s["loss_grads"] == 0
+    # LoRA over FP8 bases: one frozen weight dequantised at a time for the input gradient, the largest
+    assert b["fp8_transient"] == (got["largest_frozen"] if "fp8" in kw else 0) and s["fp8_transient"] == 0
     # the peak the run is checked against is the larger phase, plus 5%
     peak = max(b, s, key=lambda d: sum(d.values()))
     assert est.parts == dict(peak, overhead=sum(peak.values()) // 20) and est.total == sum(est.parts.values())

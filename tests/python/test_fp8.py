@@ -683,7 +683,9 @@ def test_weight_pair_checks_its_arguments():
     with pytest.raises(Exception, match="q and q_t"):
         _C.quantize_weight_128x128(w, None, None, 0, None, None)
     with pytest.raises(Exception, match="q and scale"):
-        _C.quantize_weight_128x128(w, q, None, 0, torch.empty(2, 64, 128, dtype=torch.uint8), torch.empty(2, 1, 1))
+        _C.quantize_weight_128x128(
+            w, q, None, 0, torch.empty(2, 64, 128, dtype=torch.uint8), torch.empty(2, 1, 1)
+        )
 
 
 @pytest.mark.parametrize("device", devices())

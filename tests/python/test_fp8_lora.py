@@ -36,7 +36,8 @@ CASES = [  # T, H, I, E, K, r, layout
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-{c[6]}")
-def test_experts_lora_over_fp8_base(case, device):
+@pytest.mark.parametrize("dgrad", ["bf16", "fp8"])
+def test_experts_lora_over_fp8_base(case, device, dgrad):
     T, H, I, E, K, r, layout = case
     torch.manual_seed(T + H)
     kn = layout == "kn"
@@ -55,8 +56,9 @@ def test_experts_lora_over_fp8_base(case, device):
     s = 1.5
     fgu, fdn = fp8.freeze_fp8(gu, int(kn)), fp8.freeze_fp8(dn, int(kn))
     assert fgu.untyped_storage().nbytes() == gu.element_size()  # the bf16 values are not held
+    recipe = fp8.Float8Recipe("blockwise", dgrad=dgrad)
     y = layer.experts_forward(
-        x, ids, weights, fgu, fdn, layout=layout, lora=layer.ExpertLoRA(*lora, s), fp8="blockwise"
+        x, ids, weights, fgu, fdn, layout=layout, lora=layer.ExpertLoRA(*lora, s), fp8=recipe
     )
     xd = x.detach().double().requires_grad_()
     ld = [t.detach().double().requires_grad_() for t in lora]
@@ -78,6 +80,39 @@ def test_experts_lora_over_fp8_base(case, device):
         assert rel(g, g_ref) < TOL, name
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", [0, 1])
+def test_frozen_weights_input_gradient(device, layout):
+    """The input gradient GEMM of a weight stored in FP8 only: with the recipe's bf16 dgrad (the default) the
+    dequantised weight times the exact output gradient (float32 on the CPU: ~1e-7 of float64), with an FP8
+    dgrad the same blocks transposed times the gradient quantised 1x128 (FP8's ~3 %); in the weight's own
+    layout and in the other one."""
+    from moe8.precision import Fp8Gemms
+
+    torch.manual_seed(layout)
+    E, N, K, R = 3, 200, 136, 50
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    w = torch.randn((E, N, K) if layout == 0 else (E, K, N), device=device, dtype=dt)
+    frozen = fp8.freeze_fp8(w, layout)
+    g = torch.randn(R, N, device=device, dtype=dt)
+    offsets = torch.tensor([0, 20, 20, R], device=device, dtype=torch.int32)
+    d = dequantized(frozen)  # float64, the placeholder's layout
+    nk = d if layout == 0 else d.transpose(1, 2)  # [E, N, K]: c = a . nk^T in the forward
+    want = torch.cat([g[a:b].double() @ nk[e] for e, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))])
+    exact = 1e-5 if device == "cpu" else 1e-2
+    got = Fp8Gemms("blockwise").dgrad(g, frozen, offsets, layout)
+    assert rel(got, want) < exact
+    got_fp8 = Fp8Gemms(fp8.Float8Recipe("blockwise", dgrad="fp8")).dgrad(g, frozen, offsets, layout)
+    assert 1e-3 < rel(got_fp8, want) < TOL  # the gradient's own quantisation shows
+    # read in the other layout (the GEMM that takes the frozen copy transposed): its input gradient is
+    # g' . nk^T for g' of width K
+    g2 = torch.randn(R, K, device=device, dtype=dt)
+    want2 = torch.cat(
+        [g2[a:b].double() @ nk[e].t() for e, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
+    )
+    assert rel(Fp8Gemms("blockwise").dgrad(g2, frozen, offsets, 1 - layout), want2) < exact
+
+
 def test_experts_in_bf16_refuse_fp8_only_weights():
     E, H, I = 4, 128, 64
     fgu, fdn = fp8.freeze_fp8(torch.randn(E, 2 * I, H)), fp8.freeze_fp8(torch.randn(E, H, I))
@@ -95,7 +130,8 @@ def test_freeze_fp8_bad_input():
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("shape", [(64, 256, 384), (33, 200, 136)], ids=str)
-def test_lora_linear_over_fp8_base(shape, device):
+@pytest.mark.parametrize("dgrad", ["bf16", "fp8"])
+def test_lora_linear_over_fp8_base(shape, device, dgrad):
     M, N, K = shape
     torch.manual_seed(M)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
@@ -106,6 +142,7 @@ def test_lora_linear_over_fp8_base(shape, device):
     m.requires_grad_(False)
     m.lora_A.requires_grad_(True), m.lora_B.requires_grad_(True)
     m.weight = fp8.freeze_fp8(m.weight.detach())
+    m.fp8_recipe = fp8.Float8Recipe("blockwise", dgrad=dgrad)
     x = torch.randn(2, M, K, device=device, dtype=dt, requires_grad=True)
     y = m(x)
     xd = x.detach().double().requires_grad_()
@@ -117,6 +154,8 @@ def test_lora_linear_over_fp8_base(shape, device):
     grads_ref = torch.autograd.grad(y_ref, [xd, A, B], dy)
     for name, g, g_ref in zip(["x", "lora_A", "lora_B"], grads, grads_ref):
         assert rel(g, g_ref) < TOL, name
+    if dgrad == "bf16" and device == "cpu":  # dx = dy . (dequantised W + s B A): no FP8 in it, float32-exact
+        assert rel(grads[0], grads_ref[0]) < 1e-5
 
 
 def test_frozen_base_bytes_halve():

@@ -14,6 +14,8 @@ seq_len), the larger of the backward peak and the optimizer-step peak:
   loss_grads   backward only: the gradients moe8's chunked cross-entropy computes in its forward and holds
                until the backward: tokens x hidden x w (d hidden) + when the head trains (full) padded vocab x
                hidden x 4 (d weight, fp32)
+  fp8_transient backward only, LoRA over FP8 bases: the largest frozen weight dequantised (x w), which the
+               input gradient's bf16 GEMM reads one weight at a time
   overhead     5% of the above (allocator rounding, workspaces)
 The optimizer step adds nothing: the trainer's AdamW is fused on CUDA (torch's default there, foreach, would
 take sqrt(exp_avg_sq) of every tensor at once: T x 4 more).
@@ -142,9 +144,13 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     lora = cfg.method == "lora"
     T = counts.lora if lora else held
     weights = held * w + (counts.lora * 4 if lora else 0)
+    fp8_transient = 0
     if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
         weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
+        # the input gradient reads one frozen weight at a time dequantised: the largest, an experts module's
+        # gate / up weight, is 4/3 of the average of its gate_up and down (2I x H against H x I)
+        fp8_transient = max(ne // max(ce, 1) * 4 // 3 // ep, n // max(c, 1)) * w
     master = T * 4 if (not lora and w == 2) else 0
     adamw = T * 8
     grads_bwd, grads_step = T * (4 if lora else w), T * 4
@@ -166,8 +172,9 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
         activations=acts,
         logits=logits,
         loss_grads=loss_grads,
+        fp8_transient=fp8_transient,
     )
-    step = dict(backward, grads=grads_step, activations=0, logits=0, loss_grads=0)
+    step = dict(backward, grads=grads_step, activations=0, logits=0, loss_grads=0, fp8_transient=0)
     parts = max(backward, step, key=lambda d: sum(d.values()))
     parts = dict(parts, overhead=sum(parts.values()) // 20)
     return Estimate(parts, sum(parts.values()), backward, step)
