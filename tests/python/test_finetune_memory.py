@@ -7,7 +7,10 @@ the backward. The activations a forward leaves for the backward (its saved tenso
 compared within a stated bound: the estimate counts the big tensors of a layer, not every small one."""
 
 import gc
+import json
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +22,9 @@ import test_finetune  # noqa: E402 - its fixtures
 from moe8 import lora  # noqa: E402
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
+from moe8.finetune.model import config_from  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]  # recipes/ of the checkout
 from moe8.finetune.train import Trainer  # noqa: E402
 from moe8.fp8 import frozen_fp8  # noqa: E402
 
@@ -39,8 +45,8 @@ def storage_bytes(tensors) -> int:
 def measure(tmp_path, text_file, **kw) -> tuple[memory.Estimate, dict]:
     """One micro-batch forward and backward and one AdamW step of a tiny built-in model, as the trainer runs
     them, and the bytes each part of the estimate stands for."""
+    kw.setdefault("model", None if "model_config" in kw else "tiny-qwen3-moe")
     cfg = Config(
-        model="tiny-qwen3-moe",
         data=str(text_file),
         device="cpu",
         micro_batch=2,
@@ -135,6 +141,41 @@ def test_activation_estimate_bounds_the_saved_tensors(tmp_path, text_file, metho
     )
     assert got_c["activations"] <= est_c.backward["activations"] < est.backward["activations"]
     assert got_c["activations"] < got["activations"] / 4
+
+
+def tiny_gpt_oss() -> str:
+    """GPT-OSS-20B's config (recipes/configs) at toy width, 2 layers: its attention is eager (sinks, no SDPA)."""
+    spec = json.loads((ROOT / "recipes" / "configs" / "gpt_oss_20b.json").read_text())
+    spec.update(
+        hidden_size=64,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return json.dumps(spec)
+
+
+def test_eager_attention_scores_in_the_estimate(tmp_path, text_file):
+    """A family whose attention runs eagerly (GPT-OSS) saves S x S probabilities per layer: the estimate's
+    activations count them (the saved tensors of one forward within 0.8 to 1.25 times, as for SDPA models),
+    and its attention_scores part the transient S x S tensors; an SDPA family has neither."""
+    est, got = measure(
+        tmp_path / "gpt_oss", text_file, method="full", dtype="fp32", model_config=tiny_gpt_oss()
+    )
+    assert est.backward["attention_scores"] > 0 and est.step["attention_scores"] == 0
+    ratio = got["activations"] / est.backward["activations"]
+    assert 0.8 < ratio < 1.25, (got["activations"], est.backward["activations"])
+    run = SimpleNamespace(micro_batch=2, seq_len=64, activation_checkpointing=False)  # measure()'s
+    saved_scores = memory.attention_scores(config_from(tiny_gpt_oss(), 0), run, 4)[0]
+    assert got["activations"] / (est.backward["activations"] - saved_scores) > 1.25  # they matter here
+    est_q, _ = measure(tmp_path / "qwen3", text_file, method="full", dtype="fp32")
+    assert est_q.backward["attention_scores"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's allocated bytes need CUDA")

@@ -8,12 +8,14 @@ seq_len), the larger of the backward peak and the optimizer-step peak:
   master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
   adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
   grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
-  activations  backward only: tokens x layers x per-token-per-layer bytes (see per_token_layer), or with
+  activations  backward only: tokens x layers x per-token-per-layer bytes (see per_token_layer; eager
+               attention adds its saved S x S probabilities, see attention_scores), or with
                activation checkpointing tokens x layers x hidden x w + one layer's tokens x per-layer bytes
   logits       backward only: 1024-row chunks x vocab x 4 x 2 (moe8's chunked cross-entropy)
   loss_grads   backward only: the gradients moe8's chunked cross-entropy computes in its forward and holds
                until the backward: tokens x hidden x w (d hidden) + when the head trains (full) padded vocab x
                hidden x 4 (d weight, fp32)
+  attention_scores  backward only, eager attention (GPT-OSS): ~3 more S x S tensors while a layer runs
   fp8_transient backward only, LoRA over FP8 bases: the largest frozen weight dequantised (x w), which the
                input gradient's bf16 GEMM reads one weight at a time
   overhead     5% of the above (allocator rounding, workspaces)
@@ -98,6 +100,32 @@ def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple]:
     return n, tuple(base), tuple(experts)
 
 
+def eager_attention(config) -> bool:
+    """Whether transformers runs this model's attention eagerly (S x S scores in memory): when the config
+    says so, or when its CausalLM class has no SDPA path (GPT-OSS: its sinks) and so falls back to eager."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl:
+        return impl == "eager"
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ""), None)
+    return cls is not None and not getattr(cls, "_supports_sdpa", True)
+
+
+def attention_scores(config, cfg: Config, w: int) -> tuple[int, int]:
+    """Eager attention's S x S tensors, (saved, transient) bytes: each layer saves its probabilities
+    [micro_batch, heads, S, S (+1 with sinks)] for the backward (with activation checkpointing only the layer
+    being recomputed); while a layer runs forward or backward about 3 more of that size exist (scores, the
+    masked / shifted logits, their gradients). (0, 0) with SDPA / flash attention."""
+    if not eager_attention(config):
+        return 0, 0
+    S = cfg.seq_len
+    one = cfg.micro_batch * config.num_attention_heads * S * (S + 1) * w
+    layers = 1 if cfg.activation_checkpointing else config.num_hidden_layers
+    return layers * one, 3 * one
+
+
 def per_token_layer(config, w: int) -> int:
     """Activation bytes one token leaves for the backward in one decoder layer (sdpa / flash attention: no
     S x S scores): attention 2H (norm in / out) + 2(q + 2kv) (projections before and after RoPE) + q (output)
@@ -161,6 +189,8 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
         acts = tokens * L * config.hidden_size * w + tokens * per
     else:
         acts = tokens * L * per
+    scores_saved, scores_transient = attention_scores(config, cfg, w)
+    acts += scores_saved
     logits = min(LOSS_CHUNK, tokens) * config.vocab_size * 4 * 2
     H = config.hidden_size
     loss_grads = tokens * H * w + (0 if lora else padded_vocab(config.vocab_size) * H * 4)
@@ -173,8 +203,11 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
         logits=logits,
         loss_grads=loss_grads,
         fp8_transient=fp8_transient,
+        attention_scores=scores_transient,
     )
-    step = dict(backward, grads=grads_step, activations=0, logits=0, loss_grads=0, fp8_transient=0)
+    step = dict(
+        backward, grads=grads_step, activations=0, logits=0, loss_grads=0, fp8_transient=0, attention_scores=0
+    )
     parts = max(backward, step, key=lambda d: sum(d.values()))
     parts = dict(parts, overhead=sum(parts.values()) // 20)
     return Estimate(parts, sum(parts.values()), backward, step)
