@@ -438,7 +438,7 @@ def run_recipe(name: str, args, device) -> dict:
     if differ:
         print(f"{name}: the two sides' settings differ in {differ}", flush=True)
     return dict(
-        layers=cfg.num_layers,
+        layers=cfg.num_layers or json.loads(cfg.model_config).get("num_hidden_layers"),  # 0: the config's
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,
         method=cfg.method,
