@@ -23,6 +23,7 @@ minus coef x outputs.aux_loss; both it and the total are compared.
     python bench/bench_loss_parity.py --batch 4 --out /tmp/lp   # 4 x 2048 tokens a step
     python bench/bench_loss_parity.py --families qwen3,gpt_oss --steps 100 --out /tmp/lp
     python bench/bench_loss_parity.py --tiny --out /tmp/lp       # CPU: toy configs, fp32, 8 steps of 2 x 32
+    python bench/bench_loss_parity.py --families mixtral --control --out /tmp/lp   # with the noise floor
 
 H200 time at the defaults, estimated from bench/results/step_profile_peers_h200.json (tokens/s at 4 x 2048, the
 LM heads of Mixtral and OLMoE grown to 151,936 rows): ~200 us a token for the 12 runs, so 50 x 16,384 tokens
@@ -137,8 +138,27 @@ def compare(ref: dict, m8: dict, target: float) -> dict:
     return dict(out, last_steps=min(LAST, len(ref["ce"])), verdict="PASS" if ok else "FAIL")
 
 
+def nudged(state: dict, seed: int) -> dict:
+    """The state dict with every floating-point value moved by one unit in the last place, up or down at
+    random (its bit pattern +-1): a perturbation at the size of one rounding, for the noise-floor run."""
+    gen = torch.Generator().manual_seed(seed)
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    out = {}
+    for k, v in state.items():
+        if v.dtype not in ints or v.numel() == 0:
+            out[k] = v
+            continue
+        step = torch.randint(0, 2, v.shape, generator=gen, dtype=ints[v.dtype]) * 2 - 1  # -1 or +1
+        bits = v.contiguous().view(ints[v.dtype])
+        moved = (bits + step).view(v.dtype)
+        out[k] = torch.where(v == 0, v, moved)  # zeros (and what they stand for: masks, biases) stay
+    return out
+
+
 def run_family(name, batches, vocab, a, device, dtype) -> dict:
-    """Both sides of one family: transformers first, then moe8 on the same initial weights."""
+    """Both sides of one family: transformers first, then moe8 on the same initial weights; with --control a
+    third run, transformers from the initial weights nudged by one ulp (nudged), whose gap to the first is
+    the noise floor of the comparison (what bf16 rounding alone does to this run)."""
     model = build(name, a.tiny, device, dtype, vocab)
     if hf.is_accelerated(model) or hf.config_of(model) is not None:
         raise RuntimeError(f"bench_loss_parity: {name}'s transformers model runs on moe8")
@@ -148,6 +168,18 @@ def run_family(name, batches, vocab, a, device, dtype) -> dict:
     ref = dict(train(model, batches, a, device), experts=model.config._experts_implementation)
     del model
     free(device)
+
+    control = None
+    if a.control:
+        model = build(name, a.tiny, device, dtype, vocab)
+        model.load_state_dict(nudged(init, a.seed), strict=True)
+        print(
+            f"[parity] {name}: transformers from weights nudged by one ulp, {batches.shape[0]} steps",
+            flush=True,
+        )
+        control = train(model, batches, a, device)
+        del model
+        free(device)
 
     model = build(name, a.tiny, device, dtype, vocab)
     model.load_state_dict(init, strict=True)
@@ -174,6 +206,7 @@ def run_family(name, batches, vocab, a, device, dtype) -> dict:
         transformers=ref,
         moe8=m8,
         **compare(ref, m8, a.target),
+        **({} if control is None else dict(control=dict(run=control, **compare(ref, control, a.target)))),
     )
 
 
@@ -192,6 +225,7 @@ def report(rows, target):
         f"\n{'family':<12} {'params':>9} {'HF tok/s':>9} {'moe8 tok/s':>10} {'step 0 gap':>10} "
         f"{'HF last CE':>10} {'moe8 last CE':>12} {'CE gap':>8} {'loss gap':>8} {'max step':>8}  verdict"
     )
+    controls = [r for r in rows if "control" in r]
     for r in rows:
         ce, hf_side, m8 = r["ce"], r["transformers"], r["moe8"]
         tps = [f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "-" for s in (hf_side, m8)]
@@ -201,6 +235,14 @@ def report(rows, target):
             f"{ce['last_mean_moe8']:>12.4f} {pct(ce['last_rel_gap']):>8} "
             f"{pct(r['loss']['last_rel_gap']):>8} {pct(ce['max_step_rel_gap']):>8}  {r['verdict']}"
         )
+    if controls:
+        print("\nnoise floor (--control): transformers against itself from weights nudged by one ulp")
+        for r in controls:
+            c, ce = r["control"]["ce"], r["ce"]
+            print(
+                f"{r['family']:<12} control CE gap {pct(c['last_rel_gap']):>8} (largest step "
+                f"{pct(c['max_step_rel_gap'])}), moe8's {pct(ce['last_rel_gap'])}"
+            )
     n = sum(r["verdict"] == "PASS" for r in rows)
     print(
         f"{n} of {len(rows)} families within {100 * target:g} % (mean of the last {LAST} steps, cross-entropy "
@@ -232,6 +274,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--data-dir", default=None, help="folder with text/ and tokenizers/qwen3 (default: shared)"
+    )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="per family a third run: transformers from the initial weights nudged by one ulp, the "
+        "comparison's noise floor (its gap to transformers beside moe8's)",
     )
     ap.add_argument(
         "--tiny",

@@ -482,3 +482,29 @@ def test_bench_loss_parity_verdict():
     assert mod.compare(ref, dict(near, finite=False), 0.01)["verdict"] == "FAIL"
     spike = dict(near, ce=near["ce"][:-1] + [6.0])
     assert mod.compare(ref, spike, 0.5)["ce"]["max_step_rel_gap"] == pytest.approx(0.2)
+
+
+def test_bench_loss_parity_nudge_is_one_ulp():
+    """--control's perturbation: every nonzero floating-point value moves to a neighbouring representable value
+    (one ulp, up or down, both directions used), zeros and integer tensors stay, the original is untouched."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_loss_parity", ROOT / "bench" / "bench_loss_parity.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w[0] = 0
+    state = dict(w=w, f=torch.randn(100), ids=torch.arange(5))
+    before = {k: v.clone() for k, v in state.items()}
+    out = mod.nudged(state, 0)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    assert torch.equal(out["ids"], state["ids"]) and torch.equal(out["w"][0], w[0])
+    for key, ints in (("w", torch.int16), ("f", torch.int32)):
+        a, b = state[key], out[key]
+        nz = a != 0
+        step = b.view(ints).long() - a.view(ints).long()
+        # bit patterns one apart: neighbouring values (same sign), nothing representable between them
+        assert set(step[nz].unique().tolist()) == {-1, 1} and bool((b[nz] != a[nz]).all())
+        assert bool((torch.sign(b[nz]) == torch.sign(a[nz])).all())
