@@ -50,6 +50,10 @@ class Config:
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
         [tokens, vocabulary] logits (outputs.logits is None in a training forward with labels; any vocabulary
         size runs aligned GEMMs, moe8.loss.padded_vocab).
+    fuse_attention: attention with sinks (GPT-OSS, whose transformers attention is eager: S x S scores,
+        probabilities and their gradients per layer) through PyTorch's fused SDPA kernels with the sinks
+        applied from the log-sum-exp (moe8.attention; process-wide while on, as fuse_rope; no attention
+        dropout, no attention weights returned). Off by default until measured on a GPU.
     fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
         bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
         measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
@@ -84,6 +88,7 @@ class Config:
     fuse_router: bool = True
     fuse_norm: bool = True
     fuse_rope: bool = True
+    fuse_attention: bool = False
     fuse_loss: bool = True
     fuse_mlp: bool = False
     transport: str = "auto"
@@ -109,6 +114,7 @@ class Config:
             "fuse_router",
             "fuse_norm",
             "fuse_rope",
+            "fuse_attention",
             "fuse_loss",
             "fp8_dispatch",
             "fuse_mlp",

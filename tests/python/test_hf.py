@@ -34,7 +34,7 @@ FUSIONS = ("fuse_router", "fuse_norm", "fuse_rope", "fuse_loss")  # on by defaul
 
 def only(*fusions) -> dict:
     """accelerate() / enable() fields that turn on these fusions and no other (the experts alone: none)."""
-    return {f: f in fusions for f in FUSIONS}
+    return {**{f: f in fusions for f in FUSIONS}, **dict.fromkeys(fusions, True)}  # off-by-default ones too
 
 
 def rel(a, b) -> float:
@@ -312,6 +312,39 @@ def test_fused_norm_bf16_within_one_rounding(family):
     assert ((got.float() - expected.float()).abs() <= 2**-7 * expected.float().abs() + 1e-6).all()
     if family == "gpt_oss":
         assert torch.equal(got, expected)
+
+
+def test_fused_attention_matches_transformers():
+    """fuse_attention=True: GPT-OSS's attention with sinks through moe8.attention (process-wide, through its
+    modeling module's eager_attention_forward), sliding and full layers, a padded batch; the outputs and every
+    gradient (the sinks' included) match transformers' eager attention, and disable() restores it."""
+    import importlib
+
+    import moe8.attention
+
+    mod = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+    own = mod.eager_attention_forward
+    ref = build("gpt_oss", sliding_window=5)
+    ref.train()
+    ids = tokens(seq=13)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row left-padded: the mask is not just causal
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    out_r, grads_r = step(ref)  # before the switch: the switch is process-wide
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_attention"))
+    assert mod.eager_attention_forward is moe8.attention.attention_forward
+    acc.train()
+    out_a, grads_a = step(acc)
+    assert_same(out_r, grads_r, out_a, grads_a)
+    assert grads_a["model.layers.0.self_attn.sinks"].abs().sum() > 0  # the sinks train
+    hf.disable()
+    assert mod.eager_attention_forward is own
 
 
 @pytest.mark.parametrize("family", hf.ROPE_FAMILIES)

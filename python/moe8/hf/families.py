@@ -132,6 +132,7 @@ ROUTERS = {name: f.router for name, f in TABLE.items()}
 NORMS = {name: f.norm for name, f in TABLE.items()}
 MLPS = {name: f.mlp for name, f in TABLE.items() if f.mlp is not None}
 ROPE_FAMILIES = tuple(name for name, f in TABLE.items() if f.rope)
+SINK_FAMILIES = ("gpt_oss",)  # attention with per-head sinks, eager in transformers (Config.fuse_attention)
 
 
 def family_of(module) -> Optional[str]:

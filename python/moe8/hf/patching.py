@@ -17,6 +17,7 @@ from .families import (
     NORMS,
     ROPE_FAMILIES,
     ROUTERS,
+    SINK_FAMILIES,
     config_supported,
     experts_spec,
     is_experts_module,
@@ -85,6 +86,19 @@ def _fuse_rope(families) -> None:
             mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
 
 
+def _fuse_attention(families) -> None:
+    """Point the modeling modules of these families (those with attention sinks) at
+    moe8.attention.attention_forward in place of their eager_attention_forward (process-wide, as _fuse_rope;
+    the attention code looks the function up by name)."""
+    from moe8.attention import attention_forward
+
+    for family in set(families) & set(SINK_FAMILIES):
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        if mod not in registry.attention_patched:
+            registry.attention_patched[mod] = mod.eager_attention_forward
+            mod.eager_attention_forward = attention_forward
+
+
 def _fuse_loss(model) -> None:
     """The causal LM's training loss without its logits (moe8.loss.fuse_causal_lm_loss); the inner base model
     of a CausalLM has no LM head and is left alone."""
@@ -115,6 +129,8 @@ def _apply(model, cfg: Config) -> None:
         _fuse(model, MLPS, mlp_forward)
     if cfg.fuse_rope:
         _fuse_rope([model.config.model_type])
+    if cfg.fuse_attention:
+        _fuse_attention([model.config.model_type])
     if cfg.fuse_loss:
         _fuse_loss(model)
     if cfg.fp8_dense:  # the dense layers' nn.Linear -> moe8.fp8_linear.Float8Linear (in place)
@@ -206,6 +222,8 @@ def enable(families=None, config: Config | None = None, **fields):
     registry.families, registry.auto, registry.default = families, True, cfg
     if cfg.fuse_rope:
         _fuse_rope(families)
+    if cfg.fuse_attention:
+        _fuse_attention(families)
 
 
 def accelerate(model, families=None, config: Config | None = None, **fields):
@@ -273,6 +291,8 @@ def disable():
         del cls._moe8_forward
     for mod, own in registry.rope_patched.items():
         mod.apply_rotary_pos_emb = own
+    for mod, own in registry.attention_patched.items():
+        mod.eager_attention_forward = own
     for m in list(registry.loss_fused):
         unfuse_causal_lm_loss(m)
     ExpertsInterface._global_mapping.pop(NAME, None)

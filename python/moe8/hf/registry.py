@@ -29,6 +29,7 @@ class _Registry:
             set()
         )  # router / norm classes whose forward is moe8's (own kept: `_moe8_forward`)
         self.rope_patched = {}  # modeling module -> its own apply_rotary_pos_emb, while moe8's replaces it
+        self.attention_patched = {}  # modeling module -> its own eager_attention_forward (fuse_attention)
 
 
 registry = _Registry()

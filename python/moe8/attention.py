@@ -1,0 +1,151 @@
+"""moe8.attention — attention with per-head sinks (GPT-OSS) through PyTorch's fused SDPA kernels, without the
+[batch, heads, S, S] score, probability and gradient tensors of transformers' eager path.
+
+With a sink logit s_h per head, softmax runs over the row's scores and s_h, and the sink's share is dropped:
+    out = sum_j p'_j v_j,  p'_j = exp(x_j) / (Z + exp(s_h)),  Z = sum_j exp(x_j)
+so out = r * o, where o is plain softmax attention (the fused kernel) and r = Z / (Z + exp(s_h)) =
+sigmoid(lse - s_h) comes from the kernel's log-sum-exp. The backward runs the kernel's own backward with the
+output gradient scaled by r and the final output passed as `out`: the kernel forms D = rowsum(dO * out) from
+them, which is then r^2 <dO, o>, exactly the D of the attention with the sink (its log-sum-exp gradient
+included), so dq, dk, dv come out of one fused backward. d s_h = -sum_rows <dO, o> r (1 - r).
+
+On CUDA the memory-efficient kernel (it takes the additive mask transformers builds: causal, sliding window,
+packed documents); on the CPU the flash kernel's CPU version. Keys and values of grouped-query attention are
+expanded to the query heads for the kernel and their gradients summed back.
+
+sink_attention is the op; attention_forward has the signature of transformers' eager_attention_forward
+(Config.fuse_attention puts it in place of GPT-OSS's, moe8.hf)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_ALIGN = 16  # the memory-efficient kernel reads the mask's rows 16-element aligned
+
+
+def _aligned_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The additive mask [B or 1, 1 or H, S, T] broadcast to [B, H, S, T] in q's dtype, its rows padded to a
+    multiple of 16 columns in storage (a view of the first T), as the CUDA kernel needs; None stays None on
+    the CPU and is a zero mask on CUDA."""
+    B, H, S, T = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if mask is None:
+        if not q.is_cuda:
+            return None
+        mask = q.new_zeros(1, 1, 1, T)  # the CUDA kernel's backward takes a mask tensor, not None
+    mask = mask[..., :T].to(q.dtype)
+    if q.is_cuda and T % _ALIGN:
+        padded = mask.new_zeros(*mask.shape[:-1], (T + _ALIGN - 1) // _ALIGN * _ALIGN)
+        padded[..., :T] = mask
+        mask = padded[..., :T]
+    return mask.expand(B, H, S, T)
+
+
+def _repeat(x: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * groups, S, D] (each key / value head serving `groups` query heads)."""
+    if groups == 1:
+        return x
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+
+
+def _fold(dx: Tensor, groups: int) -> Tensor:
+    """The gradient of _repeat: the query heads' gradients summed per key / value head."""
+    if groups == 1:
+        return dx
+    B, H, S, D = dx.shape
+    return dx.view(B, H // groups, groups, S, D).sum(2)
+
+
+def _kernel_forward(q, k, v, mask, scale):
+    """(o, lse [B, H, S] fp32, saved extras) of softmax(q k^T * scale + mask) v through the fused kernel."""
+    if q.is_cuda:
+        o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, True, 0.0, False, scale=scale
+        )
+        return o, lse, (seed, offset)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return o, lse, ()
+
+
+def _kernel_backward(dout, q, k, v, mask, out, lse, extras, scale):
+    if q.is_cuda:
+        seed, offset = extras
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, mask, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
+        )
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+class _SinkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask, scale, groups):
+        kx, vx = _repeat(k, groups), _repeat(v, groups)
+        o, lse, extras = _kernel_forward(q, kx, vx, mask, scale)
+        rows = lse[
+            ..., : q.shape[2]
+        ].float()  # the CUDA kernel pads the rows' log-sum-exp to a multiple of 32
+        r = torch.sigmoid(rows - sinks.float().view(1, -1, 1))  # [B, H, S]: 1 - the sink's share
+        out = (o.float() * r.unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, kx, vx, mask, o, out, lse, r, *extras)
+        ctx.scale, ctx.groups, ctx.sink_dtype = scale, groups, sinks.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kx, vx, mask, o, out, lse, r, *extras = ctx.saved_tensors
+        dout = dout.contiguous()
+        d_r = (dout.float() * o.float()).sum(-1)  # <dO, o> per row
+        d_sinks = -(d_r * r * (1 - r)).sum((0, 2)).to(ctx.sink_dtype)
+        scaled = (dout.float() * r.unsqueeze(-1)).to(dout.dtype)
+        dq, dk, dv = _kernel_backward(scaled, q, kx, vx, mask, out, lse, extras, ctx.scale)
+        return dq, _fold(dk, ctx.groups), _fold(dv, ctx.groups), d_sinks, None, None, None
+
+
+def sink_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Tensor,
+    mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Attention whose softmax also spans one sink logit per head, dropped from the output (GPT-OSS):
+    q [B, H, S, D], k / v [B, Hkv, T, D] (H a multiple of Hkv), sinks [H], mask: additive, broadcastable to
+    [B, H, S, T] (None: no mask) -> [B, H, S, D] in q's dtype. scale: default D ** -0.5."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"q, k, v: expected [B, H, S, D] and two equal [B, Hkv, T, D], got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if q.shape[1] % k.shape[1] or sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"k, sinks: expected a head count dividing q's {q.shape[1]} and sinks [{q.shape[1]}], got "
+            f"{k.shape[1]} and {tuple(sinks.shape)}"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _SinkAttention.apply(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        sinks,
+        _aligned_mask(mask, q, k),
+        scale,
+        q.shape[1] // k.shape[1],
+    )
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager_attention_forward of a model with sinks (module.sinks), through sink_attention:
+    -> (output [B, S, H, D], None); attention weights are not formed, so none are returned. Dropout is not
+    supported (GPT-OSS trains without it): a nonzero rate raises."""
+    if dropout:
+        raise ValueError(f"dropout: moe8's fused attention runs without attention dropout, got {dropout}")
+    out = sink_attention(query, key, value, module.sinks, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
