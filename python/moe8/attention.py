@@ -84,6 +84,11 @@ def _kernel_backward(dout, q, k, v, mask, out, lse, extras, scale):
     )
 
 
+def _scaled(x: Tensor, r: Tensor) -> Tensor:
+    """x [B, H, S, D] times r [B, H, S] per row, in fp32, rounded once to x's dtype."""
+    return (x.float() * r.unsqueeze(-1)).to(x.dtype)
+
+
 class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, scale, groups):
@@ -93,19 +98,20 @@ class _SinkAttention(torch.autograd.Function):
             ..., : q.shape[2]
         ].float()  # the CUDA kernel pads the rows' log-sum-exp to a multiple of 32
         r = torch.sigmoid(rows - sinks.float().view(1, -1, 1))  # [B, H, S]: 1 - the sink's share
-        out = (o.float() * r.unsqueeze(-1)).to(q.dtype)
-        ctx.save_for_backward(q, kx, vx, mask, o, out, lse, r, *extras)
+        # saved as SDPA saves its own: q, k, v unexpanded, the kernel's output and log-sum-exp (+ r, [B, H, S]);
+        # the expanded k / v and the final output are remade in the backward
+        ctx.save_for_backward(q, k, v, mask, o, lse, r, *extras)
         ctx.scale, ctx.groups, ctx.sink_dtype = scale, groups, sinks.dtype
-        return out
+        return _scaled(o, r)
 
     @staticmethod
     def backward(ctx, dout):
-        q, kx, vx, mask, o, out, lse, r, *extras = ctx.saved_tensors
+        q, k, v, mask, o, lse, r, *extras = ctx.saved_tensors
+        kx, vx, out = _repeat(k, ctx.groups), _repeat(v, ctx.groups), _scaled(o, r)
         dout = dout.contiguous()
         d_r = (dout.float() * o.float()).sum(-1)  # <dO, o> per row
         d_sinks = -(d_r * r * (1 - r)).sum((0, 2)).to(ctx.sink_dtype)
-        scaled = (dout.float() * r.unsqueeze(-1)).to(dout.dtype)
-        dq, dk, dv = _kernel_backward(scaled, q, kx, vx, mask, out, lse, extras, ctx.scale)
+        dq, dk, dv = _kernel_backward(_scaled(dout, r), q, kx, vx, mask, out, lse, extras, ctx.scale)
         return dq, _fold(dk, ctx.groups), _fold(dv, ctx.groups), d_sinks, None, None, None
 
 

@@ -171,11 +171,25 @@ def test_eager_attention_scores_in_the_estimate(tmp_path, text_file):
     assert est.backward["attention_scores"] > 0 and est.step["attention_scores"] == 0
     ratio = got["activations"] / est.backward["activations"]
     assert 0.8 < ratio < 1.25, (got["activations"], est.backward["activations"])
-    run = SimpleNamespace(micro_batch=2, seq_len=64, activation_checkpointing=False)  # measure()'s
+    run = SimpleNamespace(
+        micro_batch=2, seq_len=64, activation_checkpointing=False, moe8=True, fuse_attention=False
+    )
     saved_scores = memory.attention_scores(config_from(tiny_gpt_oss(), 0), run, 4)[0]
     assert got["activations"] / (est.backward["activations"] - saved_scores) > 1.25  # they matter here
     est_q, _ = measure(tmp_path / "qwen3", text_file, method="full", dtype="fp32")
     assert est_q.backward["attention_scores"] == 0
+    # moe8's fused attention (fuse_attention): no S x S tensors saved, and none estimated
+    est_f, got_f = measure(
+        tmp_path / "fused",
+        text_file,
+        method="full",
+        dtype="fp32",
+        model_config=tiny_gpt_oss(),
+        fuse_attention=True,
+    )
+    assert est_f.backward["attention_scores"] == 0
+    assert est_f.backward["activations"] == est.backward["activations"] - saved_scores
+    assert 0.8 < got_f["activations"] / est_f.backward["activations"] < 1.25
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's allocated bytes need CUDA")

@@ -130,6 +130,11 @@ class Config:
         "on moe8 only; with lora and blockwise the frozen base weights (attention and experts) are held in FP8 "
         "only (LoRA over FP8 base weights: half their bytes)",
     )
+    fuse_attention: bool = _key(
+        False,
+        "attention with sinks (gpt-oss) through PyTorch's fused SDPA kernels instead of transformers' eager "
+        "path: no S x S scores per layer (moe8.attention; on moe8 only)",
+    )
     # parallelism (under torchrun)
     ep: int = _key(
         1,
@@ -166,12 +171,13 @@ REPORT_TO = ("tensorboard", "wandb", "mlflow")
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
 # keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and
-# activation checkpointing (the same gradients, less memory); every other key decides the model, the data,
+# activation checkpointing and fused attention (the same gradients to rounding, less memory); every other key
+# decides the model, the data,
 # the optimizer or its schedule, so --resume refuses a value other than the checkpoint's
 RESUME_MAY_CHANGE = frozenset(
     (
         "steps epochs run_steps output_dir resume overwrite save_every log_every eval_every eval_batches "
-        "dead_window peak_tflops progress report_to memory_check activation_checkpointing"
+        "dead_window peak_tflops progress report_to memory_check activation_checkpointing fuse_attention"
     ).split()
 )
 

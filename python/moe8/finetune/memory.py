@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.families import SINK_FAMILIES
 from ..loss import padded_vocab
 from .config import Config, FinetuneError
 
@@ -117,8 +118,11 @@ def attention_scores(config, cfg: Config, w: int) -> tuple[int, int]:
     """Eager attention's S x S tensors, (saved, transient) bytes: each layer saves its probabilities
     [micro_batch, heads, S, S (+1 with sinks)] for the backward (with activation checkpointing only the layer
     being recomputed); while a layer runs forward or backward about 3 more of that size exist (scores, the
-    masked / shifted logits, their gradients). (0, 0) with SDPA / flash attention."""
+    masked / shifted logits, their gradients). (0, 0) with SDPA / flash attention, and with moe8's fused
+    attention (fuse_attention) for the families it covers."""
     if not eager_attention(config):
+        return 0, 0
+    if cfg.moe8 and cfg.fuse_attention and config.model_type in SINK_FAMILIES:  # moe8.attention: fused
         return 0, 0
     S = cfg.seq_len
     one = cfg.micro_batch * config.num_attention_heads * S * (S + 1) * w

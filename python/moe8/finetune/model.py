@@ -191,7 +191,8 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                hf.accelerate(model, fp8=cfg.fp8)  # "none": bf16 experts; every fusion on (moe8.Config)
+                # "none": bf16 experts; every default fusion on (moe8.Config)
+                hf.accelerate(model, fp8=cfg.fp8, fuse_attention=cfg.fuse_attention)
             if not hf.is_accelerated(model):
                 log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
     if cfg.activation_checkpointing:
