@@ -173,9 +173,14 @@ def _(g, x, w, w_q, w_scale, w_row_scale, wt_q, wt_scale, wt_row_scale, precisio
 
 
 def _setup(ctx, inputs, output):
-    *tensors, precision, backend = inputs  # x, w, the forward's copy (3), the dgrad's copy (3)
+    x, w, *copies, precision, backend = inputs  # the forward's copy (3), the dgrad's copy (3)
     ctx.precision, ctx.backend = precision, backend
-    ctx.save_for_backward(*tensors)
+    cache = from_code(precision).cache
+    if w.requires_grad and (cache is None or not cache.hold_trainable):
+        copies = [None] * len(
+            copies
+        )  # a weight that trains: nothing of it held to the backward (requantised)
+    ctx.save_for_backward(x, w, *copies)
 
 
 def _backward(ctx, g):
@@ -194,6 +199,8 @@ def _dgrad_copy_cached(w: Tensor, recipe: Float8Recipe, cache: Fp8WeightCache) -
     backward will run an FP8 dgrad, unless the cache keeps one layout of a blockwise weight (then the backward
     transposes the forward's copy, a transient copy, rather than holding it from the forward on)."""
     if recipe.dgrad != "fp8" or not (w.requires_grad and torch.is_grad_enabled()):
+        return False
+    if not cache.hold_trainable:  # the backward quantises it (Config.fp8_cache "frozen")
         return False
     return cache.keep_transposed or recipe.name != "blockwise"
 
@@ -232,7 +239,7 @@ def fp8_linear(
             wt = cache.get(w, 1, recipe)  # the FP8 dgrad's copy, made once per weight version as wq is
     flat = x.dim() == 2  # no reshape (nor its autograd node) when x is [M, K] already
     x2 = (x if flat else x.reshape(-1, x.shape[-1])).to(w.dtype).contiguous()  # [M, K]
-    y = _fp8_linear(x2, w, *wq, *wt, code_of(recipe), backend)  # [M, N]
+    y = _fp8_linear(x2, w, *wq, *wt, code_of(recipe, cache), backend)  # [M, N]; the code names the cache
     y = y if flat else y.view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 

@@ -444,3 +444,36 @@ def test_fp8_linear_steady_state_profile(recipe, device):
     aten = sum(n.startswith("aten::") for n in names) / steps
     assert aten <= 60, f"{aten} aten ops a call"  # blockwise 28, rowwise 54, tensorwise 46 on the CPU
     fp8.default_cache.clear()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_holds_no_copy_of_a_trainable_weight(recipe, device):
+    """Config.fp8_cache "frozen" (the default) and "none": between an fp8_linear's forward and its backward
+    nothing of a weight that trains is held in FP8 (the autograd graph saves no uint8 tensor; the FP8 dgrad
+    quantises the weight again), and the output and gradients are the bits "both" gives, which holds both."""
+    torch.manual_seed(5)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(32, 256, device=device, dtype=dt, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(384, 256, device=device, dtype=dt) * 0.05)
+    dy = torch.randn(32, 384, device=device, dtype=dt)
+    r = Float8Recipe(recipe, dgrad="fp8")
+    results, saved = {}, {}
+    for name in fp8.CACHES:
+        for c in (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache):
+            c.clear()
+        kept = []
+
+        def pack(t):
+            kept.append(t.dtype)
+            return t
+
+        x.grad = w.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fp8_linear(x, w, None, r, cache=fp8.cache_named(name))
+        y.backward(dy)
+        results[name], saved[name] = (y.detach(), x.grad, w.grad), kept
+    for name in fp8.CACHES:
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["both"])), name
+    assert torch.uint8 in saved["both"]
+    assert torch.uint8 not in saved["frozen"] and torch.uint8 not in saved["none"]
