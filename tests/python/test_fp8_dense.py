@@ -464,7 +464,7 @@ def test_fp8_linear_holds_no_copy_of_a_trainable_weight(recipe, device):
             c.clear()
         kept = []
 
-        def pack(t):
+        def pack(t, kept=kept):
             kept.append(t.dtype)
             return t
 
