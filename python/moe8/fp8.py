@@ -98,6 +98,13 @@ def _f32(shape, like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=torch.float32, device=like.device)
 
 
+def _codes(w: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    """Room for a 128x128-blockwise copy of w's experts as [E, rows, cols]: codes u8, scales [E, rows/128,
+    cols/128] f32 (blocks rounded up); fake tensors under a fake mode, as the ops' fake implementations want."""
+    E = w.shape[0]
+    return _u8((E, rows, cols), w), _f32((E, _blocks(rows), _blocks(cols)), w)
+
+
 # ----------------------------------------------------------------------------------- quantisation ops
 @torch.library.custom_op("moe8::quantize_rows_1x128", mutates_args=())
 def quantize_rows_1x128(
@@ -128,18 +135,14 @@ def _(x, row_to_slot, k, slot_to_row=None):
 def quantize_weight_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [E, N, K] -> q [E, N, K] uint8, scale [E, ceil(N/128), ceil(K/128)] f32."""
     _c.tensor("w", w, 3, "[E, N, K]")
-    E, N, K = w.shape
-    q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
+    q, scale = _codes(w, *w.shape[1:])
     _C.quantize_weight_128x128(w, q, scale, _stream(w))
     return q, scale
 
 
 @quantize_weight_128x128.register_fake
 def _(w):
-    E, N, K = w.shape
-    return w.new_empty(E, N, K, dtype=torch.uint8), w.new_empty(
-        E, _blocks(N), _blocks(K), dtype=torch.float32
-    )
+    return _codes(w, *w.shape[1:])
 
 
 @torch.library.custom_op("moe8::quantize_weight_128x128_pair", mutates_args=())
@@ -147,23 +150,16 @@ def quantize_weight_128x128_pair(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     """w [E, N, K] -> quantize_weight_128x128's q, scale and, from the same pass, the other layout's copy:
     q_t [E, K, N] and scale_t [E, ceil(K/128), ceil(N/128)], q and scale transposed (the same square blocks)."""
     _c.tensor("w", w, 3, "[E, N, K]")
-    E, N, K = w.shape
-    q, scale = _u8((E, N, K), w), _f32((E, _blocks(N), _blocks(K)), w)
-    q_t, scale_t = _u8((E, K, N), w), _f32((E, _blocks(K), _blocks(N)), w)
+    _, N, K = w.shape
+    (q, scale), (q_t, scale_t) = _codes(w, N, K), _codes(w, K, N)
     _C.quantize_weight_128x128(w, q, scale, _stream(w), q_t, scale_t)
     return q, scale, q_t, scale_t
 
 
 @quantize_weight_128x128_pair.register_fake
 def _(w):
-    E, N, K = w.shape
-    u8, f32 = torch.uint8, torch.float32
-    return (
-        w.new_empty(E, N, K, dtype=u8),
-        w.new_empty(E, _blocks(N), _blocks(K), dtype=f32),
-        w.new_empty(E, K, N, dtype=u8),
-        w.new_empty(E, _blocks(K), _blocks(N), dtype=f32),
-    )
+    _, N, K = w.shape
+    return (*_codes(w, N, K), *_codes(w, K, N))
 
 
 @torch.library.custom_op("moe8::quantize_weight_128x128_t", mutates_args=())
@@ -172,18 +168,16 @@ def quantize_weight_128x128_t(w: Tensor) -> tuple[Tensor, Tensor]:
     quantize_weight_128x128_pair gives (the same square blocks), in one pass over w and without a transposed
     bf16 copy of it: what a weight's transposed GEMM (the FP8 dgrad) reads when nothing is cached."""
     _c.tensor("w", w, 3, "[E, N, K]")
-    E, N, K = w.shape
-    q_t, scale_t = _u8((E, K, N), w), _f32((E, _blocks(K), _blocks(N)), w)
+    _, N, K = w.shape
+    q_t, scale_t = _codes(w, K, N)
     _C.quantize_weight_128x128(w, None, None, _stream(w), q_t, scale_t)
     return q_t, scale_t
 
 
 @quantize_weight_128x128_t.register_fake
 def _(w):
-    E, N, K = w.shape
-    return w.new_empty(E, K, N, dtype=torch.uint8), w.new_empty(
-        E, _blocks(K), _blocks(N), dtype=torch.float32
-    )
+    _, N, K = w.shape
+    return _codes(w, K, N)
 
 
 def col_scale_blocks(rows: int, num_experts: int) -> int:

@@ -7,7 +7,6 @@ the backward. The activations a forward leaves for the backward (its saved tenso
 compared within a stated bound: the estimate counts the big tensors of a layer, not every small one."""
 
 import gc
-import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,8 +22,6 @@ from moe8 import lora  # noqa: E402
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
 from moe8.finetune.model import config_from  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]  # recipes/ of the checkout
 from moe8.finetune.train import Trainer  # noqa: E402
 from moe8.fp8 import frozen_fp8  # noqa: E402
 
@@ -144,21 +141,11 @@ def test_activation_estimate_bounds_the_saved_tensors(tmp_path, text_file, metho
 
 
 def tiny_gpt_oss() -> str:
-    """GPT-OSS-20B's config (recipes/configs) at toy width, 2 layers: its attention is eager (sinks, no SDPA)."""
-    spec = json.loads((ROOT / "recipes" / "configs" / "gpt_oss_20b.json").read_text())
-    spec.update(
-        hidden_size=64,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        sliding_window=32,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return json.dumps(spec)
+    """test_hf's toy GPT-OSS config (2 layers, sliding and full attention) as JSON for model_config: its
+    attention is eager (sinks, no SDPA path)."""
+    from test_hf import config
+
+    return config("gpt_oss", num_attention_heads=4, num_key_value_heads=2).to_json_string()
 
 
 def test_eager_attention_scores_in_the_estimate(tmp_path, text_file):
@@ -199,7 +186,6 @@ def test_cuda_peaks_against_the_estimate(tmp_path, method):
     2 x 4096 tokens, as the recipes): the bytes allocated after the build are the weights and masters (within
     2%); in the second step (AdamW's states exist) the optimizer step's peak is the estimate's step phase (within
     3%: a foreach AdamW would add T x 4) and the backward's peak within 0.5 to 1.05 times its backward phase."""
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     rng = random.Random(0)
