@@ -230,8 +230,8 @@ NB_MODULE(_C, m) {
       [](Array w, OptArray q, OptArray scale, intptr_t stream, OptArray q_t, OptArray scale_t) {
         moe8::api::quantize_weight_128x128(V(w), V(q), V(scale), stream, V(q_t), V(scale_t));
       },
-      nb::arg("w"), nb::arg("q").none(), nb::arg("scale").none(), nb::arg("stream") = 0, nb::arg("q_t").none() = nb::none(),
-      nb::arg("scale_t").none() = nb::none());
+      nb::arg("w"), nb::arg("q").none(), nb::arg("scale").none(), nb::arg("stream") = 0,
+      nb::arg("q_t").none() = nb::none(), nb::arg("scale_t").none() = nb::none());
   m.def("col_scale_blocks", &moe8::api::col_scale_blocks, nb::arg("rows"), nb::arg("num_experts"));
   m.def(
       "quantize_cols_1x128",

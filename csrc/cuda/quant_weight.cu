@@ -169,8 +169,7 @@ void quantize_weight_128x128(const TensorView& w, const TensorView& q, const Ten
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, weight_blocks_per_sm<T>() * sms));
     quantize_weight_kernel<T><<<grid, kWeightThreads, 0, as_stream(stream)>>>(
         w.ptr<T>(), N, K, tiles, vec, q.present ? q.ptr<uint8_t>() : nullptr, q.present ? scale.ptr<float>() : nullptr,
-        q_t.present ? q_t.ptr<uint8_t>() : nullptr,
-        scale_t.present ? scale_t.ptr<float>() : nullptr, vec_t);
+        q_t.present ? q_t.ptr<uint8_t>() : nullptr, scale_t.present ? scale_t.ptr<float>() : nullptr, vec_t);
     check_launch("quantize_weight_kernel");
   });
 }

@@ -535,7 +535,8 @@ TEST(Validation, Quant) {
   HostTensor wqt = u8({2, 4, 3}), wst = f32({2, 1, 1});
   EXPECT_MOE8_ERROR("q_t and scale_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wqt.view()));
   EXPECT_MOE8_ERROR("q_t", api::quantize_weight_128x128(w.view(), wq.view(), ws.view(), 0, wq.view(), wst.view()));
-  EXPECT_MOE8_ERROR("q and scale", api::quantize_weight_128x128(w.view(), wq.view(), absent(), 0, wqt.view(), wst.view()));
+  EXPECT_MOE8_ERROR("q and scale",
+                    api::quantize_weight_128x128(w.view(), wq.view(), absent(), 0, wqt.view(), wst.view()));
   EXPECT_MOE8_ERROR("q and q_t", api::quantize_weight_128x128(w.view(), absent(), absent(), 0));
   EXPECT_NO_THROW(api::quantize_weight_128x128(w.view(), absent(), absent(), 0, wqt.view(), wst.view()));
 
