@@ -306,9 +306,9 @@ def convert_to_fp8(
 ) -> list:
     """Swap the nn.Linear layers of `model` whose module_kind is in `modules` for Float8Linear (in place);
     returns their names. skip_first_last: the first and the last decoder layer (`layers.<i>.`) stay in the
-    model's dtype. cache: an Fp8WeightCache, None, or a Config.fp8_cache name ("both" and "one" keep one
-    layout of a dense weight: its dgrad copy is the same blocks transposed; "none"). Layers already converted
-    are left as they are."""
+    model's dtype. cache: an Fp8WeightCache, None, or a Config.fp8_cache name ("frozen": nothing held of a
+    weight that trains; "both"; "one" keeps one layout of a dense weight, its dgrad copy the same blocks
+    transposed; "none"). Layers already converted are left as they are."""
     recipe = _recipe(recipe)
     if isinstance(cache, str):
         cache = cache_named(cache)
