@@ -296,6 +296,8 @@ def test_memory_estimate_by_hand():
         activations=tokens * L * 4944,
         logits=64 * 260 * 8,
         loss_grads=tokens * 64 * 4 + 384 * 64 * 4,  # d hidden; d weight at the vocabulary padded to 128 rows
+        fp8_transient=0,  # no LoRA over FP8 bases
+        attention_scores=0,  # SDPA attention: no S x S tensors
     )
     want["overhead"] = sum(want.values()) // 20
     assert est.parts == want and est.total == sum(want.values())
@@ -314,6 +316,8 @@ def test_memory_estimate_by_hand():
         activations=tokens * L * 64 * 2 + tokens * memory.per_token_layer(config, 2),
         logits=64 * 260 * 8,
         loss_grads=tokens * 64 * 2,  # the head is frozen: d hidden only
+        fp8_transient=0,
+        attention_scores=0,
     )
     want2["overhead"] = sum(want2.values()) // 20
     assert e2.parts == want2
