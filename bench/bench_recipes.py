@@ -374,6 +374,7 @@ def recipe_config(name: str, args, tmp: str):
         over["max_documents"] = 20000  # ~1,500 sequences of 1024 tokens: 50 steps of 4096 without a repeat
     if args.lr:
         over["lr"] = args.lr
+    over.update(args.set)  # --set KEY=VALUE: moe8 finetune keys (e.g. fuse_attention=true)
     if args.tiny:
         over.update(device="cpu", micro_batch=2)
     elif args.micro_batch:
@@ -471,6 +472,18 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _setting(ap, item: str) -> tuple:
+    """--set KEY=VALUE -> (KEY, VALUE parsed as JSON: true, 4, 1e-4, [...]; any other text as a string)."""
+    key, eq, text = item.partition("=")
+    if not eq or not key.strip():
+        ap.error(f"--set: expected KEY=VALUE, got {item!r}")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    return key.strip(), value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for recipes.json")
@@ -491,6 +504,14 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--first", choices=("moe8", "transformers"), default="moe8", help="which side runs first")
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a moe8 finetune key over the recipe's, for both sides (repeatable; VALUE as JSON: true, 4, 1e-4, "
+        "or else a string), e.g. --set fuse_attention=true (read by the moe8 side only)",
+    )
+    ap.add_argument(
         "--sides",
         default="moe8,transformers",
         help="which sides to run, comma-separated (default both; a side left out is recorded as not run)",
@@ -509,6 +530,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tiny", action="store_true", help="toy-width models on the CPU (the tests)")
     args = ap.parse_args(argv)
+    args.set = dict(_setting(ap, item) for item in args.set)
     args.sides = [x for x in args.sides.split(",") if x]
     if not args.sides or set(args.sides) - {"moe8", "transformers"}:
         ap.error(f"--sides: expected moe8 and/or transformers, got {','.join(args.sides)!r}")
@@ -545,6 +567,7 @@ def main(argv=None) -> int:
         tiny=args.tiny,
         untimed_steps=WARMUP,
         baseline_steps=args.baseline_steps or "as moe8's",
+        set=args.set,
         first=args.first,
     )
     results, t0 = {}, time.perf_counter()

@@ -161,7 +161,9 @@ def test_bench_full_leaves_out_the_multi_gpu_recipes():
     eps = {n: b.recipe_ep(n) for n in b.RECIPES}
     assert eps["gpt_oss_20b_full"] == 8 and eps["qwen2_moe_a2_7b_full"] == 4
     assert all(ep == 1 for n, ep in eps.items() if n not in ("gpt_oss_20b_full", "qwen2_moe_a2_7b_full"))
-    args = b.argparse.Namespace(full=True, tiny=False, layers=0, seq_len=1024, steps=0, lr=0.0, micro_batch=0)
+    args = b.argparse.Namespace(
+        full=True, tiny=False, layers=0, seq_len=1024, steps=0, lr=0.0, micro_batch=0, set={}
+    )
     cfg = b.recipe_config("qwen3_30b_a3b_lora", args, "/tmp/never-written")
     assert cfg.num_layers == 0 and cfg.seq_len == 4096 and cfg.micro_batch == 2  # the recipe's own
 
