@@ -232,6 +232,7 @@ def measure(model, ids, steps, warmup, device):
         if i >= warmup:
             times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    phases = phase_peaks(model, ids, opt) if device.type == "cuda" else {}
     vocab = model.config.vocab_size
     hooks = region_hooks(model)
     try:
@@ -239,7 +240,31 @@ def measure(model, ids, steps, warmup, device):
     finally:
         for h in hooks:
             h.remove()
-    return statistics.median(times), peak, [float(x) for x in losses], split
+    return statistics.median(times), peak, [float(x) for x in losses], split, phases
+
+
+def phase_peaks(model, ids, opt) -> dict:
+    """One more step on CUDA, its peak GiB per phase (the allocator's peak reset before each): the forward
+    (with the loss), the backward, the optimizer step; and what is allocated when the backward starts (the
+    weights, optimizer state and the activations the backward will read)."""
+    gib = 2**30
+    out = {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    out["forward"] = torch.cuda.max_memory_allocated() / gib
+    out["backward_start"] = torch.cuda.memory_allocated() / gib
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    out["backward"] = torch.cuda.max_memory_allocated() / gib
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    out["optimizer"] = torch.cuda.max_memory_allocated() / gib
+    return out
 
 
 def main():
@@ -369,7 +394,7 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         )
         ids = ids.to(device)
         print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
-        sec, peak, losses, split = measure(model, ids, a.steps, a.warmup, device)
+        sec, peak, losses, split, phases = measure(model, ids, a.steps, a.warmup, device)
     except Exception as e:  # noqa: BLE001  (a peer that fails is reported, the other rows still run)
         if impl in ("transformers", "moe8"):
             raise
@@ -384,6 +409,7 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         step_ms=sec * 1e3,
         tokens_per_s=a.batch * a.seq / sec,
         peak_gib=peak,
+        peak_phases_gib=phases,  # CUDA: forward / backward_start / backward / optimizer (phase_peaks)
         losses=losses,
         profile_ms=split,
     )
