@@ -74,29 +74,30 @@ def _fuse(model, classes: dict, forward) -> None:
         registry.fused.add(m)
 
 
+def _patch_modules(families, name: str, replacement) -> None:
+    """Point the modeling modules of these families at `replacement` in place of their function `name`
+    (process-wide: the modules' code looks the function up by name); disable() puts their own back."""
+    for family in families:
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        if (mod, name) not in registry.module_patches:
+            registry.module_patches[mod, name] = getattr(mod, name)
+            setattr(mod, name, replacement)
+
+
 def _fuse_rope(families) -> None:
-    """Point the modeling modules of these families at moe8.ops.apply_rotary_pos_emb (one fused kernel per
-    tensor, forward and backward; process-wide: the attention code looks the function up by name)."""
+    """apply_rotary_pos_emb of these families as moe8.ops.apply_rotary_pos_emb (one fused kernel per tensor,
+    forward and backward)."""
     from moe8 import ops
 
-    for family in set(families) & set(ROPE_FAMILIES):
-        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        if mod not in registry.rope_patched:
-            registry.rope_patched[mod] = mod.apply_rotary_pos_emb
-            mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
+    _patch_modules(set(families) & set(ROPE_FAMILIES), "apply_rotary_pos_emb", ops.apply_rotary_pos_emb)
 
 
 def _fuse_attention(families) -> None:
-    """Point the modeling modules of these families (those with attention sinks) at
-    moe8.attention.attention_forward in place of their eager_attention_forward (process-wide, as _fuse_rope;
-    the attention code looks the function up by name)."""
+    """eager_attention_forward of these families (those with attention sinks) as
+    moe8.attention.attention_forward."""
     from moe8.attention import attention_forward
 
-    for family in set(families) & set(SINK_FAMILIES):
-        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        if mod not in registry.attention_patched:
-            registry.attention_patched[mod] = mod.eager_attention_forward
-            mod.eager_attention_forward = attention_forward
+    _patch_modules(set(families) & set(SINK_FAMILIES), "eager_attention_forward", attention_forward)
 
 
 def _fuse_loss(model) -> None:
@@ -289,10 +290,8 @@ def disable():
     for cls in registry.patched_classes:
         cls.forward = cls._moe8_forward
         del cls._moe8_forward
-    for mod, own in registry.rope_patched.items():
-        mod.apply_rotary_pos_emb = own
-    for mod, own in registry.attention_patched.items():
-        mod.eager_attention_forward = own
+    for (mod, name), own in registry.module_patches.items():
+        setattr(mod, name, own)
     for m in list(registry.loss_fused):
         unfuse_causal_lm_loss(m)
     ExpertsInterface._global_mapping.pop(NAME, None)

@@ -28,8 +28,9 @@ class _Registry:
         self.patched_classes = (
             set()
         )  # router / norm classes whose forward is moe8's (own kept: `_moe8_forward`)
-        self.rope_patched = {}  # modeling module -> its own apply_rotary_pos_emb, while moe8's replaces it
-        self.attention_patched = {}  # modeling module -> its own eager_attention_forward (fuse_attention)
+        # (modeling module, function name) -> its own function, while moe8's replaces it (fuse_rope:
+        # apply_rotary_pos_emb; fuse_attention: eager_attention_forward)
+        self.module_patches = {}
 
 
 registry = _Registry()
