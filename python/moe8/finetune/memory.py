@@ -54,6 +54,8 @@ class Counts:
     # blockwise FP8 copies: a byte each and an fp32 scale per 128 x 128 block, how many), Linear and experts
     lora_base: tuple = (0, 0, 0)
     lora_base_experts: tuple = (0, 0, 0)
+    # elements of the largest of those weights: (a Linear's, an experts matrix's)
+    lora_base_largest: tuple = (0, 0)
 
 
 def count_params(config, cfg: Config) -> Counts:
@@ -72,33 +74,30 @@ def count_params(config, cfg: Config) -> Counts:
 def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple]:
     """(LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix;
     the Linear weights they adapt: (parameters, bytes in blockwise FP8, how many); the expert weights they
-    adapt: the same)."""
-
+    adapt: the same; the largest of each: (elements, elements))."""
     from ..fp8 import Float8Recipe, fp8_nbytes, quantize_weight
     from ..lora import TARGETS
-
-    def fp8_bytes(w) -> int:  # what freeze_fp8 keeps (w is on the meta device: shapes only)
-        return fp8_nbytes(quantize_weight(w, 0, Float8Recipe("blockwise")))
-
     from .routing import experts_modules
 
+    def add(acc, w) -> None:  # what freeze_fp8 keeps of w (on the meta device: shapes only)
+        acc[0] += w.numel()
+        acc[1] += fp8_nbytes(quantize_weight(w, 0, Float8Recipe("blockwise")))
+        acc[2] += 1
+        acc[3] = max(acc[3], w.numel())
+
     targets = set(cfg.lora_targets or TARGETS)
-    r, n, base, experts = cfg.lora_r, 0, [0, 0, 0], [0, 0, 0]
+    r, n, base, experts = cfg.lora_r, 0, [0, 0, 0, 0], [0, 0, 0, 0]
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             n += r * (m.in_features + m.out_features)
-            base[0] += m.weight.numel()
-            base[1] += fp8_bytes(m.weight)
-            base[2] += 1
+            add(base, m.weight)
     if "experts" in targets:
         for _, m in experts_modules(model):
             for w in (m.gate_up_proj, m.down_proj):
                 E, d1, d2 = w.shape
                 n += E * r * (d1 + d2)
-                experts[0] += w.numel()
-                experts[1] += fp8_bytes(w)
-                experts[2] += 1
-    return n, tuple(base), tuple(experts)
+                add(experts, w)
+    return n, tuple(base[:3]), tuple(experts[:3]), (base[3], experts[3])
 
 
 def eager_attention(config) -> bool:
@@ -180,9 +179,10 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
         weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
-        # the input gradient reads one frozen weight at a time dequantised: the largest, an experts module's
-        # gate / up weight, is 4/3 of the average of its gate_up and down (2I x H against H x I)
-        fp8_transient = max(ne // max(ce, 1) * 4 // 3 // ep, n // max(c, 1)) * w
+        # the input gradient reads one frozen weight at a time dequantised: the largest (an expert matrix's
+        # experts split over ep)
+        largest_linear, largest_experts = counts.lora_base_largest
+        fp8_transient = max(largest_linear, largest_experts // ep) * w
     master = T * 4 if (not lora and w == 2) else 0
     adamw = T * 8
     grads_bwd, grads_step = T * (4 if lora else w), T * 4
