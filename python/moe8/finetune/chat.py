@@ -19,6 +19,7 @@ unmatched and gets no loss."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -106,15 +107,7 @@ def _opening_start(tok, r: list[int]) -> int | None:
     generation prompt adds after a user message, and the turn starts after the first occurrence of that
     header in r that only what the template renders before any message (a bos token, a default system prompt)
     precedes; None if there is none (unmatched, no loss)."""
-    from jinja2 import TemplateError
-
-    probe = [{"role": "user", "content": "?"}]
-    try:
-        p, g = _render(tok, probe, False), _render(tok, probe, True)
-    except TemplateError:  # a template that refuses the probe
-        return None
-    n = _prompt_end(p, g)
-    header = g[n:] if n is not None else []
+    p, header = _assistant_header(tok, getattr(tok, "chat_template", None))
     if not header:
         return None
     for j in range(len(r) - len(header) + 1):
@@ -123,6 +116,21 @@ def _opening_start(tok, r: list[int]) -> int | None:
         if r[j : j + len(header)] == header:
             return j + len(header)
     return None
+
+
+@functools.lru_cache(maxsize=8)  # rendered once per tokenizer and template, not once per conversation
+def _assistant_header(tok, template) -> tuple[list[int], list[int]]:
+    """(what tok's chat template (`template`, the cache's key with tok) renders for a one-message user conversation, the assistant header the generation
+    prompt adds to it); an empty header where the template refuses the probe or adds nothing."""
+    from jinja2 import TemplateError
+
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        p, g = _render(tok, probe, False), _render(tok, probe, True)
+    except TemplateError:
+        return [], []
+    n = _prompt_end(p, g)
+    return p, (g[n:] if n is not None else [])
 
 
 def _generation_span(tok, messages, r: list[int]) -> tuple[int, int] | None:
