@@ -153,8 +153,8 @@ def _fp8_linear_backward(
         if recipe.dgrad == "fp8":
             wt = _weight(w, (wt_q, wt_scale, wt_row_scale), 1, recipe, (w_q, w_scale, w_row_scale))
             dx = _gemm(g, wt, recipe, backend)
-        elif frozen_fp8(w) is not None:  # stored in FP8 only: its values dequantised for the bf16 GEMM
-            dx = g @ dequantized(frozen_fp8(w).value, g.dtype)[0]  # [M, N] . [N, K]
+        elif (frozen := frozen_fp8(w)) is not None:  # stored in FP8 only: dequantised for the bf16 GEMM
+            dx = g @ dequantized(frozen.value, g.dtype)[0]  # [M, N] . [N, K]
         else:
             dx = g @ w.to(g.dtype)  # [M, N] . [N, K]
     if need_dw:
@@ -177,9 +177,8 @@ def _setup(ctx, inputs, output):
     ctx.precision, ctx.backend = precision, backend
     cache = from_code(precision).cache
     if w.requires_grad and (cache is None or not cache.hold_trainable):
-        copies = [None] * len(
-            copies
-        )  # a weight that trains: nothing of it held to the backward (requantised)
+        # a weight that trains: nothing of it held to the backward, which quantises it again
+        copies = [None] * len(copies)
     ctx.save_for_backward(x, w, *copies)
 
 
