@@ -114,6 +114,17 @@ def token_batches(text: Path, tok_dir: Path, lines: int, seq: int, batch: int, s
     return seqs[order].view(steps, batch, seq), len(tok), n
 
 
+def corpus_meta(device, script: str, argv, found, sequences: int) -> dict:
+    """The head of a corpus benchmark's JSON: run_info, the command, the data and tokenizer it read."""
+    return dict(
+        run_info(device),
+        command=f"bench/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        data=str(found[0]),
+        tokenizer=str(found[1]),
+        sequences=sequences,
+    )
+
+
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -238,11 +249,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(
-        run_info(device),
-        command="bench/bench_fp8_convergence.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        data=str(found[0]),
-        tokenizer=str(found[1]),
-        sequences=n_seqs,
+        corpus_meta(device, "bench_fp8_convergence.py", argv, found, n_seqs),
         model=dict(shape, vocab_size=vocab),
         steps=a.steps,
         batch=a.batch,

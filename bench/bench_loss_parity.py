@@ -54,9 +54,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fp8_convergence import lr_at, require_data, token_batches  # noqa: E402
+from bench_fp8_convergence import corpus_meta, lr_at, require_data, token_batches  # noqa: E402
 from bench_step_profile import FAMILIES, TINY, build  # noqa: E402
-from run_info import run_info  # noqa: E402
 
 import moe8  # noqa: E402
 from moe8 import hf  # noqa: E402
@@ -328,11 +327,7 @@ def main(argv=None) -> int:
     else:
         vocab = a.vocab
     meta = dict(
-        run_info(device),
-        command="bench/bench_loss_parity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        data=str(found[0]),
-        tokenizer=str(found[1]),
-        sequences=n_seqs,
+        corpus_meta(device, "bench_loss_parity.py", argv, found, n_seqs),
         vocab_size=vocab,
         tokenizer_ids=len_tok,
         id_mapping=mapping,
