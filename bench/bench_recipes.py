@@ -374,7 +374,7 @@ def recipe_config(name: str, args, tmp: str):
         over["max_documents"] = 20000  # ~1,500 sequences of 1024 tokens: 50 steps of 4096 without a repeat
     if args.lr:
         over["lr"] = args.lr
-    over.update(args.set)  # --set KEY=VALUE: moe8 finetune keys (e.g. fuse_attention=true)
+    over.update(args.set)  # --set KEY=VALUE: moe8 finetune keys (e.g. fuse_attention=false)
     if args.tiny:
         over.update(device="cpu", micro_batch=2)
     elif args.micro_batch:
@@ -509,7 +509,7 @@ def main(argv=None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a moe8 finetune key over the recipe's, for both sides (repeatable; VALUE as JSON: true, 4, 1e-4, "
-        "or else a string), e.g. --set fuse_attention=true (read by the moe8 side only)",
+        "or else a string), e.g. --set fuse_attention=false (read by the moe8 side only)",
     )
     ap.add_argument(
         "--sides",

@@ -18,6 +18,7 @@ sink_attention is the op; attention_forward has the signature of transformers' e
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -149,9 +150,15 @@ def sink_attention(
 
 def attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers' eager_attention_forward of a model with sinks (module.sinks), through sink_attention:
-    -> (output [B, S, H, D], None); attention weights are not formed, so none are returned. Dropout is not
-    supported (GPT-OSS trains without it): a nonzero rate raises."""
+    -> (output [B, S, H, D], None); attention weights are not formed, so none are returned. The fused kernels
+    run without attention dropout (GPT-OSS trains without it): with a nonzero rate this call runs the eager
+    function moe8 replaced in the module's family (moe8.hf), and raises where there is none."""
     if dropout:
-        raise ValueError(f"dropout: moe8's fused attention runs without attention dropout, got {dropout}")
+        from moe8.hf.registry import registry
+
+        own = registry.module_patches.get((sys.modules[type(module).__module__], "eager_attention_forward"))
+        if own is None:
+            raise ValueError(f"dropout: moe8's fused attention runs without attention dropout, got {dropout}")
+        return own(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     out = sink_attention(query, key, value, module.sinks, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

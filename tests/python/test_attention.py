@@ -49,7 +49,7 @@ def test_sink_attention_matches_the_reference(device, mask_kind, shape):
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     tol = 1e-5 if device == "cpu" else 2e-2
     q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dt) for h in (H, Hkv, Hkv))
-    sinks = torch.randn(H, device=device, dtype=dt)
+    sinks = torch.randn(H, device=device, dtype=dt) + 2  # sinks that take a good part of the weight
     mask = masks(mask_kind, B, S, dt)
     mask = None if mask is None else mask.to(device)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
@@ -70,7 +70,7 @@ def test_sink_attention_matches_the_reference(device, mask_kind, shape):
         None if mask is None else mask.double(),
         D**-0.5,
     )
-    assert rel(plain, ref) > 10 * tol
+    assert rel(plain, ref) > 10 * max(rel(out, ref), tol)
 
 
 def test_sink_attention_checks_its_arguments():

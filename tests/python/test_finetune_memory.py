@@ -152,8 +152,13 @@ def test_eager_attention_scores_in_the_estimate(tmp_path, text_file):
     """A family whose attention runs eagerly (GPT-OSS) saves S x S probabilities per layer: the estimate's
     activations count them (the saved tensors of one forward within 0.8 to 1.25 times, as for SDPA models),
     and its attention_scores part the transient S x S tensors; an SDPA family has neither."""
-    est, got = measure(
-        tmp_path / "gpt_oss", text_file, method="full", dtype="fp32", model_config=tiny_gpt_oss()
+    est, got = measure(  # transformers' eager attention: moe8's fused one off
+        tmp_path / "gpt_oss",
+        text_file,
+        method="full",
+        dtype="fp32",
+        model_config=tiny_gpt_oss(),
+        fuse_attention=False,
     )
     assert est.backward["attention_scores"] > 0 and est.step["attention_scores"] == 0
     ratio = got["activations"] / est.backward["activations"]
@@ -165,14 +170,9 @@ def test_eager_attention_scores_in_the_estimate(tmp_path, text_file):
     assert got["activations"] / (est.backward["activations"] - saved_scores) > 1.25  # they matter here
     est_q, _ = measure(tmp_path / "qwen3", text_file, method="full", dtype="fp32")
     assert est_q.backward["attention_scores"] == 0
-    # moe8's fused attention (fuse_attention): no S x S tensors saved, and none estimated
+    # moe8's fused attention (fuse_attention, the default): no S x S tensors saved, and none estimated
     est_f, got_f = measure(
-        tmp_path / "fused",
-        text_file,
-        method="full",
-        dtype="fp32",
-        model_config=tiny_gpt_oss(),
-        fuse_attention=True,
+        tmp_path / "fused", text_file, method="full", dtype="fp32", model_config=tiny_gpt_oss()
     )
     assert est_f.backward["attention_scores"] == 0
     assert est_f.backward["activations"] == est.backward["activations"] - saved_scores

@@ -347,6 +347,31 @@ def test_fused_attention_matches_transformers():
     assert mod.eager_attention_forward is own
 
 
+def test_fused_attention_with_dropout_runs_transformers_eager():
+    """A GPT-OSS trained with attention dropout: fuse_attention (on by default) hands those calls to the eager
+    function it replaced, so the same seed gives transformers' numbers, gradients included."""
+    ref = build("gpt_oss", attention_dropout=0.3)
+    ref.train()
+    ids = tokens(seq=13)
+
+    def step(model):
+        torch.manual_seed(7)  # the same dropout masks on both sides
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    out_r, grads_r = step(ref)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_attention"))
+    acc.train()
+    out_a, grads_a = step(acc)
+    assert_same(out_r, grads_r, out_a, grads_a)
+    ref.eval()  # and the dropout matters: without it the loss differs
+    with torch.no_grad():
+        assert not torch.allclose(ref(input_ids=ids, labels=ids).loss, out_r.loss)
+    hf.disable()
+
+
 @pytest.mark.parametrize("family", hf.ROPE_FAMILIES)
 def test_fused_rope_matches_transformers(family, monkeypatch):
     """fuse_rope=True: the family's attention applies rotary embeddings with moe8.ops.rope (process-wide,

@@ -3,8 +3,8 @@
 
 Per GPU, in bytes (w: 2 for bf16, 4 for fp32; T: trainable parameters held by the GPU; tokens = micro_batch x
 seq_len), the larger of the backward peak and the optimizer-step peak:
-  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" holds the weights it adapts in FP8 only
-               (a byte each, an fp32 scale per 128 x 128 block) instead
+  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" or "auto" holds the weights it adapts in FP8
+               only (a byte each, an fp32 scale per 128 x 128 block) instead
   master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
   adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
   grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
@@ -32,7 +32,7 @@ import torch
 
 from ..hf.families import SINK_FAMILIES
 from ..loss import padded_vocab
-from .config import Config, FinetuneError
+from .config import LORA_FP8_BASES, Config, FinetuneError
 
 GiB = 2**30
 CONTEXT = 1 * GiB  # CUDA context, cuBLAS / moe8 workspaces: outside max_memory_allocated
@@ -176,7 +176,7 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     T = counts.lora if lora else held
     weights = held * w + (counts.lora * 4 if lora else 0)
     fp8_transient = 0
-    if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
+    if lora and cfg.moe8 and cfg.fp8 in LORA_FP8_BASES:  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
         weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
         # the input gradient reads one frozen weight at a time dequantised: the largest (an expert matrix's

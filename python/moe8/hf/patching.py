@@ -212,9 +212,10 @@ def enable(families=None, config: Config | None = None, **fields):
 
     families: config.model_type names to accelerate (default: all of moe8.hf.FAMILIES).
     config, **fields: the moe8.Config these models get (fields override config's; see moe8.Config: fp8,
-        fuse_router, fuse_norm, fuse_rope, fuse_loss, routed_down, consume_gate_up, ...). The four fusions are
-        on by default (fuse_loss=False etc. opts out): in a training forward with labels outputs.logits is
-        None. fuse_rope patches the families' modeling modules right away (process-wide, until disable()).
+        fuse_router, fuse_norm, fuse_rope, fuse_attention, fuse_loss, routed_down, consume_gate_up, ...). The
+        five fusions are on by default (fuse_loss=False etc. opts out): in a training forward with labels
+        outputs.logits is None. fuse_rope and fuse_attention patch the families' modeling modules right away
+        (process-wide, until disable()).
     """
     cfg = _config(DEFAULT, config, fields)
     families = _families(families)
