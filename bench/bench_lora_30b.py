@@ -22,9 +22,7 @@ bf16 base's tokens/s).
 Variants: peft (transformers grouped_mm + PEFT), moe8 (moe8.lora.apply_lora, bf16 base), moe8_fp8base (LoRA
 over FP8 base weights: the frozen q,k,v,o and expert weights held as FP8 blockwise codes with 128x128 fp32
 scales, the experts run with fp8="blockwise", the adapters in --adapter-dtype), moe8_fp8experts (the same with
-only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 dense GEMMs cost or save),
-moe8_fp8auto (moe8_fp8base's FP8 base with the experts on fp8="auto": FP8 GEMMs where the shape makes them pay,
-elsewhere bf16 GEMMs over the weights dequantised per use, moe8.precision.FROM_FP8).
+only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 dense GEMMs cost or save).
 
 The FP8 base is quantised once, at load, a decoder layer at a time: the model is built on the meta device and
 its parameters materialised on the GPU in the order, and from the seeded generator, that build() fills them
@@ -55,13 +53,8 @@ import tempfile
 import time
 import traceback
 
-VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts", "moe8_fp8auto")
-FP8_BASES = {
-    "moe8_fp8base": True,
-    "moe8_fp8experts": False,
-    "moe8_fp8auto": True,
-}  # variant: attention in FP8 too
-EXPERTS_FP8 = {"moe8_fp8auto": "auto"}  # the experts' fp8 recipe of an FP8-base variant (default blockwise)
+VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts")
+FP8_BASES = {"moe8_fp8base": True, "moe8_fp8experts": False}  # variant: attention in FP8 too
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # PEFT target_parameters
 # Qwen3-30B-A3B's config.json (intermediate_size is unused: every layer is MoE)
@@ -298,7 +291,7 @@ def child(args):
         else:
             from moe8.lora import freeze_base_fp8
 
-            model = add_moe8(model, args, fp8=EXPERTS_FP8.get(v, "blockwise"))
+            model = add_moe8(model, args, fp8="blockwise")
             if FP8_BASES[v]:  # (it would quantise the attention of moe8_fp8experts)
                 res["frozen_after_lora"] = freeze_base_fp8(model)  # 0: every target was quantised at load
         params = [p for p in model.parameters() if p.requires_grad]
@@ -419,7 +412,7 @@ def run_variant(v, args, path):
 
 
 def summary(args, results):
-    peft, m8, f8, e8, a8 = (results.get(v, {}) for v in VARIANTS)
+    peft, m8, f8, e8 = (results.get(v, {}) for v in VARIANTS)
     meta = next((r["meta"] for r in results.values() if "meta" in r), {})
     out = dict(
         meta=dict(meta, date=time.strftime("%Y-%m-%d"), optimizer="AdamW (fused on CUDA), adapters only"),
@@ -475,8 +468,6 @@ def summary(args, results):
         out["fp8base_ratio_to_peft"] = f8["tokens_per_s"] / peft["tokens_per_s"]
     if m8.get("tokens_per_s") and e8.get("tokens_per_s"):
         out["fp8experts_ratio_to_moe8"] = e8["tokens_per_s"] / m8["tokens_per_s"]
-    if m8.get("tokens_per_s") and a8.get("tokens_per_s"):
-        out["fp8auto_ratio_to_moe8"] = a8["tokens_per_s"] / m8["tokens_per_s"]
     return out
 
 
@@ -555,7 +546,6 @@ def table(out):
     for v, key in (
         ("moe8_fp8base", "fp8base_ratio_to_moe8"),
         ("moe8_fp8experts", "fp8experts_ratio_to_moe8"),
-        ("moe8_fp8auto", "fp8auto_ratio_to_moe8"),
     ):
         if v in res:
             print(

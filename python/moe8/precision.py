@@ -6,9 +6,6 @@ pipeline, not one per precision):
     Fp8Gemms(recipe)     the forward GEMMs in FP8 e4m3 with a moe8.fp8 recipe (blockwise, rowwise, tensorwise),
                          the dgrad / wgrad GEMMs too when the recipe says dgrad / wgrad "fp8"; weights
                          quantised through an Fp8WeightCache (refreshed once per optimizer step)
-    FROM_FP8             frozen weights stored in FP8 only (moe8.fp8.freeze_fp8) read in bf16: each GEMM
-                         dequantises the weight (a transient copy) and runs the bf16 GEMM; what an `auto`
-                         recipe runs for a stored-FP8 weight whose shape FP8 does not pay for
 
 Inside a torch.library op the strategy travels as an int (`code`; `from_code` rebuilds it).
 """
@@ -82,31 +79,6 @@ class Bf16Gemms:
 BF16 = Bf16Gemms()
 
 
-class Fp8StoredGemms(Bf16Gemms):
-    """The grouped GEMMs in the activations' dtype over a frozen weight stored in FP8 only: its blockwise copy
-    dequantised per call ([E, N, K] as the GEMM in the copy's layout reads it; read transposed in the other
-    layout). Frozen weights have no weight gradient."""
-
-    name = "bf16_from_fp8"
-    code = -2
-
-    def quantized(self, w: Tensor, layout: int) -> tuple:
-        if frozen_fp8(w) is None:
-            raise ValueError("w: FROM_FP8 reads weights stored in FP8 only (moe8.fp8.freeze_fp8)")
-        return NO_WEIGHT
-
-    def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
-        frozen = frozen_fp8(w)
-        values = dequantized(frozen.value, a.dtype)
-        return ops.grouped_gemm(a, values, offsets, 0 if layout == frozen.layout else 1, bias)
-
-    def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
-        return _dequantized_dgrad(g, frozen_fp8(w), offsets, layout)
-
-
-FROM_FP8 = Fp8StoredGemms()
-
-
 _CACHES = (default_cache, one_layout_cache, None, frozen_only_cache)  # by code
 _CACHE_CODES = {id(c): i for i, c in enumerate(_CACHES)}
 
@@ -158,14 +130,14 @@ class Fp8Gemms:
         return _fp8_forward(ops.activation(h, *act), wq, offsets, self.recipe)
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
-        if self.recipe.dgrad == "fp8" and not (self.recipe.auto and frozen_fp8(w) is not None):
-            # g quantised like an activation, w like a weight, transposed (not a frozen weight under auto:
-            # that would transpose its codes every backward; the bf16 dgrad below reads them dequantised)
+        if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
             wt = self.quantized(w, 1 - layout)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
         frozen = frozen_fp8(w)
-        if frozen is not None:  # stored in FP8 only: the bf16 GEMM reads its values dequantised
-            return _dequantized_dgrad(g, frozen, offsets, layout)
+        if frozen is not None:  # stored in FP8 only: the bf16 GEMM reads its values dequantised, [E, N, K]
+            # of the GEMM in frozen.layout; in the other layout the same matrix is read transposed
+            values = dequantized(frozen.value, g.dtype)
+            return ops.grouped_gemm(g, values, offsets, 1 if layout == frozen.layout else 0, None)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
 
     def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
@@ -175,7 +147,7 @@ class Fp8Gemms:
         return dw.to(w.dtype), None
 
 
-Precision = Union[Bf16Gemms, Fp8StoredGemms, Fp8Gemms]
+Precision = Union[Bf16Gemms, Fp8Gemms]
 
 
 def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
@@ -192,11 +164,13 @@ def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Prec
 
 
 def for_shape(prec: Precision, rows: int, n: int, k: int, w: Optional[Tensor] = None) -> Precision:
-    """prec, or bf16 where prec's recipe is `auto` and FP8 does not pay for a GEMM of rows x n x k
-    (moe8.fp8_rules.fp8_pays): BF16, or FROM_FP8 for a weight w stored in FP8 only."""
-    if not isinstance(prec, Fp8Gemms) or not prec.recipe.auto or fp8_pays(rows, n, k, prec.name):
+    """prec, or BF16 where prec's recipe is `auto` and FP8 does not pay for a GEMM of rows x n x k
+    (moe8.fp8_rules.fp8_pays); a weight w stored in FP8 only keeps FP8."""
+    if not isinstance(prec, Fp8Gemms) or not prec.recipe.auto:
         return prec
-    return FROM_FP8 if w is not None and frozen_fp8(w) is not None else BF16
+    if w is not None and frozen_fp8(w) is not None:
+        return prec
+    return prec if fp8_pays(rows, n, k, prec.name) else BF16
 
 
 @functools.cache  # a few dozen codes; the strategies hold no state of a call
@@ -204,7 +178,7 @@ def from_code(code: int) -> Precision:
     """The strategy a fused op's `precision` argument names (Precision.code); FP8 weights from default_cache.
     One object per code (built once: each op call and its backward ask for it)."""
     if code < 0:
-        return FROM_FP8 if code == FROM_FP8.code else BF16
+        return BF16
     name = next(n for n, i in RECIPES.items() if i == code & 3)
     fp8 = ("bf16", "fp8")
     cache = _CACHES[code >> 4 & 3]
@@ -212,13 +186,6 @@ def from_code(code: int) -> Precision:
 
 
 # ------------------------------------------------------------------------------------ FP8 internals
-def _dequantized_dgrad(g: Tensor, frozen, offsets: Tensor, layout: int) -> Tensor:
-    """d a of c = a . op(w) for a weight stored in FP8 only (frozen: its FrozenFp8), through the bf16 GEMM over
-    its values dequantised: [E, N, K] of the GEMM in frozen.layout, read transposed in the other layout."""
-    values = dequantized(frozen.value, g.dtype)
-    return ops.grouped_gemm(g, values, offsets, 1 if layout == frozen.layout else 0, None)
-
-
 def _row_experts(offsets: Tensor, rows: int) -> Tensor:
     """[rows] expert of each row (E for rows past offsets[E]), without a host sync."""
     r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)

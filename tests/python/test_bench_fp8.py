@@ -116,7 +116,7 @@ def test_bench_lora_30b_fp8_base_tiny(tmp_path):
     out = tmp_path / "lora.json"
     p = run(
         "bench/bench_lora_30b.py", "--tiny", "--steps", "1", "--warmup", "1", "--adapter-dtype", "bfloat16",
-        "--variants", "moe8,moe8_fp8base,moe8_fp8experts,moe8_fp8auto", "--json", out, timeout=200,
+        "--variants", "moe8,moe8_fp8base,moe8_fp8experts", "--json", out, timeout=150,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -133,12 +133,6 @@ def test_bench_lora_30b_fp8_base_tiny(tmp_path):
         assert r["losses"][0] != m8["losses"][0]  # the base GEMMs really ran in FP8
     assert 0 < res["fp8base_step0_loss_diff"] < 2e-2
     assert "moe8_fp8base / moe8 tokens/s" in p.stdout
-    # auto over the FP8 base: the toy's expert GEMMs don't pay in FP8, so they run in bf16 over the dequantised
-    # weights, nearer the bf16 base than FP8 activations leave moe8_fp8base
-    a8 = v["moe8_fp8auto"]
-    assert a8["frozen_at_load"] == 2 * 6 and "moe8_fp8auto / moe8 tokens/s" in p.stdout
-    assert a8["losses"][0] != f8["losses"][0]
-    assert abs(a8["losses"][0] - m8["losses"][0]) < 2e-2
 
 
 def test_fp8_base_is_quantised_a_layer_at_a_time(monkeypatch):

@@ -598,14 +598,13 @@ def test_fp8_full_finetune_runs_and_is_checked(tmp_path, text_file, capsys):
         json.loads(x)["loss"] for x in (lora / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
     ]
     assert all(math.isfinite(x) for x in lora_losses)
-    auto = tmp_path / "lora-auto"  # auto: the bases in FP8 too, the toy's expert GEMMs in bf16 from them
+    auto = tmp_path / "auto"  # auto: FP8 where the shape pays (none of the toy's), the bases kept as they are
     rc, text = finetune_rc(capsys, flags(auto, text_file, "--fp8", "auto", "--method", "lora"))
-    assert rc == 0 and "experts on moe8 (FP8 auto)" in text, text
-    assert re.search(r"lora: [1-9]\d* frozen base weights held in FP8 \(blockwise\) only", text), text
+    assert rc == 0 and "experts on moe8 (FP8 auto)" in text and "frozen base weights" not in text, text
     auto_losses = [
         json.loads(x)["loss"] for x in (auto / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
     ]
-    assert all(math.isfinite(x) for x in auto_losses) and auto_losses != lora_losses
+    assert all(math.isfinite(x) for x in auto_losses)
     bad = tmp_path / "no-moe8"
     rc, text = finetune_rc(capsys, flags(bad, text_file, "--fp8", "blockwise", "--no-moe8"))
     assert rc != 0 and "drop --no-moe8" in text and not bad.exists()

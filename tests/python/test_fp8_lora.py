@@ -113,42 +113,6 @@ def test_frozen_weights_input_gradient(device, layout):
     assert rel(Fp8Gemms("blockwise").dgrad(g2, frozen, offsets, 1 - layout), want2) < exact
 
 
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: f"T{c[0]}-H{c[1]}-{c[6]}")
-def test_auto_reads_fp8_only_weights_in_bf16(case, device):
-    """fp8="auto" over weights stored in FP8 only, at shapes FP8 does not pay for: the GEMMs run in bf16 over
-    the dequantised weights (moe8.precision.FROM_FP8), forward and input gradient, so the output is the
-    exact math on those weights (float32 on the CPU, not FP8's ~3 % of quantised activations); at a shape
-    where FP8 pays the FP8 GEMMs stay."""
-    from moe8.precision import FROM_FP8, Fp8Gemms, for_shape, precision
-
-    T, H, I, E, K, r, layout = case
-    torch.manual_seed(T)
-    kn = layout == "kn"
-    dt = torch.float32 if device == "cpu" else torch.bfloat16
-    x = torch.randn(T, H, device=device, dtype=dt, requires_grad=True)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(device)
-    weights = torch.rand(T, K, device=device)
-    gu = torch.randn((E, H, 2 * I) if kn else (E, 2 * I, H), device=device, dtype=dt) * H**-0.5
-    dn = torch.randn((E, I, H) if kn else (E, H, I), device=device, dtype=dt) * I**-0.5
-    fgu, fdn = fp8.freeze_fp8(gu, int(kn)), fp8.freeze_fp8(dn, int(kn))
-    auto = precision("auto")
-    assert for_shape(auto, T * K // E, 2 * I, H, fgu) is FROM_FP8
-    assert for_shape(auto, T * K // E, 2 * I, H, gu) is not FROM_FP8  # a weight in bf16: plain BF16
-    assert isinstance(for_shape(auto, 4096, 4096, 4096, fgu), Fp8Gemms)  # where FP8 pays
-    y = layer.experts_forward(x, ids, weights, fgu, fdn, layout=layout, fp8="auto")
-    xd = x.detach().double().requires_grad_()
-    y_ref = ref.experts_forward(xd, ids, weights.double(), dequantized(fgu), dequantized(fdn), layout=layout)
-    exact = 1e-5 if device == "cpu" else 2e-2
-    assert rel(y, y_ref) < exact
-    dy = torch.randn_like(y_ref)
-    (gx,) = torch.autograd.grad(y, [x], dy.to(y.dtype))
-    (gx_ref,) = torch.autograd.grad(y_ref, [xd], dy)
-    assert rel(gx, gx_ref) < exact
-    with pytest.raises(ValueError, match="FP8 only"):
-        FROM_FP8.quantized(gu, 0)
-
-
 def test_experts_in_bf16_refuse_fp8_only_weights():
     E, H, I = 4, 128, 64
     fgu, fdn = fp8.freeze_fp8(torch.randn(E, 2 * I, H)), fp8.freeze_fp8(torch.randn(E, H, I))

@@ -128,8 +128,8 @@ class Config:
         "none",
         "FP8 expert GEMMs (moe8.fp8): none, blockwise, rowwise, tensorwise (forward in FP8, backward bf16) or "
         "auto (blockwise where the GEMM's shape makes FP8 pay, bf16 elsewhere); on moe8 only; with lora and "
-        "blockwise or auto the frozen base weights (attention and experts) are held in FP8 only (LoRA over FP8 "
-        "base weights: half their bytes; auto computes the experts in bf16 from them where FP8 does not pay)",
+        "blockwise the frozen base weights (attention and experts) are held in FP8 only (LoRA over FP8 base "
+        "weights: half their bytes)",
     )
     fuse_attention: bool = _key(
         True,
@@ -169,7 +169,7 @@ class Config:
 
 
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
-LORA_FP8_BASES = ("blockwise", "auto")  # the fp8 values under which LoRA holds its frozen bases in FP8 only
+LORA_FP8_BASES = ("blockwise",)  # the fp8 values under which LoRA holds its frozen bases in FP8 only
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
 # keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and
@@ -267,7 +267,7 @@ def validate(cfg: Config) -> None:
         ("device", ("auto", "cuda", "cpu")),
         ("data_format", ("auto", "lines", "text", "jsonl", "parquet", "arrow")),
         ("format", ("auto", "text", "messages", "alpaca", "sharegpt")),
-        ("fp8", ("none", *LORA_FP8_BASES, "rowwise", "tensorwise")),
+        ("fp8", ("none", "blockwise", "rowwise", "tensorwise", "auto")),
         ("transport", ("auto", "nccl", "ipc")),
     ):
         need(

@@ -3,8 +3,8 @@
 
 Per GPU, in bytes (w: 2 for bf16, 4 for fp32; T: trainable parameters held by the GPU; tokens = micro_batch x
 seq_len), the larger of the backward peak and the optimizer-step peak:
-  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" or "auto" holds the weights it adapts in FP8
-               only (a byte each, an fp32 scale per 128 x 128 block) instead
+  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" holds the weights it adapts in FP8 only
+               (a byte each, an fp32 scale per 128 x 128 block) instead
   master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
   adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
   grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
