@@ -347,6 +347,31 @@ def test_fused_attention_matches_transformers():
     assert mod.eager_attention_forward is own
 
 
+def test_fused_attention_generates_as_transformers():
+    """Generation through the fused attention (on by default): the KV-cached decode steps (one query row
+    against the cache, sliding and full layers, a left-padded row) score every new token as transformers'
+    eager attention does (fp32, < 1e-5), so greedy decoding picks the same tokens."""
+    import importlib
+
+    from moe8.attention import attention_forward
+
+    ref = build("gpt_oss", sliding_window=5, output_router_logits=False)
+    ref.eval()
+    ids = tokens(seq=9)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True)
+    want = ref.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_attention"))
+    acc.eval()
+    mod = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+    assert acc.config._attn_implementation == "eager" and mod.eager_attention_forward is attention_forward
+    got = acc.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(a, b) for a, b in zip(got.scores, want.scores)) < 1e-5
+    hf.disable()
+
+
 def test_fused_attention_with_dropout_runs_transformers_eager():
     """A GPT-OSS trained with attention dropout: fuse_attention (on by default) hands those calls to the eager
     function it replaced, so the same seed gives transformers' numbers, gradients included."""
