@@ -236,6 +236,44 @@ TEST_F(CudaTest, RowwiseTensorwiseDequantizeMatchCpuBitExact) {
     }
 }
 
+TEST_F(CudaTest, BlockwiseDequantizeMatchesCpuBitExact) {
+  // Codes (every finite e4m3 pattern) times their block's scale: 128 x 128 blocks of [E, N, K] weights and 1 x K
+  // rows. K a multiple of 16 takes the kernel's 16-codes-a-thread path (whole and partial last blocks, rows not
+  // a multiple of 128), the other K the per-element one.
+  Rng rng(106);
+  struct Case {
+    Shape s;
+    int64_t bm, bk;
+  };
+  const Case cases[] = {{{2, 256, 384}, 128, 128}, {{3, 200, 144}, 128, 128}, {{1, 16}, 128, 128},
+                        {{5, 130, 136}, 128, 128}, {{4, 7, 48}, 1, 48},       {{2, 100, 200}, 128, 128},
+                        {{3, 5, 24}, 128, 128}};
+  for (DType dt : kFloatTypes)
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(name_of(dt)) + " " + shape_str(c.s) + " blocks " + std::to_string(c.bm) + "x" +
+                   std::to_string(c.bk));
+      HostTensor q = u8(c.s);
+      for (int64_t i = 0; i < q.numel(); ++i) {
+        const int v = rng.randint(0, 256);
+        q.set(i, (v & 0x7F) == 0x7F ? v ^ 1 : v);  // no NaN codes
+      }
+      const int64_t M = c.s[c.s.size() - 2], K = c.s.back();
+      Shape ss(c.s.begin(), c.s.end() - 2);
+      ss.push_back((M + c.bm - 1) / c.bm);
+      ss.push_back((K + c.bk - 1) / c.bk);
+      HostTensor scale = random_tensor(DType::kF32, ss, rng, 0.01, 4.0);
+      auto deq = [&](bool gpu, HostTensor& out) {
+        Runner r(gpu);
+        api::dequantize(r.in(q), r.in(scale), c.bm, c.bk, r.out(out), 0);
+        r.finish();
+      };
+      HostTensor og(dt, c.s), oc(dt, c.s);
+      deq(true, og);
+      deq(false, oc);
+      EXPECT_TRUE(same(og, oc, "dequantize"));
+    }
+}
+
 TEST_F(CudaTest, SwigluQuantFusedEqualsActivationThenQuantize) {
   Rng rng(105);
   ActParams ps[5];
