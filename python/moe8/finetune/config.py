@@ -169,7 +169,6 @@ class Config:
 
 
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
-LORA_FP8_BASES = ("blockwise",)  # the fp8 values under which LoRA holds its frozen bases in FP8 only
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
 # keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and

@@ -32,7 +32,7 @@ import torch
 
 from ..hf.families import SINK_FAMILIES
 from ..loss import padded_vocab
-from .config import LORA_FP8_BASES, Config, FinetuneError
+from .config import Config, FinetuneError
 
 GiB = 2**30
 CONTEXT = 1 * GiB  # CUDA context, cuBLAS / moe8 workspaces: outside max_memory_allocated
@@ -176,7 +176,7 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     T = counts.lora if lora else held
     weights = held * w + (counts.lora * 4 if lora else 0)
     fp8_transient = 0
-    if lora and cfg.moe8 and cfg.fp8 in LORA_FP8_BASES:  # LoRA over FP8 bases: their bf16 values freed
+    if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
         weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
         # the input gradient reads one frozen weight at a time dequantised: the largest (an expert matrix's

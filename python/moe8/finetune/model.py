@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import hf
-from .config import LORA_FP8_BASES, Config, FinetuneError
+from .config import Config, FinetuneError
 from .routing import experts_modules
 
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -212,10 +212,10 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             )
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
-        if cfg.fp8 in LORA_FP8_BASES and hf.is_accelerated(model):
+        if cfg.fp8 == "blockwise" and hf.is_accelerated(model):
             from moe8.lora import freeze_base_fp8
 
-            n = freeze_base_fp8(model)  # LoRA over FP8 base weights (blockwise): the bf16 copies freed
+            n = freeze_base_fp8(model, cfg.fp8)  # LoRA over FP8 base weights: the bf16 copies freed
             log(
                 f"lora: {n} frozen base weights held in FP8 (blockwise) only, the adapters in {dtype_name(dtype)}"
             )
