@@ -95,9 +95,8 @@ class _SinkAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, mask, scale, groups):
         kx, vx = _repeat(k, groups), _repeat(v, groups)
         o, lse, extras = _kernel_forward(q, kx, vx, mask, scale)
-        rows = lse[
-            ..., : q.shape[2]
-        ].float()  # the CUDA kernel pads the rows' log-sum-exp to a multiple of 32
+        # the CUDA kernel pads the rows' log-sum-exp to a multiple of 32
+        rows = lse[..., : q.shape[2]].float()
         r = torch.sigmoid(rows - sinks.float().view(1, -1, 1))  # [B, H, S]: 1 - the sink's share
         # saved as SDPA saves its own: q, k, v unexpanded, the kernel's output and log-sum-exp (+ r, [B, H, S]);
         # the expanded k / v and the final output are remade in the backward

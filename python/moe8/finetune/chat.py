@@ -120,8 +120,9 @@ def _opening_start(tok, r: list[int]) -> int | None:
 
 @functools.lru_cache(maxsize=8)  # rendered once per tokenizer and template, not once per conversation
 def _assistant_header(tok, template) -> tuple[list[int], list[int]]:
-    """(what tok's chat template (`template`, the cache's key with tok) renders for a one-message user conversation, the assistant header the generation
-    prompt adds to it); an empty header where the template refuses the probe or adds nothing."""
+    """(what tok's chat template renders for a one-message user conversation, the assistant header the
+    generation prompt adds to it); an empty header where the template refuses the probe or adds nothing.
+    `template` (tok.chat_template) is part of the cache's key: a template set later renders anew."""
     from jinja2 import TemplateError
 
     probe = [{"role": "user", "content": "?"}]

@@ -71,7 +71,7 @@ def count_params(config, cfg: Config) -> Counts:
     return Counts(total, experts, *lora_params(model, cfg))
 
 
-def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple]:
+def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple, tuple]:
     """(LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix;
     the Linear weights they adapt: (parameters, bytes in blockwise FP8, how many); the expert weights they
     adapt: the same; the largest of each: (elements, elements))."""
