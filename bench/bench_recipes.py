@@ -508,8 +508,8 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a moe8 finetune key over the recipe's, for both sides (repeatable; VALUE as JSON: true, 4, 1e-4, "
-        "or else a string), e.g. --set fuse_attention=false (read by the moe8 side only)",
+        help="a moe8 finetune key over the recipe's (repeatable; VALUE as JSON: true, 4, 1e-4, or else a "
+        "string), e.g. --set fuse_attention=false; each side reads the keys it has",
     )
     ap.add_argument(
         "--sides",
