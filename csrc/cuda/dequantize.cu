@@ -58,9 +58,9 @@ void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows
                 const TensorView& out, void* stream) {
   const int64_t total = q.numel(), M = q.shape[q.ndim - 2], K = q.shape[q.ndim - 1];
   if (total == 0) return;
-  const int64_t chunks = total / kVec, rows = total / K;
-  const bool vec = K % kVec == 0 && block_cols % kVec == 0 && chunks < (int64_t{1} << 31) &&
-                   rows < (int64_t{1} << 31) && aligned16(q.data) && aligned16(out.data);
+  const int64_t chunks = total / kVec;  // rows (total / K) are fewer: K is a multiple of 16 on this path
+  const bool vec = K % kVec == 0 && block_cols % kVec == 0 && chunks < (int64_t{1} << 31) && aligned16(q.data) &&
+                   aligned16(out.data);
   MOE8_DISPATCH_FLOAT(out.dtype, "dequantize: out", [&] {
     using T = scalar_t;
     if (vec) {
