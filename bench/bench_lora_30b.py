@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts")
 FP8_BASES = {"moe8_fp8base": True, "moe8_fp8experts": False}  # variant: attention in FP8 too
@@ -376,6 +377,15 @@ def child(args):
 
             res["profile_top"] = profile_step(step, args.profile)
             save()
+        if args.trace:  # a Chrome trace of one more step, and where its GPU idles
+            from profiling import export_trace, gpu_gaps, print_gaps
+
+            path = Path(args.trace) / f"lora_30b_{v}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            export_trace(step, path)
+            res["gaps"] = gpu_gaps(json.loads(path.read_text()))
+            print_gaps(f"[{v}] trace {path}", res["gaps"])
+            save()
     except torch.cuda.OutOfMemoryError as e:
         res["error"] = "out of memory: " + str(e).split("\n")[0][:300]
         log(res["error"])
@@ -590,6 +600,12 @@ def main():
         default=0,
         metavar="N",
         help="after the timed steps, profile one more step and print the N ops with the most self device time",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="after the timed steps, save a Chrome trace of one more step in DIR and print where the GPU idles",
     )
     ap.add_argument(
         "--moe8-fuse",

@@ -45,15 +45,18 @@ def profile_step(step, rows):
 
 
 def export_trace(step, path):
-    """One more step() under torch.profiler (CPU and CUDA activities), saved as a Chrome trace at path."""
+    """One more step() under torch.profiler (CPU and, on a GPU, CUDA activities), saved as a Chrome trace at
+    path."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     step()  # warm: the profiled call must not pay first-call costs
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-        torch.cuda.synchronize()
+        sync()
     prof.export_chrome_trace(str(path))
 
 
@@ -79,12 +82,36 @@ def gpu_gaps(trace: dict, top: int = 8) -> dict:
         if b > t:
             busy += b - max(a, t)
             t = b
-    out = []
-    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
-        during = [e for e in cpu if float(e["ts"]) < b and float(e["ts"]) + float(e["dur"]) > a]
-        during.sort(key=lambda e: (-float(e["dur"]), float(e["ts"])))
-        out.append({"at_us": a - start, "idle_us": b - a, "cpu_ops": [e["name"] for e in during[:4]]})
-    return {"span_us": t - start, "busy_us": busy, "idle_us": t - start - busy, "gaps": out}
+    cpu.sort(key=lambda e: float(e["ts"]))
+    longest = set(sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:top])
+    out, by_op, active, n = [], {}, [], 0
+    for i, (a, b) in enumerate(gaps):  # in time order: a sweep over the CPU ops, those open during (a, b)
+        while n < len(cpu) and float(cpu[n]["ts"]) < b:
+            active.append(cpu[n])
+            n += 1
+        active = [e for e in active if float(e["ts"]) + float(e["dur"]) > a]
+        if i in longest:
+            during = sorted(active, key=lambda e: (-float(e["dur"]), float(e["ts"])))
+            out.append({"at_us": a - start, "idle_us": b - a, "cpu_ops": [e["name"] for e in during[:4]]})
+        # all idle time by the CPU op covering most of each interval (of equal covers the innermost): what
+        # the host was doing then
+        name = max(active, key=lambda e, a=a, b=b: _cover(e, a, b))["name"] if active else "(no CPU op)"
+        by_op[name] = by_op.get(name, 0.0) + b - a
+    out.sort(key=lambda x: -x["idle_us"])
+    by_op = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "span_us": t - start,
+        "busy_us": busy,
+        "idle_us": t - start - busy,
+        "gaps": out,
+        "idle_by_op": [{"cpu_op": k, "idle_us": v} for k, v in by_op],
+    }
+
+
+def _cover(e: dict, a: float, b: float) -> tuple:
+    """How much of (a, b) the trace event e covers, then its negated length (the shorter wins a tie)."""
+    s = float(e["ts"])
+    return (min(s + float(e["dur"]), b) - max(s, a), -float(e["dur"]))
 
 
 def print_gaps(label: str, g: dict):
@@ -97,6 +124,13 @@ def print_gaps(label: str, g: dict):
         print(
             f"  at {x['at_us'] / 1e3:7.3f} ms: {x['idle_us']:7.1f} us idle during {x['cpu_ops']}", flush=True
         )
+    if g.get("idle_by_op"):
+        print(
+            "  all idle time by the CPU op covering most of each interval (of those, the innermost):",
+            flush=True,
+        )
+        for x in g["idle_by_op"]:
+            print(f"  {x['idle_us'] / 1e3:9.2f} ms  {x['cpu_op'][:100]}", flush=True)
 
 
 # ------------------------------------------------------------------------ where a training step's time goes

@@ -153,6 +153,11 @@ def test_gpu_gaps_of_a_trace(tmp_path):
     assert [(x["at_us"], x["idle_us"]) for x in g["gaps"]] == [(0.0, 50.0), (80.0, 40.0)]
     assert g["gaps"][0]["cpu_ops"] == ["moe8::plan"]
     assert g["gaps"][1]["cpu_ops"] == ["moe8::plan", "moe8::permute"]
+    # each interval's idle time goes to the op covering most of it: permute covers 30 of (80, 120), plan 20
+    assert [(x["cpu_op"], x["idle_us"]) for x in g["idle_by_op"]] == [
+        ("moe8::plan", 50.0),
+        ("moe8::permute", 40.0),
+    ]
     p = run("bench/profiling.py", trace, "--top", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
