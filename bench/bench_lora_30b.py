@@ -377,6 +377,11 @@ def child(args):
 
             res["profile_top"] = profile_step(step, args.profile)
             save()
+        if args.host_profile:
+            from profiling import host_profile
+
+            res["host_profile"] = host_profile(step, args.host_profile)
+            save()
         if args.trace:  # a Chrome trace of one more step, and where its GPU idles
             from profiling import export_trace, gpu_gaps, print_gaps
 
@@ -600,6 +605,14 @@ def main():
         default=0,
         metavar="N",
         help="after the timed steps, profile one more step and print the N ops with the most self device time",
+    )
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, run one more step under cProfile and print the N functions with the most "
+        "own host time, and the garbage collections",
     )
     ap.add_argument(
         "--trace",

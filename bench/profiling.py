@@ -44,6 +44,54 @@ def profile_step(step, rows):
     return out
 
 
+def host_profile(step, rows):
+    """One more step() under cProfile, with Python's garbage collections timed: prints the `rows` functions
+    with the most own host time, and returns {"wall_s", "gc": {generation: [collections, seconds]}, "top":
+    [[function, own s, cumulative s, calls]]}. Where a GPU step's wall time exceeds its GPU time, this says
+    what the host was doing."""
+    import cProfile
+    import gc
+    import pstats
+    import time
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    collections, started = {}, []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            n, sec = collections.get(info["generation"], (0, 0.0))
+            collections[info["generation"]] = (n + 1, sec + time.perf_counter() - started.pop())
+
+    sync()
+    gc.callbacks.append(on_gc)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    try:
+        prof.enable()
+        step()
+        sync()
+        prof.disable()
+    finally:
+        gc.callbacks.remove(on_gc)
+    wall = time.perf_counter() - t
+    st = pstats.Stats(prof)
+    funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[
+        :rows
+    ]  # (file, line, name): (cc, nc, tt, ct, ..)
+    gcs = {g: [n, round(sec, 4)] for g, (n, sec) in sorted(collections.items())}
+    print(f"host profile: {wall:.3f} s under cProfile; garbage collections (generation: count, s): {gcs}")
+    out = []
+    for (file, line, name), (_, calls, own, cum, _) in funcs:
+        where = f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})"
+        out.append([where[:120], round(own, 4), round(cum, 4), calls])
+        print(f"  {own * 1e3:9.1f} ms own {cum * 1e3:9.1f} ms cum x{calls:<7} {where[:100]}", flush=True)
+    return {"wall_s": wall, "gc": gcs, "top": out}
+
+
 def export_trace(step, path):
     """One more step() under torch.profiler (CPU and, on a GPU, CUDA activities), saved as a Chrome trace at
     path."""
