@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .. import ops
 from .._core import EXT as _ext
+from .._core import stream as _stream
 from .transport import (
     Meta,
     Transport,
@@ -43,10 +44,6 @@ from .transport import (
     raise_bad_ids,
     source_plan,
 )
-
-
-def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 class _Buffer:
