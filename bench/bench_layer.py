@@ -217,7 +217,9 @@ def bench_shape(name, T, check, dtype=torch.bfloat16, fp8=(), profile_top=0, tra
 
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         profiles["gaps"] = {}
-        for who, step in (("hf", hf_step), ("moe8", moe8_step)):
+        steps = [("hf", hf_step), ("moe8", moe8_step)]
+        steps += [(f"moe8_{r}", lambda r=r: moe8_step(r)) for r in fp8 if "error" not in fp8_rows[r]]
+        for who, step in steps:
             path = Path(trace_dir) / f"{name}_{who}.json"
             export_trace(step, path)
             with open(path) as f:
@@ -345,7 +347,8 @@ def main():
         "--trace",
         default=None,
         metavar="DIR",
-        help="save a Chrome trace of one more HF and moe8 step per shape in DIR and print where the GPU idles",
+        help="save a Chrome trace of one more HF, moe8 and moe8 FP8 (each --fp8 recipe) step per shape in DIR and print "
+        "where the GPU idles",
     )
     ap.add_argument(
         "--back-to-back",

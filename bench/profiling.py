@@ -114,7 +114,8 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 def gpu_gaps(trace: dict, top: int = 8) -> dict:
     """Where the GPU idles in a Chrome trace of one step: the span from the first CPU op to the last GPU
     event, the busy time (union of kernels, copies and sets), and the `top` longest idle intervals with the
-    CPU ops running during each (outermost first)."""
+    CPU ops running during each (outermost first), all idle time by the CPU op covering it, and the `top`
+    kernels (and copies) by GPU time."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     gpu = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in GPU_CATS
@@ -147,12 +148,19 @@ def gpu_gaps(trace: dict, top: int = 8) -> dict:
         by_op[name] = by_op.get(name, 0.0) + b - a
     out.sort(key=lambda x: -x["idle_us"])
     by_op = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    kernels = {}  # GPU time by kernel name, from the trace itself
+    for e in events:
+        if e.get("cat") in GPU_CATS:
+            n, us = kernels.get(e["name"], (0, 0.0))
+            kernels[e["name"]] = (n + 1, us + float(e["dur"]))
+    kernels = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "span_us": t - start,
         "busy_us": busy,
         "idle_us": t - start - busy,
         "gaps": out,
         "idle_by_op": [{"cpu_op": k, "idle_us": v} for k, v in by_op],
+        "kernels": [{"name": k[:160], "calls": n, "us": us} for k, (n, us) in kernels],
     }
 
 
@@ -179,6 +187,10 @@ def print_gaps(label: str, g: dict):
         )
         for x in g["idle_by_op"]:
             print(f"  {x['idle_us'] / 1e3:9.2f} ms  {x['cpu_op'][:100]}", flush=True)
+    if g.get("kernels"):
+        print("  GPU time by kernel:", flush=True)
+        for x in g["kernels"]:
+            print(f"  {x['us'] / 1e3:9.2f} ms x{x['calls']:<5} {x['name'][:110]}", flush=True)
 
 
 # ------------------------------------------------------------------------ where a training step's time goes

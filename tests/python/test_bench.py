@@ -158,6 +158,11 @@ def test_gpu_gaps_of_a_trace(tmp_path):
         ("moe8::plan", 50.0),
         ("moe8::permute", 40.0),
     ]
+    assert [(x["name"], x["calls"], x["us"]) for x in g["kernels"]] == [
+        ("k2", 1, 80.0),
+        ("copy", 1, 60.0),
+        ("k1", 1, 30.0),
+    ]
     p = run("bench/profiling.py", trace, "--top", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
