@@ -349,15 +349,25 @@ def child(args):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.item()
+            return loss.detach()  # read after the step's time to issue is taken
 
+        def allocator():  # cudaMalloc / cudaFree calls and allocation retries (which free the cache) so far
+            m = torch.cuda.memory_stats()
+            return [m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0)]
+
+        res["allocator"] = []  # per step: [cudaMalloc calls, cudaFree calls, retries] during it
+        res["issue_s"] = []  # per step: seconds until the host has issued it (step_s: until it is done)
         for i in range(args.warmup + args.steps):
             if cuda:
                 torch.cuda.synchronize()
+                before = allocator()
             t = time.perf_counter()
             loss = step()
+            res["issue_s"].append(time.perf_counter() - t)  # the host's time to issue the step's work
+            loss = loss.item()
             if cuda:
                 torch.cuda.synchronize()
+                res["allocator"].append([b - a for a, b in zip(before, allocator())])
             res["step_s"].append(time.perf_counter() - t)
             res["losses"].append(loss)
             if cuda:
@@ -369,6 +379,12 @@ def child(args):
             log(
                 f"step {i} ({'warm-up' if i < args.warmup else 'timed'}): {res['step_s'][-1]:.3f} s, "
                 f"loss {res['losses'][-1]:.5f}, peak {res.get('peak_gib')} GiB"
+                + f" (issued in {res['issue_s'][-1]:.3f} s)"
+                + (
+                    ", cudaMalloc / cudaFree / retries {} / {} / {}".format(*res["allocator"][-1])
+                    if cuda
+                    else ""
+                )
             )
             save()
         res["steady_gib"] = gib(torch.cuda.memory_allocated())  # weights + adapters + AdamW state
@@ -376,6 +392,25 @@ def child(args):
             from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
 
             res["profile_top"] = profile_step(step, args.profile)
+            save()
+        if (
+            args.sync_debug and cuda
+        ):  # one more step with torch's synchronisation warnings: where the host waits
+            import collections
+            import warnings
+
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step().item()
+            torch.cuda.set_sync_debug_mode("default")
+            where = collections.Counter(
+                f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno} {str(w.message)[:80]}" for w in caught
+            )
+            res["syncs"] = where.most_common(12)
+            log(f"synchronising calls in one step: {sum(where.values())} ({len(where)} places)")
+            for place, n in res["syncs"]:
+                log(f"  x{n:<5} {place}")
             save()
         if args.host_profile:
             from profiling import host_profile
@@ -613,6 +648,12 @@ def main():
         metavar="N",
         help="after the timed steps, run one more step under cProfile and print the N functions with the most "
         "own host time, and the garbage collections",
+    )
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="after the timed steps, run one more step with torch.cuda.set_sync_debug_mode('warn') and print "
+        "where the host synchronises with the GPU",
     )
     ap.add_argument(
         "--trace",
