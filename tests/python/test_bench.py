@@ -168,6 +168,33 @@ def test_gpu_gaps_of_a_trace(tmp_path):
     assert "idle 0.09 ms" in p.stdout and "50.0 us idle during ['moe8::plan']" in p.stdout
 
 
+def test_host_profile_counts_functions_and_collections():
+    """bench/profiling.py host_profile: one step under cProfile, its functions by own time, the garbage
+    collections timed by generation."""
+    import gc
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from profiling import host_profile
+    finally:
+        sys.path.pop(0)
+
+    def busy():
+        total = 0
+        for i in range(20000):
+            total += i * i
+        return total
+
+    def step():
+        busy()
+        gc.collect(0)  # one collection of generation 0 at least
+
+    res = host_profile(step, 5)
+    assert res["wall_s"] > 0 and len(res["top"]) <= 5
+    assert any("busy" in name for name, *_ in res["top"])
+    assert res["gc"][0][0] >= 1 and res["gc"][0][1] >= 0.0
+
+
 def _classify(events, vocab=(1001, 1024)):
     sys.path.insert(0, str(ROOT / "bench"))
     try:
