@@ -347,8 +347,8 @@ def main():
         "--trace",
         default=None,
         metavar="DIR",
-        help="save a Chrome trace of one more HF, moe8 and moe8 FP8 (each --fp8 recipe) step per shape in DIR and print "
-        "where the GPU idles",
+        help="save a Chrome trace of one more HF, moe8 and moe8 FP8 (each --fp8 recipe) step per shape in DIR "
+        "and print where the GPU idles",
     )
     ap.add_argument(
         "--back-to-back",

@@ -393,9 +393,8 @@ def child(args):
 
             res["profile_top"] = profile_step(step, args.profile)
             save()
-        if (
-            args.sync_debug and cuda
-        ):  # one more step with torch's synchronisation warnings: where the host waits
+        # one more step with torch's synchronisation warnings: where the host waits for the GPU
+        if args.sync_debug and cuda:
             import collections
             import warnings
 

@@ -6,17 +6,31 @@ from __future__ import annotations
 import re
 
 
+def _sync() -> None:
+    """Waits for the GPU's queued work, where there is a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _activities() -> list:
+    """torch.profiler's activities here: the CPU, and CUDA where there is a GPU."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
 def profile_step(step, rows):
     """One more step under torch.profiler: prints the `rows` kernels/ops with the most self device time and
     returns them as [name, self device ms, calls]."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=_activities()) as prof:
         step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
     events = prof.key_averages()
     cuda = torch.cuda.is_available()
 
@@ -54,9 +68,6 @@ def host_profile(step, rows):
     import pstats
     import time
 
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     collections, started = {}, []
 
     def on_gc(phase, info):
@@ -66,24 +77,26 @@ def host_profile(step, rows):
             n, sec = collections.get(info["generation"], (0, 0.0))
             collections[info["generation"]] = (n + 1, sec + time.perf_counter() - started.pop())
 
-    sync()
+    _sync()
     gc.callbacks.append(on_gc)
     prof = cProfile.Profile()
     t = time.perf_counter()
     try:
         prof.enable()
         step()
-        sync()
+        _sync()
         prof.disable()
     finally:
         gc.callbacks.remove(on_gc)
     wall = time.perf_counter() - t
     st = pstats.Stats(prof)
-    funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[
-        :rows
-    ]  # (file, line, name): (cc, nc, tt, ct, ..)
+    # st.stats: (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:rows]
     gcs = {g: [n, round(sec, 4)] for g, (n, sec) in sorted(collections.items())}
-    print(f"host profile: {wall:.3f} s under cProfile; garbage collections (generation: count, s): {gcs}")
+    print(
+        f"host profile: {wall:.3f} s under cProfile; garbage collections (generation: count, s): {gcs}",
+        flush=True,
+    )
     out = []
     for (file, line, name), (_, calls, own, cum, _) in funcs:
         where = f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})"
@@ -95,16 +108,13 @@ def host_profile(step, rows):
 def export_trace(step, path):
     """One more step() under torch.profiler (CPU and, on a GPU, CUDA activities), saved as a Chrome trace at
     path."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     step()  # warm: the profiled call must not pay first-call costs
-    sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    _sync()
+    with profile(activities=_activities()) as prof:
         step()
-        sync()
+        _sync()
     prof.export_chrome_trace(str(path))
 
 
@@ -151,8 +161,8 @@ def gpu_gaps(trace: dict, top: int = 8) -> dict:
     kernels = {}  # GPU time by kernel name, from the trace itself
     for e in events:
         if e.get("cat") in GPU_CATS:
-            n, us = kernels.get(e["name"], (0, 0.0))
-            kernels[e["name"]] = (n + 1, us + float(e["dur"]))
+            calls, us = kernels.get(e["name"], (0, 0.0))
+            kernels[e["name"]] = (calls + 1, us + float(e["dur"]))
     kernels = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "span_us": t - start,
@@ -160,7 +170,7 @@ def gpu_gaps(trace: dict, top: int = 8) -> dict:
         "idle_us": t - start - busy,
         "gaps": out,
         "idle_by_op": [{"cpu_op": k, "idle_us": v} for k, v in by_op],
-        "kernels": [{"name": k[:160], "calls": n, "us": us} for k, (n, us) in kernels],
+        "kernels": [{"name": k[:160], "calls": calls, "us": us} for k, (calls, us) in kernels],
     }
 
 
@@ -383,15 +393,11 @@ def profile_breakdown(step, vocab: tuple, path=None) -> dict:
     import os
     import tempfile
 
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, record_shapes=True) as prof:
+    with profile(activities=_activities(), record_shapes=True) as prof:
         step()
-        if cuda:
-            torch.cuda.synchronize()
+        _sync()
     fd, tmp = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
