@@ -55,9 +55,40 @@ def same_dtype(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
         )
 
 
+def one_dtype(*named: tuple) -> None:
+    """(name, tensor) pairs that must share one dtype: a TypeError names the tensor that differs from the
+    others (all of them when no dtype is shared by most)."""
+    dtypes = [t.dtype for _, t in named]
+    common = max(dtypes, key=dtypes.count)
+    if dtypes.count(common) == len(dtypes):
+        return
+    if 2 * dtypes.count(common) > len(dtypes):
+        others = " and ".join(n for n, t in named if t.dtype == common)
+        for n, t in named:
+            if t.dtype != common:
+                raise TypeError(
+                    f"{n}: expected dtype {common} (same as {others}), got {t.dtype}; cast it first "
+                    f"(moe8 does not cast silently)"
+                )
+    got = ", ".join(f"{n} {t.dtype}" for n, t in named)
+    raise TypeError(
+        f"{', '.join(n for n, _ in named)}: expected one dtype, got {got}; cast them first "
+        f"(moe8 does not cast silently)"
+    )
+
+
 def same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"{name}: expected device {ref.device} (same as {ref_name}), got {t.device}")
+
+
+def one_device(*named: tuple) -> None:
+    """(name, tensor or None) pairs on the first one's device (a meta tensor beside CPU ones included: the
+    dispatcher would run the shape-only implementation and return a meta tensor without a word)."""
+    ref_name, ref = named[0]
+    for name, t in named[1:]:
+        if t is not None:
+            same_device(name, t, ref_name, ref)
 
 
 def dim_is(name: str, t: Tensor, dim: int, expected: int, what: str) -> None:

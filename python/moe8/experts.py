@@ -18,6 +18,7 @@ from . import _checks as _c
 from . import fused, ops
 from ._core import ACTIVATIONS, LAYOUTS, choice
 from .config import DEFAULT, Config
+from .fp8 import frozen_fp8
 from .precision import Precision, for_shape, precision
 
 
@@ -100,8 +101,9 @@ def check_experts_args(
         )
     _c.tensor("gate_up", gate_up, 3, "of expert weights")
     _c.tensor("down", down, 3, "of expert weights")
-    _c.same_dtype(nx, x, "gate_up", gate_up)
-    _c.same_dtype("down", down, "gate_up", gate_up)
+    if gate_up.dtype == down.dtype:  # weights of one dtype: a wrong one is theirs, not x's
+        _c.floating("gate_up", gate_up)
+    _c.one_dtype((nx, x), ("gate_up", gate_up), ("down", down))
     E, H = gate_up.shape[0], x.shape[1]
     if not 1 <= E <= _MAX_EXPERTS:
         raise ValueError(
@@ -128,6 +130,13 @@ def check_experts_args(
         if t is not None:
             _c.same_device(name, t, nx, x)
     return lay, act
+
+
+def _dense(w: Tensor) -> Tensor:
+    """w with any strides (a transposed or sliced view) as the kernels read it: contiguous, through autograd,
+    so its gradient reaches the caller's tensor in the caller's shape. A weight stored in FP8 only
+    (moe8.fp8.freeze_fp8: a zero-stride placeholder) stays as it is: its GEMMs read the FP8 copy."""
+    return w if w.is_contiguous() or frozen_fp8(w) is not None else w.contiguous()
 
 
 def dispatch_plan(
@@ -188,6 +197,7 @@ def experts_forward(
     cfg = DEFAULT if config is None else config
     prec = precision(cfg.fp8 if fp8 is None else fp8, cfg.fp8_cache)
     lay, act = check_experts_args(x, ids, weights, gate_up, down, layout, activation, gate_up_bias, down_bias)
+    gate_up, down = _dense(gate_up), _dense(down)
     if lora is not None:  # the adapters' GEMMs run in x's dtype, whatever the base GEMMs' precision
         _check_lora("gate_up", gate_up, lora.gate_up_A, lora.gate_up_B, lay == 1)
         _check_lora("down", down, lora.down_A, lora.down_B, lay == 1)

@@ -96,6 +96,7 @@ def gather_rows(
 
 @gather_rows.register_fake
 def _(src, row_to_slot, k, scale, slot_to_row=None):
+    _c.one_device(("src", src), ("row_to_slot", row_to_slot), ("scale", scale), ("slot_to_row", slot_to_row))
     return src.new_empty(row_to_slot.shape[0], src.shape[1])
 
 
@@ -111,6 +112,7 @@ def combine_rows(rows: Tensor, slot_to_row: Tensor, weights: Optional[Tensor]) -
 
 @combine_rows.register_fake
 def _(rows, slot_to_row, weights):
+    _c.one_device(("rows", rows), ("slot_to_row", slot_to_row), ("weights", weights))
     return rows.new_empty(slot_to_row.shape[0], rows.shape[1])
 
 
@@ -125,6 +127,7 @@ def combine_weights_grad(dy: Tensor, rows: Tensor, slot_to_row: Tensor) -> Tenso
 
 @combine_weights_grad.register_fake
 def _(dy, rows, slot_to_row):
+    _c.one_device(("dy", dy), ("rows", rows), ("slot_to_row", slot_to_row))
     return dy.new_empty(slot_to_row.shape, dtype=torch.float32)
 
 
@@ -143,6 +146,7 @@ def permute(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, k: int) -> Tens
 
 @permute.register_fake
 def _(x, row_to_slot, slot_to_row, k):
+    _c.one_device(("x", x), ("row_to_slot", row_to_slot), ("slot_to_row", slot_to_row))
     return x.new_empty(row_to_slot.shape[0], x.shape[1])
 
 
@@ -211,6 +215,7 @@ def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optio
     _c.tensor("a", a, 2, "[R, K]")
     _c.tensor("b", b, 3, "[E, N, K] or [E, K, N]")
     _layout(layout)
+    _c.one_device(("a", a), ("b", b), ("offsets", offsets), ("bias", bias))
     n = b.shape[1] if layout == 0 else b.shape[2]
     c = a.new_empty(a.shape[0], n)
     _C.grouped_gemm(a, b, offsets, layout, bias, c, _stream(a), False, sm90_workspace(a, b.shape[0]))
@@ -219,6 +224,7 @@ def grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor, layout: int, bias: Optio
 
 @grouped_gemm.register_fake
 def _(a, b, offsets, layout, bias):
+    _c.one_device(("a", a), ("b", b), ("offsets", offsets), ("bias", bias))
     return a.new_empty(a.shape[0], b.shape[1] if layout == 0 else b.shape[2])
 
 
@@ -299,6 +305,7 @@ def grouped_lowrank_add(h: Tensor, t: Tensor, b: Tensor, offsets: Tensor, layout
     (t [R, r], b [E, N, r] or [E, r, N]) added to the base GEMM's output h [R, N]; the rank sum is added in
     fp32 and rounded once. Rows in no group get h."""
     _layout(layout)
+    _c.one_device(("h", h), ("t", t), ("b", b), ("offsets", offsets))
     out = torch.empty_like(h)
     _C.grouped_lowrank_add(h, t, b, offsets, layout, out, _stream(h), False)
     return out
@@ -306,6 +313,7 @@ def grouped_lowrank_add(h: Tensor, t: Tensor, b: Tensor, offsets: Tensor, layout
 
 @grouped_lowrank_add.register_fake
 def _(h, t, b, offsets, layout):
+    _c.one_device(("h", h), ("t", t), ("b", b), ("offsets", offsets))
     return torch.empty_like(h)
 
 

@@ -84,6 +84,19 @@ def _rope_fits(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     )
 
 
+def _broadcasts(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> None:
+    """ValueError naming cos or sin where transformers' formula would fail to broadcast them over q or k."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        for xname, x in (("q", q), ("k", k)):
+            try:
+                torch.broadcast_shapes(x.shape, t.unsqueeze(unsqueeze_dim).shape)
+            except (RuntimeError, IndexError):
+                raise ValueError(
+                    f"{name}: expected a shape that broadcasts over {xname} {list(x.shape)} when unsqueezed at "
+                    f"dim {unsqueeze_dim} (e.g. [B or 1, S, D] for {xname} [B, H, S, D]), got {list(t.shape)}"
+                ) from None
+
+
 def apply_rotary_pos_emb(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> tuple[Tensor, Tensor]:
@@ -91,6 +104,7 @@ def apply_rotary_pos_emb(
     cos and sin [B|1, S, D]. Runs `rope` where the inputs fit it; otherwise transformers' formula."""
     if unsqueeze_dim == 1 and _rope_fits(q, cos, sin) and _rope_fits(k, cos, sin):
         return rope(q, cos, sin), rope(k, cos, sin)
+    _broadcasts(q, k, cos, sin, unsqueeze_dim)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import moe8
+from moe8 import reference
 from moe8.ops import _C
 
 
@@ -411,7 +412,7 @@ def test_composites_name_the_callers_argument():
     with pytest.raises(TypeError, match=r"x: expected dtype .*, got torch.float64"):
         fwd(x=x.double())
     with pytest.raises(
-        TypeError, match=r"x: expected dtype torch.float32 \(same as gate_up\), got torch.float16"
+        TypeError, match=r"x: expected dtype torch.float32 \(same as gate_up and down\), got torch.float16"
     ):
         fwd(x=x.half())
     with pytest.raises(TypeError, match=r"weights: expected a floating-point dtype, got torch.int64"):
@@ -452,3 +453,178 @@ def test_router_losses_of_zero_tokens_are_zero():
     assert moe8.z_loss(r).item() == 0.0 and moe8.load_balancing_loss(r).item() == 0.0
     with pytest.raises(TypeError, match=r"r: expected a moe8.RouteOut"):
         moe8.z_loss(torch.zeros(3))
+
+
+def test_dtype_errors_name_the_tensor_that_differs():
+    x, ids, w, gu, dn = _moe_inputs()
+    cases = [
+        (
+            (x, gu.long(), dn),
+            r"gate_up: expected dtype torch.float32 \(same as x and down\), got torch.int64",
+        ),
+        (
+            (x, gu.bfloat16(), dn),
+            r"gate_up: expected dtype torch.float32 \(same as x and down\), got torch.bfloat16",
+        ),
+        (
+            (x, gu, dn.half()),
+            r"down: expected dtype torch.float32 \(same as x and gate_up\), got torch.float16",
+        ),
+        (
+            (x, gu.long(), dn.long()),
+            r"gate_up: expected dtype torch.float32 or torch.float16 or torch.bfloat16, got torch.int64",
+        ),
+        (
+            (x, gu.half(), dn.bfloat16()),
+            r"x, gate_up, down: expected one dtype, got x torch.float32, gate_up",
+        ),
+    ]
+    for (xx, g, d), match in cases:
+        with pytest.raises(TypeError, match=match):
+            moe8.experts_forward(xx, ids, w, g, d)
+    with pytest.raises(TypeError, match=r"gate_up: expected dtype torch.float32 \(same as x and down\)"):
+        moe8.moe_forward(x, torch.randn(4, 8), gu.bfloat16(), dn, 2)
+
+
+def _views(base: torch.Tensor, how: str) -> torch.Tensor:
+    """A weight of base's shape as a view of another leaf: the leaf (which gets the gradient) and the view."""
+    if how == "transposed":
+        leaf = base.transpose(1, 2).contiguous().requires_grad_()
+        return leaf, leaf.transpose(1, 2)
+    if how == "sliced":  # every other expert of a leaf twice as large, and a column stride of 2
+        leaf = torch.zeros(2 * base.shape[0], base.shape[1], 2 * base.shape[2])
+        leaf[::2, :, ::2] = base
+        leaf.requires_grad_()
+        return leaf, leaf[::2, :, ::2]
+    leaf = base[:1].clone().requires_grad_()  # expanded: one expert's weights shared by all
+    return leaf, leaf.expand_as(base)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("how", ["transposed", "sliced", "expanded"])
+@pytest.mark.parametrize("which", ["gate_up", "down", "both"])
+def test_weights_of_any_strides_run_forward_and_backward(layout, how, which):
+    x, ids, w, gu, dn = _moe_inputs()
+    if layout == "kn":
+        gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+    if how == "expanded":
+        gu, dn = gu[:1].expand_as(gu).contiguous(), dn[:1].expand_as(dn).contiguous()
+    leaves, args = {}, {"gate_up": gu, "down": dn}
+    for name in ("gate_up", "down"):
+        if which in (name, "both"):
+            leaves[name], args[name] = _views(args[name], how)
+        else:
+            leaves[name] = args[name] = args[name].clone().requires_grad_()
+    assert not all(t.is_contiguous() for t in args.values())
+    x = x.clone().requires_grad_()
+    y = moe8.experts_forward(x, ids, w, args["gate_up"], args["down"], layout=layout)
+    gy = torch.randn_like(y)
+    (y * gy).sum().backward()
+    # the reference: the same values, contiguous, in float64
+    x64 = x.detach().double().requires_grad_()
+    ref_args = {n: t.detach().double().contiguous().requires_grad_() for n, t in args.items()}
+    y64 = reference.experts_forward(
+        x64, ids, w.double(), ref_args["gate_up"], ref_args["down"], layout=layout
+    )
+    (y64 * gy.double()).sum().backward()
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape, name
+        got = leaf.grad.double()
+        if which in (name, "both"):
+            if how == "transposed":
+                got = got.transpose(1, 2)
+            elif how == "sliced":
+                assert got[1::2].abs().max() == 0 and got[:, :, 1::2].abs().max() == 0
+                got = got[::2, :, ::2]
+            else:  # the expanded expert's gradient is the sum over the experts sharing it
+                torch.testing.assert_close(
+                    got, ref_args[name].grad.sum(0, keepdim=True), rtol=1e-4, atol=1e-4
+                )
+                continue
+        torch.testing.assert_close(got, ref_args[name].grad, rtol=1e-4, atol=1e-4)
+
+
+def test_transposed_gate_up_runs_when_only_x_needs_a_gradient():
+    x, ids, w, gu, dn = _moe_inputs()
+    x = x.clone().requires_grad_()
+    gu_t = gu.transpose(1, 2).contiguous().transpose(1, 2)
+    moe8.experts_forward(x, ids, w, gu_t, dn).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    moe8.experts_forward(x2, ids, w, gu, dn).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    y, _ = moe8.moe_forward(
+        x.detach(), torch.randn(4, 8), gu_t, dn.transpose(1, 2).contiguous().transpose(1, 2), 2
+    )
+    assert torch.isfinite(y).all()
+
+
+def test_apply_rotary_pos_emb_names_cos_and_sin():
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for c, s, name in (
+        (torch.randn(1, 4, 8), sin, "cos"),
+        (torch.randn(5, 8), torch.randn(5, 8), "cos"),
+        (cos, torch.randn(1, 5, 6), "sin"),
+        (cos.requires_grad_(), torch.randn(1, 5, 7), "sin"),  # the fallback formula's path
+    ):
+        with pytest.raises(
+            ValueError, match=rf"{name}: expected a shape that broadcasts over q \[2, 3, 5, 8\]"
+        ):
+            moe8.ops.apply_rotary_pos_emb(q, k, c, s)
+    with pytest.raises(ValueError, match=r"cos: expected a shape that broadcasts over k \[2, 1, 5, 6\]"):
+        moe8.ops.apply_rotary_pos_emb(torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 6), cos, sin)
+
+
+def test_ops_refuse_a_meta_tensor_beside_cpu_ones():
+    meta = dict(device="meta")
+    a, b, off = torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([0, 2, 4], dtype=torch.int32)
+    r2s = torch.arange(4, dtype=torch.int32)
+    calls = [
+        (
+            r"b: expected device meta \(same as a\), got cpu",
+            lambda: moe8.ops.grouped_gemm(a.to(**meta), b, off, 0, None),
+        ),
+        (
+            r"b: expected device cpu \(same as a\), got meta",
+            lambda: moe8.ops.grouped_gemm(a, b.to(**meta), off, 0, None),
+        ),
+        (
+            r"offsets: expected device meta",
+            lambda: moe8.ops.grouped_gemm(a.to(**meta), b.to(**meta), off, 0, None),
+        ),
+        (
+            r"t: expected device cpu \(same as h\), got meta",
+            lambda: moe8.ops.grouped_lowrank_add(
+                torch.zeros(4, 6), torch.empty(4, 2, **meta), torch.zeros(2, 6, 2), off, 0
+            ),
+        ),
+        (
+            r"row_to_slot: expected device meta \(same as src\)",
+            lambda: moe8.ops.gather_rows(torch.empty(4, 3, **meta), r2s, 1, None),
+        ),
+        (
+            r"slot_to_row: expected device meta \(same as rows\)",
+            lambda: moe8.ops.combine_rows(torch.empty(4, 3, **meta), r2s.view(4, 1), None),
+        ),
+        (
+            r"row_to_slot: expected device meta \(same as x\)",
+            lambda: moe8.ops.permute(torch.empty(4, 3, **meta), r2s, r2s, 1),
+        ),
+        (
+            r"rows: expected device cpu \(same as dy\), got meta",
+            lambda: moe8.ops.combine_weights_grad(
+                torch.zeros(4, 3), torch.empty(4, 3, **meta), r2s.view(4, 1)
+            ),
+        ),
+        (
+            r"gate_up: expected device cpu \(same as x\), got meta",
+            lambda: moe8.experts_forward(
+                a, r2s.view(4, 1) % 2, torch.ones(4, 1), b.to(**meta), torch.zeros(2, 8, 3)
+            ),
+        ),
+    ]
+    for match, call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
