@@ -34,6 +34,10 @@ class Config:
     consume_gate_up: the experts' backward writes d h over the gate_up output (one [R, 2I] buffer less at the
         backward's peak, the same bits); a second backward through the same graph (retain_graph=True) then
         raises, so set False for that.
+    keep_permuted: the experts' up projection keeps its input rows in expert order ([R, H], R = tokens x top-k)
+        from the forward for its weight gradient, as experts with LoRA always do; off by default: the backward
+        keeps the tokens x ([T, H]) and gathers their rows again (one [R, H] buffer less held from the forward
+        to the backward and at the backward's peak, for one more gather pass; the same bits).
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
         (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
@@ -85,6 +89,7 @@ class Config:
     fp8: Optional[Union[str, Float8Recipe]] = None
     routed_down: bool = field(default_factory=lambda: ENV["routed_down"])
     consume_gate_up: bool = True
+    keep_permuted: bool = False
     fused_lora_add: bool = False
     check_ids: bool = False
     fuse_router: bool = True
@@ -111,6 +116,7 @@ class Config:
         for name in (
             "routed_down",
             "consume_gate_up",
+            "keep_permuted",
             "fused_lora_add",
             "check_ids",
             "fuse_router",

@@ -189,7 +189,7 @@ def experts_forward(
     Unsafe only in what it computes: unchecked ids out of range on a GPU join no expert (their slots add
     nothing), never a read or write outside a tensor. Ids on the CPU are always checked (no sync there).
     Every bad argument raises TypeError (dtype) or ValueError (shape, device, value) naming it.
-    config: a moe8.Config (routed_down, consume_gate_up, fused_lora_add, fp8, check_ids); default
+    config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, fused_lora_add, fp8, check_ids); default
     moe8.config.DEFAULT.
     """
     if check_ids is None:
@@ -204,9 +204,12 @@ def experts_forward(
     prec, prec_down = _precisions(prec, x.shape[0] * ids.shape[1], gate_up, down, lay)
     pad = max(prec.pad_multiple, prec_down.pad_multiple)
     x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
-    x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)
-    xp = _permuted(x, x_rows, prec, (weights, gate_up, down, gate_up_bias, down_bias, lora))  # [R, H]
-    h = fused.expert_linear(xp, gate_up, offsets, lay, gate_up_bias, prec, x_rows)  # [R, 2I]
+    if lora is None and not cfg.keep_permuted:  # the backward keeps x, not its [R, H] rows in expert order
+        h = fused.gathered_linear(x, gate_up, offsets, lay, gate_up_bias, row_to_slot, k, slot_to_row, prec)
+    else:  # the LoRA branch reads the rows too
+        x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)
+        xp = _permuted(x, x_rows, prec, (weights, gate_up, down, gate_up_bias, down_bias, lora))  # [R, H]
+        h = fused.expert_linear(xp, gate_up, offsets, lay, gate_up_bias, prec, x_rows)  # [R, 2I]
     if lora is not None:
         h = _plus_low_rank(h, xp, lora.gate_up_A, lora.gate_up_B, offsets, lay, lora, cfg.fused_lora_add)
     act_args = (act, bool(interleaved), float(alpha), float(limit))

@@ -2,6 +2,8 @@
 is a parameter (moe8.precision: BF16, or Fp8Gemms with an FP8 recipe):
 
     expert_linear             the grouped GEMM of rows in expert order (a . op(w[e]) + bias[e])
+    gathered_linear           the same GEMM on the tokens' rows gathered into expert order, keeping the tokens
+                              instead of the rows (gathered again in the backward)
     activation_linear         activation then grouped GEMM (the down projection), keeping h instead of the
                               activations (recomputed in the backward)
     activation_down_combine   activation, grouped GEMM and combine, keeping only h; the routing weights are
@@ -116,6 +118,82 @@ def expert_linear(
         row_to_slot,
         int(k),
         slot_to_row,
+    )
+    return c if precision.bias_in_kernel else add_bias(c, b, offsets)
+
+
+# ------------------------------------------------------------------------------------- gathered_linear
+@torch.library.custom_op("moe8::gathered_linear", mutates_args=())
+def _gathered_linear(
+    x: Tensor,
+    w: Tensor,
+    w_q: Optional[Tensor],
+    w_scale: Optional[Tensor],
+    w_row_scale: Optional[Tensor],
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    precision: int,
+    row_to_slot: Tensor,
+    k: int,
+    slot_to_row: Tensor,
+) -> Tensor:
+    prec, gathered = from_code(precision), (x, row_to_slot, k, slot_to_row)
+    a = x if prec.quantises_gathered else gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))  # [R, H]
+    return prec.forward(a, w, (w_q, w_scale, w_row_scale), offsets, layout, bias, gathered)
+
+
+@_gathered_linear.register_fake
+def _(x, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, row_to_slot, k, slot_to_row):
+    return x.new_empty(row_to_slot.shape[0], _out_cols(w_q, w, layout))
+
+
+def _gl_setup(ctx, inputs, output):
+    x, w, _, _, _, offsets, layout, bias, precision, row_to_slot, k, slot_to_row = inputs
+    ctx.layout, ctx.precision, ctx.k = layout, precision, k
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x, w, offsets, row_to_slot, slot_to_row)  # x, not its [R, H] rows
+
+
+def _gl_bwd(ctx, g):
+    x, w, offsets, row_to_slot, slot_to_row = ctx.saved_tensors
+    prec, g, k = from_code(ctx.precision), g.contiguous(), ctx.k
+    dw = dbias = dx = None
+    if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
+        a = gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))  # gathered again, freed before d a
+        dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
+        del a
+    if ctx.needs_input_grad[0]:
+        da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
+        dx = combine_rows(
+            da, slot_to_row.view(-1, k), None
+        )  # the gather's backward: each token's k rows summed
+    return (dx, dw, None, None, None, None, None, dbias) + (None,) * 4
+
+
+_gathered_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
+
+
+def gathered_linear(
+    x: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int,
+    bias: Optional[Tensor],
+    row_to_slot: Tensor,
+    k: int,
+    slot_to_row: Tensor,
+    precision: Precision = BF16,
+) -> Tensor:
+    """expert_linear(ops.permute(x, row_to_slot, slot_to_row, k), w, ...) (the experts' up projection from the
+    tokens) whose backward keeps x and the plan instead of the [R, H] rows: they are gathered again for the
+    weight gradient, and the input gradient is the dgrad's rows summed per token. x [T, H] -> [R, N]. The same
+    kernels on the same rows, so the same bits as the two calls; the FP8 blockwise recipe quantises the rows
+    straight from x (no [R, H] bf16 copy in the forward either)."""
+    wq, b = _weight_and_bias(precision, w, layout, bias)
+    in_kernel = b if precision.bias_in_kernel else None
+    c = _gathered_linear(
+        x.contiguous(), w, *wq, offsets, layout, in_kernel, precision.code, row_to_slot, int(k), slot_to_row
     )
     return c if precision.bias_in_kernel else add_bias(c, b, offsets)
 

@@ -52,6 +52,7 @@ class Bf16Gemms:
     code = -1
     pad_multiple = 1  # row groups need no alignment
     bias_in_kernel = True  # the GEMM adds the bias (and its wgrad gives d bias)
+    quantises_gathered = False  # forward(gathered=...) reads a's rows from a, not from the gather's source
 
     def quantized(self, w: Tensor, layout: int) -> tuple:
         check_not_frozen("w", w)
@@ -103,6 +104,8 @@ class Fp8Gemms:
         r = self.recipe
         self.name = r.name
         self.code = code_of(r, cache)
+        # forward(gathered=...) quantises the rows from the gather's source: a is read only for its dtype
+        self.quantises_gathered = r.name == "blockwise"
         # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
         self.pad_multiple = 16 if r.wgrad == "fp8" else 1
 

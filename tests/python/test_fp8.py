@@ -531,6 +531,18 @@ def test_experts_fp8_consuming_gate_up_matches(device, recipe):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_experts_fp8_gathered_up_projection_matches_kept_rows(device, recipe):
+    """Config.keep_permuted=False in the FP8 experts (the up projection's backward gathers x's rows again, the
+    blockwise forward quantises them straight from x): the same bits as keeping the permuted rows, forward and
+    every gradient, FP8 dgrad and wgrad included."""
+    run = fp8_experts_runner(device, recipe, 12)
+    (y1, g1), (y2, g2) = run(keep_permuted=False), run(keep_permuted=True)
+    for a, b in zip([y1, *g1], [y2, *g2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
 def test_experts_fp8_routed_down_matches_separate_ops(device, recipe):
     """Config.routed_down in the FP8 experts (the routing weights applied after the down projection's dgrad,
     the dgrad's rows quantised straight from dy): the same forward bits as the separate ops, and every

@@ -340,6 +340,100 @@ def test_experts_consuming_gate_up_matches(device, with_lora):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act, layout, bias", [("swiglu", "nk", False), ("swiglu_clamped", "kn", True)])
+@pytest.mark.parametrize("routed", [True, False])
+def test_experts_gathered_up_projection_matches_kept_rows(device, dtype, act, layout, bias, routed):
+    """Config.keep_permuted=False (the default: the up projection's backward keeps x and gathers its rows again)
+    gives the same bits as keeping the permuted rows, forward and every gradient (x, weights, biases, routing
+    weights), with an expert that gets no token."""
+    torch.manual_seed(11)
+    T, H, I, E, K = 37, 32, 24, 5, 2
+    x0 = torch.randn(T, H, device=device, dtype=dtype)
+    shapes = ((E, 2 * I, H), (E, H, I)) if layout == "nk" else ((E, H, 2 * I), (E, I, H))
+    weights = [(torch.randn(*s, device=device) * 0.2).to(dtype) for s in shapes]
+    biases = [torch.randn(E, 2 * I, device=device).to(dtype), torch.randn(E, H, device=device).to(dtype)]
+    ids = torch.stack([torch.randperm(E - 1)[:K] for _ in range(T)]).int().to(device)  # expert E-1: none
+    w0 = torch.rand(T, K, device=device)
+    cfg = dict(routed_down=routed)
+
+    def run(keep):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ws = [t.clone().requires_grad_() for t in weights]
+        bs = [t.clone().requires_grad_() for t in biases] if bias else []
+        extra = dict(gate_up_bias=bs[0], down_bias=bs[1]) if bias else {}
+        config = moe8.Config(keep_permuted=keep, **cfg)
+        y = moe8.experts_forward(x, ids, w, *ws, layout=layout, activation=act, config=config, **extra)
+        return [y, *torch.autograd.grad(y.float().square().sum(), [x, w, *ws, *bs])]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def _saved_bytes(fn, inputs) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward while fn() runs, the inputs' own storage
+    (held by the caller anyway) left out."""
+    seen, theirs = {}, {t.untyped_storage().data_ptr() for t in inputs}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in theirs:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_experts_backward_keeps_no_permuted_rows():
+    """The experts keep no [R, H] copy of x for the backward by default: what they save beyond their inputs is
+    one [R, H] row block smaller than with Config(keep_permuted=True), and smaller than that block."""
+    T, H, I, E, K = 64, 256, 16, 4, 4
+    x = torch.randn(T, H, requires_grad=True)
+    gu, dn = torch.randn(E, 2 * I, H, requires_grad=True), torch.randn(E, H, I, requires_grad=True)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K)
+
+    def saved(keep):
+        cfg = moe8.Config(keep_permuted=keep)
+        return _saved_bytes(lambda: moe8.experts_forward(x, ids, w, gu, dn, config=cfg), [x, gu, dn, w])
+
+    rows = T * K * H * x.element_size()
+    assert saved(True) - saved(False) >= rows
+    assert saved(False) < rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_experts_gathered_up_projection_lowers_the_peak():
+    """Forward + backward of the experts (weight gradients included) peak at least one [R, H] block lower
+    without the permuted rows kept (Config.keep_permuted=False), and hold that much less after the forward."""
+    T, H, I, E, K = 4096, 1024, 256, 16, 8
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gu = (torch.randn(E, 2 * I, H, device="cuda") * 0.03).to(torch.bfloat16).requires_grad_()
+    dn = (torch.randn(E, H, I, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda")
+    g = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def peak_and_held(keep):
+        x.grad = gu.grad = dn.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y = moe8.experts_forward(x, ids, w, gu, dn, config=moe8.Config(keep_permuted=keep))
+        held = torch.cuda.memory_allocated() - base
+        y.backward(g)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, held
+
+    peak_and_held(True), peak_and_held(False)  # warm the allocator and the workspaces
+    (p_keep, h_keep), (p_new, h_new) = peak_and_held(True), peak_and_held(False)
+    rows = T * K * H * 2
+    assert h_keep - h_new >= 0.99 * rows, (h_keep, h_new)
+    assert p_keep - p_new >= 0.9 * rows, (p_keep, p_new)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_plan_check_ids(device):
     """check_ids=False gives the same plan for valid ids (no range check, no device sync); the check itself
     rejects ids out of range."""
