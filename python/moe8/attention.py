@@ -11,7 +11,10 @@ included), so dq, dk, dv come out of one fused backward. d s_h = -sum_rows <dO, 
 
 On CUDA the memory-efficient kernel (it takes the additive mask transformers builds: causal, sliding window,
 packed documents); on the CPU the flash kernel's CPU version. Keys and values of grouped-query attention are
-expanded to the query heads for the kernel and their gradients summed back.
+expanded to the query heads for the kernel and their gradients summed back. What the kernel cannot take
+(kernel_head_dim says so from the inputs) still runs: a head dim off the kernel's alignment is zero-padded up
+to it (the scores and the output's first D columns are unchanged), and a dtype, device or empty shape it has
+no kernel for runs the formula itself, as transformers' eager attention does.
 
 sink_attention is the op; attention_forward has the signature of transformers' eager_attention_forward
 (Config.fuse_attention puts it in place of GPT-OSS's, moe8.hf)."""
@@ -25,6 +28,35 @@ import torch
 from torch import Tensor
 
 _ALIGN = 16  # the memory-efficient kernel reads the mask's rows 16-element aligned
+_GRID = 65535  # the CUDA kernel's grid holds the heads and the batch in its y and z dimensions
+
+
+def kernel_head_dim(device_type: str, dtype: torch.dtype, head_dim: int, capability=(0, 0)) -> Optional[int]:
+    """The head dim the fused kernel runs q, k and v at: head_dim, or head_dim zero-padded up to the kernel's
+    alignment; None where no kernel takes the inputs (the formula runs then). CUDA (compute capability
+    `capability`): the memory-efficient kernel, fp16 and fp32, bf16 from sm80; its rows are read 16 bytes at a
+    time (torch builds bf16 kernels for aligned rows only: "no kernel found to launch" otherwise), so the head
+    dim is a multiple of 8 in a 16-bit dtype, of 4 in fp32. CPU: the flash kernel's CPU version takes any head
+    dim in fp32, fp64, bf16 and fp16."""
+    if head_dim < 1:
+        return None
+    if device_type == "cpu":
+        return head_dim if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    if dtype == torch.bfloat16 and tuple(capability) < (8, 0):
+        return None
+    align = 16 // dtype.itemsize
+    return -(-head_dim // align) * align
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A mask as the additive one the kernels take: a boolean mask (True: attend) becomes 0 / the dtype's min."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask.to(dtype)
 
 
 def _aligned_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
@@ -36,7 +68,7 @@ def _aligned_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tens
         if not q.is_cuda:
             return None
         mask = q.new_zeros(1, 1, 1, T)  # the CUDA kernel's backward takes a mask tensor, not None
-    mask = mask[..., :T].to(q.dtype)
+    mask = _additive(mask[..., :T], q.dtype)
     if q.is_cuda and T % _ALIGN:
         padded = mask.new_zeros(*mask.shape[:-1], (T + _ALIGN - 1) // _ALIGN * _ALIGN)
         padded[..., :T] = mask
@@ -135,16 +167,39 @@ def sink_attention(
             f"k, sinks: expected a head count dividing q's {q.shape[1]} and sinks [{q.shape[1]}], got "
             f"{k.shape[1]} and {tuple(sinks.shape)}"
         )
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _SinkAttention.apply(
+    D, groups = q.shape[-1], q.shape[1] // k.shape[1]
+    scale = D**-0.5 if scale is None else float(scale)
+    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else (0, 0)
+    d = kernel_head_dim(q.device.type, q.dtype, D, cap)
+    same = k.dtype == v.dtype == q.dtype and k.device == v.device == q.device and v.shape[-1] == D
+    sizes = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 0 and max(q.shape[0], q.shape[1]) <= _GRID
+    if d is None or not same or not sizes:
+        return _formula(q, k, v, sinks, mask, scale, groups)
+    if d != D:  # zero columns add nothing to q k^T, and give zero output columns
+        q, k, v = (torch.nn.functional.pad(t, (0, d - D)) for t in (q, k, v))
+    out = _SinkAttention.apply(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
         sinks,
         _aligned_mask(mask, q, k),
         scale,
-        q.shape[1] // k.shape[1],
+        groups,
     )
+    return out if d == D else out[..., :D]
+
+
+def _formula(q, k, v, sinks, mask, scale, groups):
+    """sink_attention through the scores [B, H, S, T] (transformers' eager attention, in fp32 at least): for
+    what no fused kernel takes."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    kx, vx = _repeat(k, groups).to(dt), _repeat(v, groups).to(dt)
+    scores = q.to(dt) @ kx.transpose(-1, -2) * scale  # [B, H, S, T]
+    if mask is not None:
+        scores = scores + _additive(mask[..., : k.shape[2]], dt)
+    sink = sinks.to(dt).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return (probs @ vx).to(q.dtype)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -5,7 +5,7 @@ where a GPU is visible (the memory-efficient kernel, bf16)."""
 
 import pytest
 import torch
-from conftest import devices
+from conftest import _cuda, devices
 
 from moe8.attention import sink_attention
 
@@ -81,3 +81,181 @@ def test_sink_attention_checks_its_arguments():
         sink_attention(q, q, q, torch.zeros(3))
     with pytest.raises(ValueError, match="q, k, v: expected"):
         sink_attention(q[0], q, q, torch.zeros(4))
+
+
+def test_kernel_head_dim_follows_the_kernels_rules():
+    """The rule that picks the fused kernel, the kernel with a zero-padded head dim, or the formula."""
+    from moe8.attention import kernel_head_dim
+
+    bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    h200 = (9, 0)
+    for d, want in ((8, 8), (12, 16), (20, 24), (64, 64), (72, 72), (1, 8), (129, 136)):
+        assert kernel_head_dim("cuda", bf16, d, h200) == want
+        assert kernel_head_dim("cuda", f16, d, h200) == want
+    for d, want in ((4, 4), (6, 8), (12, 12), (13, 16)):
+        assert kernel_head_dim("cuda", f32, d, h200) == want
+    assert kernel_head_dim("cuda", bf16, 64, (7, 5)) is None  # no bf16 kernel before sm80
+    assert kernel_head_dim("cuda", f16, 12, (7, 5)) == 16
+    assert kernel_head_dim("cuda", f64, 64, h200) is None
+    for dt in (bf16, f16, f32, f64):
+        assert kernel_head_dim("cpu", dt, 12) == 12
+    assert kernel_head_dim("cpu", torch.int32, 8) is None
+    assert kernel_head_dim("meta", f32, 8) is None
+    assert kernel_head_dim("cuda", bf16, 0, h200) is None
+
+
+def _check_against_reference(q, k, v, sinks, mask, scale, tol):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    out = sink_attention(*leaves, mask=mask, scale=scale)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref_mask = None if mask is None else masks_additive(mask).double()
+    ref = reference(*ref_leaves, ref_mask, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel(out, ref) < tol
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, g.to(q.dtype))
+    grads_ref = torch.autograd.grad(ref, ref_leaves, g)
+    for name, a, b in zip(["q", "k", "v", "sinks"], grads, grads_ref):
+        assert a.shape == b.shape and rel(a, b) < tol, name
+
+
+def masks_additive(mask):
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape).masked_fill(~mask.cpu(), -1e30).to(mask.device)
+
+
+@pytest.mark.parametrize("path", ["padded", "formula"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool"])
+def test_fallbacks_match_the_reference(monkeypatch, path, mask_kind):
+    """The paths for inputs the fused kernel does not take, forced on the CPU: the kernel at a zero-padded head
+    dim (as CUDA runs head dims off its alignment) and the formula (a dtype or device without a kernel)."""
+    import moe8.attention as att
+
+    monkeypatch.setattr(
+        att, "kernel_head_dim", lambda dev, dt, d, cap=(0, 0): d + 5 if path == "padded" else None
+    )
+    B, H, Hkv, S, D = 3, 4, 2, 17, 12
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, h, S, D) for h in (H, Hkv, Hkv))
+    sinks = torch.randn(H) + 2
+    mask = masks("causal", B, S, torch.float32)
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "bool":
+        mask = mask == 0
+        mask[1, :, :, :4] = False  # a left-padded row
+        mask[1, :, :4, 0] = True  # whose padded queries still see one key
+    _check_against_reference(q, k, v, sinks, mask, D**-0.5, 1e-5)
+
+
+def test_empty_sequences_run():
+    q, k = torch.randn(2, 4, 0, 12), torch.randn(2, 2, 0, 12)
+    assert sink_attention(q, k, k, torch.zeros(4)).shape == (2, 4, 0, 12)
+    q = torch.randn(2, 4, 3, 12)
+    out = sink_attention(q, k, k, torch.zeros(4))  # no keys: the sink takes all the weight
+    assert out.shape == q.shape and not out.any()
+
+
+def _gpt_oss_attention(head_dim, H=4, Hkv=2):
+    """transformers' GPT-OSS attention function (the one moe8 replaces, if it has) and a module it reads."""
+    import importlib
+
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from moe8.hf.registry import registry
+
+    mod = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+    own = registry.module_patches.get((mod, "eager_attention_forward"), mod.eager_attention_forward)
+    cfg = transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=32, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=head_dim
+    )
+    return own, cfg
+
+
+def _padding_mask(B, S, kind, dtype, device):
+    """Additive [B, 1, S, S] as transformers builds it: causal, with row 1 left-padded by 5 when padded."""
+    if kind == "none":
+        return None
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    allowed = (j <= i).expand(B, 1, S, S).clone()
+    if kind == "padded":
+        allowed[1, :, :, :5] = False
+    m = torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return m.to(device)
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padded"])
+@pytest.mark.parametrize("S", [17, 33])
+@pytest.mark.parametrize("head_dim", [12, 20, 72])
+def test_head_dims_off_the_kernels_alignment_match_transformers(head_dim, S, mask_kind):
+    """On CUDA in bf16, head dims that are not a multiple of 8 (the kernel at a padded head dim) and one that
+    is, odd sequence lengths, with and without masks: moe8's attention_forward against transformers' GPT-OSS
+    eager attention, the output and the gradients of q, k, v and the sinks."""
+    from moe8.attention import attention_forward
+
+    own, _ = _gpt_oss_attention(head_dim)
+    B, H, Hkv, dt, dev = 3, 4, 2, torch.bfloat16, "cuda"
+    torch.manual_seed(head_dim + S)
+    q, k, v = (torch.randn(B, h, S, head_dim, device=dev, dtype=dt) for h in (H, Hkv, Hkv))
+    mask = _padding_mask(B, S, mask_kind, dt, dev)
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.randn(H, device=dev, dtype=dt) + 2)
+            self.num_key_value_groups = H // Hkv
+
+    m = Module().eval()
+    results = []
+    for fn in (own, attention_forward):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        m.sinks.grad = None
+        out = fn(m, *leaves, mask, head_dim**-0.5, 0.0)[0]  # [B, S, H, D]
+        out.float().pow(2).sum().backward()
+        results.append([out, *(t.grad for t in leaves), m.sinks.grad])
+    for name, a, b in zip(["out", "q", "k", "v", "sinks"], *results):
+        assert a.shape == b.shape and rel(a, b) < 2e-2, name
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
+def test_gpt_oss_with_head_dim_12_accelerated_matches_transformers():
+    """A whole GPT-OSS (head_dim 12, bf16, CUDA) through moe8.accelerate with its defaults, a 3 x 17 batch with
+    a padding mask: the loss and the gradients match transformers'."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import moe8
+    from moe8 import hf
+
+    _, cfg = _gpt_oss_attention(12)
+    cfg.update(
+        dict(vocab_size=128, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+             sliding_window=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
+    acc = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to("cuda", torch.bfloat16)
+    acc.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 128, (3, 17), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def step(model):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        return out.loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_r, grads_r = step(ref)
+    acc = moe8.accelerate(acc)
+    try:
+        loss_a, grads_a = step(acc)
+    finally:
+        hf.disable()
+    assert rel(loss_a, loss_r) < 2e-2
+    assert grads_a.keys() == grads_r.keys()
+    for name, g in grads_r.items():
+        assert rel(grads_a[name], g) < 6e-2, name
