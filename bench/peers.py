@@ -107,3 +107,61 @@ def probe_experts(build_tiny, device: torch.device) -> str | None:
     except Exception as e:  # noqa: BLE001  (any failure is the finding: it is recorded, not hidden)
         return _one_line(e)
     return None
+
+
+SONICMOE = "SonicMoE"
+SONICMOE_NEEDS = (
+    "sonic-moe from source (github.com/Dao-AILab/sonic-moe) and quack-kernels at the commit its requirements pin, "
+    "with nvidia-cutlass-dsl==4.2.1, importable (on PYTHONPATH); its first call per shape compiles its kernels"
+)
+
+
+def _git_commit(path) -> str | None:
+    import subprocess
+
+    try:
+        p = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def sonicmoe_version() -> tuple[str | None, dict]:
+    """(None, what was imported: the package's folder and commit), or (why SonicMoE cannot run here, {}).
+    The commit comes from a git checkout of the package, else from SONICMOE_COMMIT in the environment (for a
+    source tree copied without its history), else "not recorded"."""
+    import os
+    from pathlib import Path
+
+    try:
+        import sonicmoe
+    except Exception as e:  # noqa: BLE001  (ImportError, or the DSL failing to load: the reason is the finding)
+        return f"sonicmoe is not importable ({SONICMOE_NEEDS}): {_one_line(e)}", {}
+    if not torch.cuda.is_available():
+        return "SonicMoE's kernels need a CUDA GPU (Hopper); this run has none", {}
+    folder = Path(sonicmoe.__file__).resolve().parents[1]
+    commit = _git_commit(folder) or os.environ.get("SONICMOE_COMMIT") or "not recorded"
+    return None, {"path": str(folder), "commit": commit}
+
+
+def sonicmoe_block(gate_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int):
+    """SonicMoE's MoE module (its fused softmax top-k router and IO-aware experts, SwiGLU) holding the weights
+    of a transformers Qwen3-MoE-style block: router gate_w [E, H], gate_up [E, 2I, H] (gate rows first, as
+    transformers stores them; SonicMoE interleaves gate and up rows), down [E, H, I]. Its routing is the block's
+    (softmax over the top-k logits = the softmax renormalised over the top k). Returns the module; call
+    module(x)[0] for the output."""
+    from sonicmoe import MoE
+    from sonicmoe.enums import ActivationType
+
+    E, two_i, H = gate_up.shape
+    inter = two_i // 2
+    with torch.device(gate_up.device):
+        moe = MoE(E, top_k, H, inter, ActivationType.SWIGLU, add_bias=False, std=0.02).to(gate_up.dtype)
+    with torch.no_grad():
+        moe.router.weight.copy_(gate_w)
+        moe.c_fc.weight[:, 0::2].copy_(gate_up[:, :inter])
+        moe.c_fc.weight[:, 1::2].copy_(gate_up[:, inter:])
+        moe.c_proj.weight.copy_(down)
+    return moe
