@@ -152,7 +152,8 @@ def test_bad_config(tmp_path, capsys, toml, message):
 def test_text_formats(tmp_path, text_file):
     tok = byte_tokenizer()
     lines = text_file.read_text().splitlines()
-    d = Data(Config(data=str(text_file), seq_len=32, micro_batch=2, eval_fraction=0.1), tok)
+    stream = dict(packing="stream")  # end to end, cut every seq_len tokens
+    d = Data(Config(data=str(text_file), seq_len=32, micro_batch=2, eval_fraction=0.1, **stream), tok)
     assert d.kind == "text" and d.documents == len(lines)
     assert d.tokens == sum(len(x.encode()) + 1 for x in lines)  # bytes + one eos per document
     ids = torch.cat([d.train[0], d.eval[0]]).flatten().tolist()
@@ -162,13 +163,15 @@ def test_text_formats(tmp_path, text_file):
     assert (y[starts] == IGNORE).all() and torch.equal(x[~starts], y[~starts])  # loss on every other token
     assert (pos[starts] == 0).all() and (pos[::32] == 0).all()  # positions restart per document and row
     assert len(d.eval[0]) == round(d.tokens // 32 * 0.1)
-    whole = Data(Config(data=str(text_file), data_format="text", seq_len=32, micro_batch=2), tok)
+    whole = Data(Config(data=str(text_file), data_format="text", seq_len=32, micro_batch=2, **stream), tok)
     assert whole.documents == 1 and whole.tokens == len(text_file.read_bytes()) + 1
     jl = write_jsonl(tmp_path / "t.jsonl", [{"text": x, "id": i} for i, x in enumerate(lines)])
-    dj = Data(Config(data=str(jl), seq_len=32, micro_batch=2, eval_fraction=0.1), tok)
+    dj = Data(Config(data=str(jl), seq_len=32, micro_batch=2, eval_fraction=0.1, **stream), tok)
     assert dj.kind == "text" and torch.equal(dj.train[0], d.train[0])
     (tmp_path / "a.json").write_text(json.dumps([{"text": x} for x in lines], indent=1))  # one JSON array
-    da = Data(Config(data=str(tmp_path / "a.json"), seq_len=32, micro_batch=2, eval_fraction=0.1), tok)
+    da = Data(
+        Config(data=str(tmp_path / "a.json"), seq_len=32, micro_batch=2, eval_fraction=0.1, **stream), tok
+    )
     assert torch.equal(da.train[0], d.train[0])
     limited = Data(Config(data=str(jl), seq_len=32, micro_batch=2, max_documents=100), tok)
     assert limited.documents == 100 and limited.tokens == sum(len(x.encode()) + 1 for x in lines[:100])
@@ -222,7 +225,7 @@ def test_chat_loss_only_on_assistant_tokens(tmp_path, tokenizer):
     assert [r for ids, labels in docs for r in assistant_runs(tok, ids, labels)] == want
     assert all(tok.decode(ids).count("What is") == 1 for ids, _ in docs)  # the prompt, without loss
     jl = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in chats()])
-    d = Data(Config(data=str(jl), tokenizer=tokenizer, seq_len=64, micro_batch=2, eval_fraction=0), tok)
+    d = Data(Config(data=str(jl), tokenizer=tokenizer, seq_len=256, micro_batch=2, eval_fraction=0), tok)
     assert d.kind == "chat"
     ids, labels = d.train[0].flatten().tolist(), d.train[1].flatten().tolist()
     runs = assistant_runs(tok, ids, labels)
@@ -244,7 +247,7 @@ def test_full_finetune_run(tmp_path, text_file, capsys):
     state = torch.load(out / "checkpoint-6" / "training_state.pt", weights_only=True)
     saved = load_file(out / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in state["model"].items() if k in saved)
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-6"]  # older ones removed
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]  # the last 2
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3, 4, 5, 6]
     assert [x["step"] for x in lines if "eval_loss" in x] == [0, 3, 6]
@@ -303,7 +306,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path, text_file, capsys):
     out = tmp_path / "killed"
     rc, text = finetune_rc(capsys, flags(out, text_file, *extra), on_step=kill_at_5)
     assert rc == 130 and "--resume" in text
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "model.safetensors").exists()
     rc, text = finetune_rc(capsys, flags(out, text_file, *extra, "--resume"))
     assert rc == 0, text

@@ -19,7 +19,7 @@ from moe8.finetune.chat import IGNORE, tokenize_chat  # noqa: E402
 from moe8.finetune.config import Config, FinetuneError  # noqa: E402
 from moe8.finetune.data import Data, byte_tokenizer, load_tokenizer, shared  # noqa: E402
 from moe8.finetune.formats import documents  # noqa: E402
-from moe8.finetune.packing import pack  # noqa: E402
+from moe8.finetune.packing import pack, pack_rows  # noqa: E402
 
 QWEN3 = shared("tokenizers", "qwen3")
 
@@ -115,7 +115,7 @@ def test_parquet_and_eval_data(tmp_path):
 
 def pack_of(tok, rows, S):
     docs = [d for r in rows for d in tokenize_chat(tok, documents(Config(), [r], "x")[1][0])[0]]
-    return pack(docs, S)[0]
+    return pack_rows(docs, S, "documents", tok.pad_token_id)[0][0]
 
 
 # -------------------------------------------------------------------------------------------- chat masking

@@ -118,7 +118,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, text_file, capsy
     rc, text = finetune_rc(capsys, quick(out, text_file), on_step=poison_after_2)
     assert rc == 3 and "moe8 finetune: error: diverged: loss = nan at step 3" in text, text
     assert "checkpoint-2" in text and "--lr" in text
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]  # the last 2
     state = torch.load(out / "checkpoint-2" / "training_state.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in state["model"].values())
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -165,14 +165,20 @@ def test_flag_prefixes_and_typos_are_refused(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize(
-    "seq_len, micro_batch, split",
-    [(4000, 2, "(0 sequences)"), (2048, 8, "(2 sequences after 1 held out for evaluation (eval_fraction))")],
+    "seq_len, micro_batch, packing, split",
+    [
+        (4000, 2, "stream", "(0 sequences)"),
+        (2048, 8, "stream", "(2 sequences after 1 held out for evaluation (eval_fraction))"),
+        (4000, 2, "documents", "(0 sequences after 1 held out for evaluation (eval_fraction))"),  # 1 padded
+        (2048, 8, "documents", "(3 sequences after 1 held out for evaluation (eval_fraction))"),
+    ],
 )
-def test_too_little_data_counts_are_not_negative(tmp_path, capsys, seq_len, micro_batch, split):
+def test_too_little_data_counts_are_not_negative(tmp_path, capsys, seq_len, micro_batch, packing, split):
     data = tmp_path / "small.txt"
     data.write_text("a few words of text.\n" * (300 if seq_len == 2048 else 20))
     out = tmp_path / "out"
-    rc, text = finetune_rc(capsys, quick(out, data, "--seq_len", seq_len, "--micro_batch", micro_batch))
+    extra = ("--seq_len", seq_len, "--micro_batch", micro_batch, "--packing", packing)
+    rc, text = finetune_rc(capsys, quick(out, data, *extra))
     assert rc == 2 and f"the training split {split} needs at least micro_batch = {micro_batch}" in text, text
     assert "(-" not in text and not out.exists()
 

@@ -53,8 +53,10 @@ class Config:
     )
     data: str = _key(
         "auto",
-        "training data: a text file, a JSONL / JSON file, or (with the datasets library) a parquet or arrow "
-        "file, of records in one of the formats (see format); auto: the first 20,000 lines of "
+        "training data: a text file (.txt), a JSONL / JSON file, or (with the datasets library) a csv, parquet "
+        "or arrow file, of records in one of the formats (see format); .txt, .jsonl, .json and .csv files may be "
+        "gzip, bz2, xz or zstd compressed (.gz, .bz2, .xz, .zst; zstd needs the zstandard module); auto: the "
+        "first 20,000 lines of "
         "text/sentences.txt of the shared data folder ($MOE8_SHARED_DATA, or ../shared/data beside a source "
         "checkout) when present, else generated sentences",
     )
@@ -63,9 +65,10 @@ class Config:
     )
     data_format: str = _key(
         "auto",
-        "auto (by suffix: .jsonl/.json: jsonl, .parquet, .arrow, else lines), lines (one document per line), "
-        "text (the whole file is one document), jsonl (one JSON object per line, or one JSON array), parquet, "
-        "arrow (these two through the datasets library)",
+        "auto (by the suffix before any .gz/.bz2/.xz/.zst: .txt: lines, .jsonl/.json: jsonl, .csv, .parquet, "
+        ".arrow; another suffix is refused), lines (one document per line), text (the whole file is one "
+        "document), jsonl (one JSON object per line, or one JSON array), csv (a header row names the columns), "
+        "parquet, arrow (these three through the datasets library)",
     )
     format: str = _key(
         "auto",
@@ -101,7 +104,14 @@ class Config:
     )
     micro_batch: int = _key(8, "sequences per forward/backward")
     grad_accum: int = _key(1, "micro-batches per optimizer step")
-    seq_len: int = _key(128, "tokens per sequence (documents are packed)")
+    seq_len: int = _key(128, "tokens per sequence, at least 2 (documents are packed, see packing)")
+    packing: str = _key(
+        "documents",
+        "documents: each document or conversation whole in one sequence (best-fit decreasing, the rest padded "
+        "without loss; one longer than seq_len is cut at seq_len, a conversation left without an assistant "
+        "token is dropped); stream: documents end to end, cut every seq_len tokens, no padding (for "
+        "pretraining-style text: a document may continue in the next sequence without its start)",
+    )
     lr: Optional[float] = _key(
         None,
         "peak learning rate (default: 3e-3 for the tiny built-in models, 1e-3 for qwen3-moe-1b, 2e-4 for lora, 2e-5 for full)",
@@ -149,9 +159,19 @@ class Config:
     fsdp: bool = _key(False, "shard the dense parameters with FSDP2 (moe8.parallel.apply_fsdp)")
     # output
     output_dir: str = _key("", "where everything goes (default: runs/finetune-YYYYmmdd-HHMMSS)")
-    resume: bool = _key(False, "continue from the last checkpoint in output_dir")
+    resume: bool = _key(
+        False,
+        "continue from the last checkpoint in output_dir (an unreadable one: the one before); refused when the "
+        "data differs from the checkpoint's (see allow_data_change)",
+    )
+    allow_data_change: bool = _key(
+        False,
+        "with resume: continue although the data (file path, size, head and tail, tokenizer or token count) "
+        "differs from the checkpoint's; the batches are then not those of an uninterrupted run",
+    )
     overwrite: bool = _key(False, "replace an existing output_dir")
     save_every: int = _key(100, "write a checkpoint every N steps (and at the end; 0: at the end only)")
+    keep_checkpoints: int = _key(2, "keep the last N checkpoints (older ones are removed)")
     log_every: int = _key(5, "append a line to metrics.jsonl every N steps")
     dead_window: int = _key(50, "an expert that got no token over this many last steps is reported dead")
     peak_tflops: Optional[float] = _key(
@@ -178,7 +198,8 @@ _TYPES = typing.get_type_hints(Config)
 RESUME_MAY_CHANGE = frozenset(
     (
         "steps epochs run_steps output_dir resume overwrite save_every log_every eval_every eval_batches "
-        "dead_window peak_tflops progress report_to memory_check activation_checkpointing fuse_attention"
+        "dead_window peak_tflops progress report_to memory_check activation_checkpointing fuse_attention "
+        "keep_checkpoints allow_data_change"
     ).split()
 )
 
@@ -264,7 +285,8 @@ def validate(cfg: Config) -> None:
         ("method", ("full", "lora")),
         ("dtype", ("auto", "bf16", "fp32")),
         ("device", ("auto", "cuda", "cpu")),
-        ("data_format", ("auto", "lines", "text", "jsonl", "parquet", "arrow")),
+        ("data_format", ("auto", "lines", "text", "jsonl", "csv", "parquet", "arrow")),
+        ("packing", ("documents", "stream")),
         ("format", ("auto", "text", "messages", "alpaca", "sharegpt")),
         ("fp8", ("none", "blockwise", "rowwise", "tensorwise", "auto")),
         ("transport", ("auto", "nccl", "ipc")),
@@ -272,8 +294,22 @@ def validate(cfg: Config) -> None:
         need(
             getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
         )
-    for name in ("ep", "steps", "micro_batch", "grad_accum", "seq_len", "log_every", "dead_window", "lora_r"):
+    for name in (
+        "ep",
+        "steps",
+        "micro_batch",
+        "grad_accum",
+        "log_every",
+        "dead_window",
+        "lora_r",
+        "keep_checkpoints",
+    ):
         need(getattr(cfg, name) >= 1, f"{name} = {getattr(cfg, name)}: expected a positive integer")
+    need(
+        cfg.seq_len >= 2,
+        f"seq_len = {cfg.seq_len}: expected at least 2 (a token is trained to predict the next one, so a "
+        "sequence of one token has nothing to learn)",
+    )
     for name in (
         "epochs",
         "run_steps",

@@ -5,6 +5,8 @@ a resumed run sees the same data."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -13,8 +15,8 @@ import torch
 from .._env import ENV
 from .chat import ChatStats, tokenize_chat
 from .config import Config, FinetuneError
-from .formats import SUFFIXES, documents, read_records
-from .packing import IGNORE, pack
+from .formats import documents, file_format, read_lines, read_records
+from .packing import IGNORE, pack_rows
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout root, when moe8 runs from one (python/moe8/...)
 AUTO_DOCUMENTS = 20000  # documents read from the shared sample text when data = "auto"
@@ -129,12 +131,18 @@ def _generated(n: int = AUTO_DOCUMENTS) -> list[str]:
     return [f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(n)]
 
 
-def read_documents(cfg: Config, data: str | None = None) -> tuple[str, list, str]:
-    """("text", [str], source) or ("chat", [[{role, content}]], source) of `data` (default: cfg.data)."""
+def data_path(data: str) -> Path | None:
+    """The file `data` names (data = "auto": the shared sample text, None when it is missing)."""
+    return shared("text", "sentences.txt") if data == "auto" else Path(data)
+
+
+def read_documents(cfg: Config, data: str | None = None, key: str = "data") -> tuple[str, list, str]:
+    """("text", [str], source) or ("chat", [[{role, content}]], source) of `data` (default: cfg.data); key
+    names it in messages (data or eval_data)."""
     data = cfg.data if data is None else data
     limit = cfg.max_documents or None
+    path = data_path(data)
     if data == "auto":
-        path = shared("text", "sentences.txt")
         if path is None:
             where = looked("text", "sentences.txt")
             return (
@@ -142,24 +150,19 @@ def read_documents(cfg: Config, data: str | None = None) -> tuple[str, list, str
                 _generated(limit or AUTO_DOCUMENTS),
                 f"generated sentences (no sample text: {where})",
             )
-        fmt, limit = "lines", limit or AUTO_DOCUMENTS
+        fmt, compression, limit = "lines", None, limit or AUTO_DOCUMENTS
     else:
-        path = Path(data)
-        fmt = cfg.data_format
-        if fmt == "auto":
-            fmt = SUFFIXES.get(path.suffix, "lines")
+        if not path.exists():
+            raise FinetuneError(f"{key}: file not found: {path}")
+        if path.is_dir():
+            raise FinetuneError(f"{key}: cannot read {path}: it is a directory, expected a file")
+        fmt, compression = file_format(path, cfg.data_format, key)
     if fmt not in ("lines", "text"):
-        return (*documents(cfg, read_records(cfg, path, fmt, limit), str(path)), str(path))
-    try:
-        with open(path, encoding="utf-8") as f:
-            if fmt == "text":
-                return "text", [f.read()], str(path)
-            lines = [line for line in (ln.rstrip("\r\n") for ln in f) if line.strip()]
-    except FileNotFoundError:
-        raise FinetuneError(f"data: file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FinetuneError(f"data: cannot read {path}: {e}") from None
-    return "text", lines[:limit], str(path)
+        records = read_records(cfg, path, fmt, limit, compression, key)
+        return (*documents(cfg, records, str(path)), str(path))
+    if fmt == "text":
+        return "text", [read_lines(path, compression, key, whole=True)], str(path)
+    return "text", read_lines(path, compression, key)[:limit], str(path)
 
 
 # ------------------------------------------------------------------------------------- tokenize and pack
@@ -173,9 +176,9 @@ def tokenize_text(tok, docs: list[str]) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def tokenize(cfg: Config, tok, data: str) -> tuple[str, int, list, str, ChatStats | None]:
+def tokenize(cfg: Config, tok, data: str, key: str = "data") -> tuple[str, int, list, str, ChatStats | None]:
     """(kind, documents read, [(ids, labels)] documents, source, chat turn statistics or None)."""
-    kind, docs, source = read_documents(cfg, data)
+    kind, docs, source = read_documents(cfg, data, key)
     if kind == "text":
         return kind, len(docs), tokenize_text(tok, [d for d in docs if d.strip()]), source, None
     if not getattr(tok, "chat_template", None):
@@ -196,6 +199,50 @@ def tokenize(cfg: Config, tok, data: str) -> tuple[str, int, list, str, ChatStat
     return kind, len(docs), out, source, stats
 
 
+HASHED = 1 << 20  # bytes of a data file's head and of its tail that its fingerprint hashes
+
+
+def file_fingerprint(path: Path | None) -> dict:
+    """{path (resolved), size, head_tail (sha256 of the first and last MiB)} of a data file; generated data: its
+    name only."""
+    if path is None:
+        return dict(path="generated sentences")
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(HASHED))
+        if size > HASHED:
+            f.seek(max(HASHED, size - HASHED))
+            h.update(f.read(HASHED))
+    return dict(path=str(path.resolve()), size=size, head_tail=h.hexdigest()[:16])
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """'260 tokens, sha256 ab12...' of the tokenizer's vocabulary and rules (tokenizer.json) and chat template."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    rules = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    template = getattr(tok, "chat_template", None) or ""
+    digest = hashlib.sha256((rules + str(template)).encode()).hexdigest()[:16]
+    return f"{len(tok)} tokens, sha256 {digest}"
+
+
+def fingerprint_changes(old: dict, new: dict) -> list[str]:
+    """'data size: 1,024 -> 2,048' for each part of a data fingerprint that differs."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) or isinstance(b, dict):
+            a, b = a or {}, b or {}
+            out += [
+                f"{key} {k}: {a.get(k)} -> {b.get(k)}"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
+        elif a != b:
+            out.append(f"{key}: {a} -> {b}")
+    return out
+
+
 class Data:
     """Packed sequences: train / eval `ids`, `labels` and `positions` [N, seq_len] (int32). The eval split is
     the eval_data file when set, else the last eval_fraction of the packed training sequences."""
@@ -207,22 +254,38 @@ class Data:
             what = "no assistant tokens to train on" if self.tokens or self.kind == "chat" else "no tokens"
             raise FinetuneError(f"data: {self.source}: empty dataset ({what}){self._unmatched()}")
         S = cfg.seq_len
-        packed = pack(docs, S)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        packed, self.packing = pack_rows(docs, S, cfg.packing, pad)
+        self.packing_mode = cfg.packing
+        if not len(packed[0]) and self.packing.dropped + self.packing.no_loss:
+            what = "assistant token" if self.kind == "chat" else "loss token"
+            raise FinetuneError(
+                f"data: {self.source}: no {what} within seq_len = {S}: packing = 'documents' dropped all "
+                f"{self.packing.documents} documents ({self.packing.describe()}); raise seq_len"
+            )
         n = len(packed[0])
         n_eval = max(1, round(n * cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_data else 0
         n_eval = min(n_eval, n)  # no sequence at all: nothing to hold out either
         if n - n_eval < cfg.micro_batch:
             held = f" after {n_eval} held out for evaluation (eval_fraction)" if n_eval else ""
+            cut = self.packing.cut and cfg.packing == "documents"
             raise FinetuneError(
                 f"data: {self.source}: {self.tokens:,} tokens make {n} sequences of seq_len {S}; the training "
                 f"split ({n - n_eval} sequences{held}) needs at least micro_batch = {cfg.micro_batch}"
+                + (
+                    f" ({self.packing.cut} documents cut at seq_len; packing = 'stream' keeps them)"
+                    if cut
+                    else ""
+                )
             )
         self.train = tuple(t[: n - n_eval] for t in packed)
         self.eval = tuple(t[n - n_eval :] for t in packed)
         self.eval_source = f"{n_eval} held-out sequences" if n_eval else "none"
+        self.eval_tokens = 0
         if cfg.eval_data:
-            kind, _, edocs, esource, estats = tokenize(cfg, tok, cfg.eval_data)
-            self.eval = pack(edocs, S)
+            kind, _, edocs, esource, estats = tokenize(cfg, tok, cfg.eval_data, "eval_data")
+            self.eval, _ = pack_rows(edocs, S, cfg.packing, pad)
+            self.eval_tokens = sum(len(d[0]) for d in edocs)
             if not len(self.eval[0]):
                 raise FinetuneError(
                     f"eval_data: {esource}: {sum(len(d[0]) for d in edocs):,} tokens, less than one sequence "
@@ -232,6 +295,22 @@ class Data:
         self.micro_batch, self.seed = cfg.micro_batch, cfg.seed
         self.per_epoch = len(self.train[0]) // cfg.micro_batch
         self._perm = (None, None)
+
+    def fingerprint(self, cfg: Config, tok) -> dict:
+        """What a checkpoint remembers of its data, so that a resume on other data is caught: for data and
+        eval_data the resolved path, size and a hash of the head and tail of the file; the tokenizer (a hash
+        of its vocabulary, rules and chat template) and the token counts."""
+        out = dict(data=file_fingerprint(data_path(cfg.data)), tokens=self.tokens)
+        if cfg.eval_data:
+            out.update(eval_data=file_fingerprint(data_path(cfg.eval_data)), eval_tokens=self.eval_tokens)
+        out["tokenizer"] = tokenizer_fingerprint(tok)
+        return out
+
+    def describe_packing(self) -> str:
+        """'packed whole: 3 longer than seq_len cut, 12.0% padding' (or 'streamed'), for the log."""
+        how = "documents kept whole" if self.packing_mode == "documents" else "documents streamed"
+        what = self.packing.describe()
+        return f"{how}{f': {what}' if what else ''}"
 
     def _unmatched(self) -> str:
         c = self.chat

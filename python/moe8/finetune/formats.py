@@ -1,5 +1,5 @@
 """Reading training data for `moe8 finetune`: text files, JSONL natively, and through `datasets` (optional)
-local parquet / json / jsonl / arrow files; then each record in one of the known dataset formats, detected
+local csv / parquet / arrow files, each optionally gzip, bz2, xz or zstd compressed (by its last suffix); then each record in one of the known dataset formats, detected
 per file or named by the `format` key, turned into a document: ("text", str) or ("chat", [{role, content}]).
 
 | format   | a record                                                  | becomes                              |
@@ -11,14 +11,29 @@ per file or named by the `format` key, turned into a document: ("text", str) or 
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
+import lzma
 from pathlib import Path
 
 from .config import Config, FinetuneError
 
 FORMATS = ("text", "messages", "alpaca", "sharegpt")
-# data_format auto, by the file's suffix
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+# data_format auto, by the file's suffix (before a compression suffix)
+SUFFIXES = {
+    ".txt": "lines",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
+DATASETS_FORMATS = ("csv", "parquet", "arrow")  # read through the datasets library
+# the first bytes of a compressed file, for a message about one whose name does not say so
+MAGIC = {b"\x1f\x8b": ".gz", b"BZh": ".bz2", b"\xfd7zXZ\x00": ".xz", b"\x28\xb5\x2f\xfd": ".zst"}
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -31,18 +46,92 @@ SHAREGPT_ROLES = {
 }
 
 
-def read_records(cfg: Config, path: Path, fmt: str, limit: int | None) -> list[dict]:
-    """The records of a structured file: fmt is jsonl or json (read here: one object per line, or one array of
-    objects), parquet or arrow (read through `datasets`)."""
-    if fmt in ("parquet", "arrow"):
-        return _with_datasets(path, fmt, limit)
+def file_format(path: Path, data_format: str, key: str = "data") -> tuple[str, str | None]:
+    """(format, compression or None) of a data file: the compression from its last suffix (.gz, .bz2, .xz,
+    .zst), the format from data_format or, for auto, from the suffix before it; an unknown suffix is refused
+    with the list of those known."""
+    suffixes = [x.lower() for x in path.suffixes]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    inner = suffixes[-2 if compression else -1] if len(suffixes) > bool(compression) else ""
+    fmt = data_format if data_format != "auto" else SUFFIXES.get(inner)
+    if fmt is None:
+        raise FinetuneError(
+            f"{key}: {path}: unknown suffix {inner or '(none)'!r}; data_format = 'auto' knows "
+            f"{', '.join(SUFFIXES)}, each also compressed ({', '.join(COMPRESSIONS)}); or set data_format "
+            "(lines, text, jsonl, csv, parquet, arrow)"
+        )
+    if compression and fmt in ("parquet", "arrow"):
+        raise FinetuneError(
+            f"{key}: {path}: a {compression}-compressed {fmt} file is not read ({fmt} compresses inside); "
+            "decompress it"
+        )
+    return fmt, compression
+
+
+def open_text(path: Path, compression: str | None, key: str = "data"):
+    """The file as text (UTF-8), decompressed; zstd needs the zstandard module (or Python 3.14's
+    compression.zstd)."""
+    if not path.is_file():
+        raise FinetuneError(f"{key}: file not found: {path}")
+    if compression is None:
+        return open(path, encoding="utf-8")
+    if compression != "zstd":
+        opener = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open}[compression]
+        return opener(path, "rt", encoding="utf-8")
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in (ln.rstrip("\r\n") for ln in f) if line.strip()]
-    except FileNotFoundError:
-        raise FinetuneError(f"data: file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FinetuneError(f"data: cannot read {path}: {e}") from None
+        from compression import zstd  # Python >= 3.14
+
+        return zstd.open(path, "rt", encoding="utf-8")
+    except ImportError:
+        pass
+    try:
+        import zstandard
+    except ImportError:
+        raise FinetuneError(
+            f"{key}: {path}: reading zstd-compressed files needs the zstandard module: pip install zstandard"
+        ) from None
+    raw = open(path, "rb")
+    return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8")
+
+
+def read_lines(path: Path, compression: str | None, key: str = "data", whole: bool = False):
+    """The non-blank lines of a text file (or, with whole, its text), decompressed; FinetuneError naming the
+    file and its compression when it cannot be read."""
+    try:
+        with open_text(path, compression, key) as f:
+            if whole:
+                return f.read()
+            return [line for line in (ln.rstrip("\r\n") for ln in f) if line.strip()]
+    except FinetuneError:
+        raise
+    except Exception as e:  # OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, zstandard.ZstdError
+        what = f" ({compression}-compressed)" if compression else _compressed_hint(path)
+        raise FinetuneError(f"{key}: cannot read {path}{what}: {type(e).__name__}: {e}") from None
+
+
+def _compressed_hint(path: Path) -> str:
+    """' (gzip-compressed data, but the name does not end in .gz)' for a compressed file named as plain text."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return ""
+    suffix = next((s for magic, s in MAGIC.items() if head.startswith(magic)), None)
+    if suffix is None:
+        return ""
+    return f" (it holds {COMPRESSIONS[suffix]}-compressed data, but its name does not end in {suffix}: rename it)"
+
+
+def read_records(
+    cfg: Config, path: Path, fmt: str, limit: int | None, compression: str | None = None, key: str = "data"
+) -> list[dict]:
+    """The records of a structured file: fmt is jsonl or json (read here: one object per line, or one array of
+    objects), csv, parquet or arrow (read through `datasets`)."""
+    if fmt in DATASETS_FORMATS:
+        if compression == "zstd":
+            open_text(path, compression, key).close()  # refuses without the zstd module, naming it
+        return _with_datasets(path, fmt, limit, key)
+    lines = read_lines(path, compression, key)
     array = bool(lines) and lines[0].lstrip().startswith("[")
     records = []
     for i, line in enumerate(["\n".join(lines)] if array else lines[:limit], 1):
@@ -54,19 +143,19 @@ def read_records(cfg: Config, path: Path, fmt: str, limit: int | None) -> list[d
     return records
 
 
-def _with_datasets(path: Path, fmt: str, limit: int | None) -> list[dict]:
+def _with_datasets(path: Path, fmt: str, limit: int | None, key: str = "data") -> list[dict]:
     if not path.is_file():
-        raise FinetuneError(f"data: file not found: {path}")
+        raise FinetuneError(f"{key}: file not found: {path}")
     try:
         import datasets
     except ImportError:
         raise FinetuneError(
-            f"data: {path}: reading {fmt} files needs the datasets library: pip install 'datasets>=3'"
+            f"{key}: {path}: reading {fmt} files needs the datasets library: pip install 'datasets>=3'"
         ) from None
     try:
         ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as e:  # datasets raises many types for an unreadable file
-        raise FinetuneError(f"data: cannot read {path} as {fmt}: {type(e).__name__}: {e}") from None
+        raise FinetuneError(f"{key}: cannot read {path} as {fmt}: {type(e).__name__}: {e}") from None
     if limit:
         ds = ds.select(range(min(limit, len(ds))))
     return [dict(r) for r in ds]

@@ -25,7 +25,7 @@ from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import memory, output, report
 from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
-from .data import IGNORE, Data, load_tokenizer
+from .data import IGNORE, Data, fingerprint_changes, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
 from .memory import memory_gib
 from .model import (
@@ -146,6 +146,7 @@ class Trainer:
         self.tok = load_tokenizer(cfg, path)
         self.memory = self._memory_estimate(config, path)
         self.data = Data(cfg, self.tok)
+        self.fingerprint = self.data.fingerprint(cfg, self.tok)
         if len(self.data.train[0]) < cfg.micro_batch * world:
             raise FinetuneError(
                 f"data: {self.data.source}: the training split has {len(self.data.train[0])} sequences; "
@@ -156,7 +157,11 @@ class Trainer:
         self.out = Path(cfg.output_dir or time.strftime("runs/finetune-%Y%m%d-%H%M%S"))
         if self.dist.main:  # rank 0 creates output_dir (concurrent probes would race on it)
             output.check(self.out, cfg)
+        self.resumed_from, self.finished = None, False
         self.state = self._resume_state() if cfg.resume else None
+        if self.state is not None and self.state["step"] >= self.steps:
+            self.finished = True  # nothing to train: run() says so, the model is not built
+            return
         self.model, self.aux_coef = build_model(
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )
@@ -233,10 +238,31 @@ class Trainer:
         }
 
     def _resume_state(self) -> dict:
+        """The newest readable checkpoint's state (an unreadable one is named, then the one before it is
+        taken), checked against this run: the launch's layout, the config, the data."""
         found = checkpoints(self.out) if self.out.is_dir() else []
         if not found:
             raise FinetuneError(f"resume: no checkpoint in {self.out}")
-        state = torch.load(found[-1] / STATE, map_location="cpu", weights_only=True)
+        state, own, unreadable = None, None, []
+        for ckpt in reversed(found):
+            try:
+                state = _load_state(ckpt / STATE)
+                if self.dist.rank:
+                    own = _load_state(ckpt / rank_state(self.dist.rank))
+            except Exception as e:  # truncated or damaged: torch raises RuntimeError, EOFError, pickle errors
+                unreadable.append(
+                    f"{ckpt / STATE} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                )
+                continue
+            self.resumed_from = ckpt
+            break
+        if self.resumed_from is None:
+            raise FinetuneError(f"resume: no readable checkpoint in {self.out}: {'; '.join(unreadable)}")
+        steps = self.dist.gather(state["step"])
+        if len(set(steps)) > 1:
+            raise FinetuneError(f"resume: the ranks' newest readable checkpoints differ (steps {steps})")
+        for bad in unreadable:
+            self.log(f"resume: unreadable checkpoint {bad}; resuming from {self.resumed_from} instead")
         old = {**vars(Config()), **state["config"]}  # a key newer than the checkpoint: its default
         # the launch's layout first: its message says how to launch
         world, ep = state.get("world", 1), old.get("ep", 1)
@@ -256,9 +282,15 @@ class Trainer:
                 f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'overwrite'}))} may change on resume "
                 f"({self.out / 'finetune.toml'} holds the run's config)"
             )
-        if self.dist.rank:
-            state = torch.load(found[-1] / rank_state(self.dist.rank), map_location="cpu", weights_only=True)
-        return state
+        differs = fingerprint_changes(state["data"], self.fingerprint) if "data" in state else []
+        if differs and not self.cfg.allow_data_change:
+            raise FinetuneError(
+                f"resume: the data differs from the checkpoint's ({'; '.join(differs)}), so the batches would "
+                "not be the checkpoint's; restore the data, or pass --allow-data-change to continue on this data"
+            )
+        if differs:
+            self.log(f"  resume: on changed data (allow_data_change): {'; '.join(differs)}")
+        return own if self.dist.rank else state
 
     # ------------------------------------------------------------------------------------------ pieces
     def loss_sum(self, x, y, pos):
@@ -303,6 +335,7 @@ class Trainer:
             step=step,
             micro_batches=step * self.cfg.grad_accum,
             config=vars(self.cfg).copy(),
+            data=self.fingerprint,
             world=d.world,
             model={n: _local(m).detach().cpu() for n, m in zip(self.names, self.master)},
             optimizer=self.opt.state_dict(),
@@ -317,8 +350,13 @@ class Trainer:
             final = self.out / f"checkpoint-{step}"
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for old in checkpoints(self.out)[:-1]:
-                shutil.rmtree(old, ignore_errors=True)
+            found = checkpoints(self.out)
+            # past this step: an unreadable checkpoint a resume went back from; then all but the newest kept
+            newer = [c for c in found if int(c.name.split("-")[-1]) > step]
+            kept = [c for c in found if c not in newer][-self.cfg.keep_checkpoints :]
+            for old in found:
+                if old not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
         d.barrier()
 
     def restore(self, state: dict) -> int:
@@ -392,7 +430,7 @@ class Trainer:
             f"active per token), {c.method}, {self.device.type} {dtype_name(self.dtype)}, "
             f"experts on {on}{'' if c.fp8 == 'none' else f' (FP8 {c.fp8})'}\n  data: {d.source}: {d.documents:,} "
             f"{d.kind} documents, {d.tokens:,} tokens -> {len(d.train[0])} train / {len(d.eval[0])} eval "
-            f"sequences of {c.seq_len}{'' if not c.eval_data else f' (eval: {d.eval_source})'}"
+            f"sequences of {c.seq_len} ({d.describe_packing()}){'' if not c.eval_data else f' (eval: {d.eval_source})'}"
             f"{f'; {d.describe_chat()}' if d.chat else ''}\n  {self.steps} steps of "
             f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}{ranks}\n"
             f"  memory estimate per {self.device.type}: {self.memory.table()}"
@@ -403,6 +441,12 @@ class Trainer:
         """Train (or continue) to self.steps or run_steps, writing into self.out. on_step(step, trainer) is
         called after every step (tests use it). Returns the last metrics line."""
         cfg, out, main = self.cfg, self.out, self.dist.main
+        if self.finished:
+            self.log(
+                f"moe8 finetune: {out} is finished: its checkpoint {self.resumed_from.name} is at step "
+                f"{self.state['step']} of steps = {self.steps}; nothing to train (a larger --steps continues it)"
+            )
+            return {}
         created = cfg.overwrite or not out.exists()
         if main:  # rank 0 writes; the other ranks write only their checkpoint shards
             if cfg.overwrite:
@@ -432,7 +476,7 @@ class Trainer:
         metrics = open(out / "metrics.jsonl" if d.main else os.devnull, "a")
         self.log(self.describe())
         if start:
-            self.log(f"  resuming from {checkpoints(out)[-1]} (step {start})")
+            self.log(f"  resuming from {self.resumed_from} (step {start})")
         progress = Progress(self.steps, start, cfg.progress and d.main)
         info = dict(
             model=cfg.model, method=cfg.method, device=f"{dev.type} {self.dtype}", params=self.total_params
@@ -489,6 +533,11 @@ class Trainer:
                 n_label = sum(int((y[:, 1:] != IGNORE).sum()) for _, y, _ in batches)
                 if d.on:  # every rank divides by the global count: the averaged gradient is the global one
                     n_label = int(d.sum(torch.tensor(n_label, device=dev)))
+                if not n_label:  # AdamW would still move the weights (momentum, weight decay) on no signal
+                    raise FinetuneError(
+                        f"step {step}: its {accum * cfg.micro_batch * W} sequences hold no loss tokens (every "
+                        "label masked), so the step has nothing to learn from; check the data's loss masking"
+                    )
                 for x, y, pos in batches:
                     ce, aux, z = self.loss_sum(*(t.to(dev, non_blocking=True) for t in (x, y, pos)))
                     loss = ce * W / max(n_label, 1)
@@ -631,6 +680,14 @@ class Trainer:
         if d.on:
             line["memory_gib_ranks"] = memory
         return line
+
+
+def _load_state(path: Path) -> dict:
+    """A training_state*.pt file; an exception when it is unreadable or not a training state."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError("not a moe8 training state")
+    return state
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
