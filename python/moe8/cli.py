@@ -1,5 +1,5 @@
 """The `moe8` command (also `python -m moe8`). `moe8 demo` trains a tiny MoE model; `moe8 finetune` fine-tunes
-a Hugging Face MoE model; `moe8 merge` folds a LoRA adapter into its base; `moe8 info` prints the build (CPU /
+a Hugging Face MoE model; `moe8 merge` folds a LoRA adapter into its base; `moe8 recipes` lists the fine-tuning recipes; `moe8 info` prints the build (CPU /
 CUDA / CUTLASS, architectures, versions), torch and the GPU, and warns when they don't match."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ commands:
   demo       train a tiny MoE language model through moe8 and print loss and tokens/s (moe8 demo --help)
   finetune   fine-tune a Hugging Face MoE model (full or LoRA), metrics and an HTML report (moe8 finetune --help)
   merge      fold a LoRA adapter (experts included) into its base, write a Hugging Face checkpoint (moe8 merge --help)
+  recipes    list the fine-tuning recipes with their measured memory and speed; `moe8 recipes NAME` prints one
   info       print what this moe8 build holds (CPU only / CUDA / CUTLASS sm90a, GPU architectures, CUDA and
              CUTLASS versions), the torch version and the GPU; warns when the GPU can't run the build's kernels
 
@@ -68,6 +69,10 @@ def main(argv=None) -> int:
         from .finetune.merge import main as merge
 
         return merge(rest)
+    if cmd == "recipes":
+        from .finetune.recipes import main as recipes
+
+        return recipes(rest)
     if cmd == "info":
         return info()
     print(f"moe8: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

@@ -1,13 +1,15 @@
 """moe8 finetune — fine-tune a Hugging Face MoE model (full or LoRA) with its experts on moe8.
 
-    moe8 finetune                          a quick run on a built-in tiny model (CPU: about a minute)
+    moe8 finetune                          a quick run on a built-in tiny model (2 CPU cores: under a minute)
     moe8 finetune CONFIG.toml [--KEY VALUE ...]    keys from the file, flags override them
     moe8 finetune CONFIG.toml --resume     continue after a kill, from the last checkpoint
-    moe8 finetune recipes/NAME.toml --model DIR --data FILE    a recipe for a real checkpoint (recipes/)
+    moe8 finetune --recipe NAME --data FILE    a recipe that ships with moe8 (`moe8 recipes` lists them)
+    moe8 finetune --model ORG/NAME         a Hugging Face model by id (the local cache first); --data ORG/NAME too
 
 Data: text, JSONL / JSON, parquet / arrow (with datasets) files of text, messages, alpaca or ShareGPT records;
 chats have loss on the assistant turns only; documents are packed with per-document position_ids. The peak GPU
 memory is estimated before loading (--no-memory-check to skip the refusal).
+Progress: a bar on a terminal; in a log file or pipe (or with --no-progress) one line per logged step.
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
 metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
 per-expert token fraction of every MoE layer; also to report_to = tensorboard / wandb / mlflow), report.html (charts and expert-load heatmaps), checkpoints for --resume.
@@ -35,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("config", nargs="?", help="a TOML file of config keys (optional)")
     ap.add_argument("--print_config", action="store_true", help="print the config as TOML, exit")
+    ap.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="a recipe that ships with moe8 instead of CONFIG.toml (flags override its keys; --model DIR: a "
+        "local copy of its model)",
+    )
+    ap.add_argument("--list_recipes", action="store_true", help="list the recipes (as `moe8 recipes`), exit")
     add_flags(ap.add_argument_group("config keys (TOML key = flag name)"))
     return ap
 
@@ -48,13 +57,22 @@ def main(argv=None, on_step=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}{_suggest(ap, unknown)}")
     args = vars(known)
     path, show = args.pop("config"), args.pop("print_config")
+    recipe, list_recipes = args.pop("recipe"), args.pop("list_recipes")
     import torch
 
+    from . import hub, recipes
+
+    if list_recipes:
+        print(recipes.listing())
+        return 0
     try:
+        if recipe is not None:
+            path = _recipe(recipe, path, args)
         cfg = make_config(path, args)
         if show:
             print(to_toml(cfg), end="")
             return 0
+        cfg = hub.local_data(cfg)  # a missing file named by its key; a Hub dataset id: its cached file
         from .train import run
 
         trainer = run(cfg, on_step=on_step)
@@ -92,6 +110,25 @@ def main(argv=None, on_step=None) -> int:
         print(f"done: {trainer.steps} steps, loss {last.get('loss', float('nan')):.3f}{ev}; {what}: {out}")
     print(f"report: {out / 'report.html'}")
     return 0
+
+
+def _recipe(name: str, path: str | None, args: dict) -> str:
+    """The file of recipe `name`; a recipe that names no model needs --model or --model-config (which then
+    runs under the recipe's name)."""
+    from .config import load_toml
+    from .recipes import path as recipe_path
+
+    if path:
+        raise FinetuneError(f"--recipe {name} and the config file {path}: give one of them")
+    found = str(recipe_path(name))
+    if "model" not in load_toml(found) and "model" not in args:
+        if "model_config" not in args:
+            raise FinetuneError(
+                f"recipe {name} names no model (no published checkpoint has its shape): pass --model DIR (a "
+                f"checkpoint of that shape), or --model-config {name.rsplit('_', 1)[0]} for random weights"
+            )
+        args["model"] = name
+    return found
 
 
 def _suggest(ap: argparse.ArgumentParser, unknown: list[str]) -> str:

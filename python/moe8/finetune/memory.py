@@ -66,6 +66,10 @@ def count_params(config, cfg: Config) -> Counts:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if cfg.method == "lora":  # a target that matches nothing is refused here, before any weight is loaded
+        from .model import lora_targets
+
+        lora_targets(model, cfg)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
     return Counts(total, experts, *lora_params(model, cfg))

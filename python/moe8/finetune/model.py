@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from .. import hf
+from . import hub
 from .config import Config, FinetuneError
 from .routing import experts_modules
 
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"  # the recipes' model configs
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 # random-weight models for trying things out: hidden 64, 8 experts, top-2
 TINY = {
@@ -72,9 +74,12 @@ def model_config(cfg: Config, tok=None):
         config.tie_word_embeddings = True
     else:
         path = Path(cfg.model)
+        if not path.is_dir() and hub.is_hub_id(cfg.model):  # ORG/NAME: its config and tokenizer, cache first
+            path = hub.model_dir(cfg.model)
         if not path.is_dir():
             raise FinetuneError(
-                f"model: {cfg.model} is neither a directory nor a built-in model ({', '.join(BUILTIN)})"
+                f"model: {cfg.model} is neither a directory, a Hugging Face model id (ORG/NAME) nor a built-in "
+                f"model ({', '.join(BUILTIN)})"
             )
         if not (path / "config.json").is_file():
             raise FinetuneError(f"model: {path} has no config.json: not a Hugging Face model directory")
@@ -107,6 +112,8 @@ def config_from(spec: str, num_layers: int = 0):
             raise FinetuneError(f"model_config: not valid JSON: {e}") from None
     elif spec in CONFIG_MAPPING:
         kw = {"model_type": spec}
+    elif (CONFIGS / f"{spec}.json").is_file():  # a recipe's model config by name (moe8/recipes/configs)
+        kw = json.loads((CONFIGS / f"{spec}.json").read_text())
     elif Path(spec).is_file():
         try:
             kw = json.loads(Path(spec).read_text())
@@ -115,7 +122,8 @@ def config_from(spec: str, num_layers: int = 0):
     else:
         raise FinetuneError(
             f"model_config = {spec!r}: expected a transformers model type ({', '.join(hf.FAMILIES)}), a "
-            "config.json file or inline JSON"
+            f"recipe's config ({', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))}), a config.json file "
+            "or inline JSON"
         )
     if not isinstance(kw, dict) or not isinstance(kw.get("model_type"), str):
         raise FinetuneError(f"model_config: {spec[:80]!r} has no model_type")
@@ -158,6 +166,8 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
     else:
         from safetensors import SafetensorError
 
+        if hub.is_hub_id(cfg.model):  # the weights of a Hub model: from the cache, else downloaded now
+            path = hub.model_weights(cfg.model, path)
         check_weights(path)
         try:
             with contextlib.nullcontext() if cfg.progress else quiet_bars():  # no "Loading weights" bar
@@ -197,18 +207,15 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
                 log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = lora_targets(model, cfg, log) if cfg.method == "lora" else []
     if cfg.method == "lora" and not cfg.moe8:
-        return peft_lora(model, cfg), coef
+        return peft_lora(model, cfg, targets), coef
     if cfg.method == "lora":
-        from moe8.lora import TARGETS, apply_lora
+        from moe8.lora import apply_lora
 
         try:
             model = apply_lora(
-                model,
-                r=cfg.lora_r,
-                alpha=cfg.lora_alpha,
-                targets=cfg.lora_targets or TARGETS,
-                dropout=cfg.lora_dropout,
+                model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=targets, dropout=cfg.lora_dropout
             )
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
@@ -262,18 +269,48 @@ def quiet_bars():
             logging.enable_progress_bar()
 
 
-def peft_lora(model, cfg: Config):
-    """--method lora --no-moe8: the same LoRA through PEFT (target_modules for the attention projections,
-    target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to."""
+def lora_targets(model, cfg: Config, log=None) -> list[str]:
+    """The LoRA targets of `model` (moe8.lora's rule: a Linear named t or ending in "." + t; "experts"):
+    cfg.lora_targets, refused when one matches nothing (the message lists the model's names), or of the
+    default targets those the model has (log names the others)."""
+    import difflib
+
     from moe8.lora import TARGETS
 
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    has_experts = bool(experts_modules(model))
+
+    def matches(t: str) -> bool:
+        return (t == "experts" and has_experts) or any(n == t or n.endswith("." + t) for n in linear)
+
+    wanted = list(cfg.lora_targets or TARGETS)
+    missing = [t for t in wanted if not matches(t)]
+    names = sorted({n.rsplit(".", 1)[-1] for n in linear}) + (["experts"] if has_experts else [])
+    if missing and cfg.lora_targets:
+        hints = [
+            f"{t} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(t, names, 1)) else t
+            for t in missing
+        ]
+        raise FinetuneError(
+            f"lora_targets: {', '.join(hints)} match no layer of {cfg.model}; its layers LoRA can adapt: "
+            f"{', '.join(names)}"
+        )
+    if missing and log is not None:
+        log(
+            f"lora: the default targets {', '.join(missing)} are not in {cfg.model}; adapting {', '.join(t for t in wanted if t not in missing)}"
+        )
+    return [t for t in wanted if t not in missing]
+
+
+def peft_lora(model, cfg: Config, targets: list[str]):
+    """--method lora --no-moe8: the same LoRA through PEFT (target_modules for the attention projections,
+    target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to."""
     try:
         import peft
     except ImportError:
         raise FinetuneError(
             "--no-moe8 with --method lora runs PEFT's LoRA (the comparison baseline): pip install 'peft>=0.17'"
         ) from None
-    targets = list(cfg.lora_targets or TARGETS)
     config = peft.LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,

@@ -246,6 +246,10 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
     if "memory_estimate_gib" in info:
         peaks = [h["memory_gib"] for h in train if _finite(h.get("memory_gib"))]
         measured = f"{max(peaks):.2f} GiB" if peaks else "not measured"
+        if peaks and str(info.get("device", "")).startswith("cpu"):  # no allocator statistics on the CPU
+            measured += (
+                " process peak RSS (with Python, torch and the data; the estimate: the training's tensors)"
+            )
         facts["memory: estimate vs measured peak"] = (
             f"{info['memory_estimate_gib']:.2f} GiB vs {measured} ({info.get('memory_parts', '')})"
         )
