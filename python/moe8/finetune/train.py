@@ -250,9 +250,8 @@ class Trainer:
                 if self.dist.rank:
                     own = _load_state(ckpt / rank_state(self.dist.rank))
             except Exception as e:  # truncated or damaged: torch raises RuntimeError, EOFError, pickle errors
-                unreadable.append(
-                    f"{ckpt / STATE} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                )
+                first = str(e).splitlines()[0].split(". ")[0] if str(e) else ""  # torch's first sentence
+                unreadable.append(f"{ckpt / STATE} ({type(e).__name__}: {first})")
                 continue
             self.resumed_from = ckpt
             break
@@ -407,7 +406,8 @@ class Trainer:
                 self.model.save_pretrained(self.out)
         else:
             save_adapter(self.model, self.out)
-        if self.model_path is None:  # a built-in model's random base: rebuilt from the seed, saved beside
+        # a built-in model's random base: rebuilt from the seed, saved beside (a model_config one is for measuring)
+        if self.model_path is None and not self.cfg.model_config:
             from transformers import AutoModelForCausalLM
 
             where = self.device if self.cfg.model_config else torch.device("cpu")  # as build_model
@@ -477,7 +477,7 @@ class Trainer:
         self.log(self.describe())
         if start:
             self.log(f"  resuming from {self.resumed_from} (step {start})")
-        progress = Progress(self.steps, start, cfg.progress and d.main)
+        progress = Progress(self.steps, start, cfg.progress, d.main)
         info = dict(
             model=cfg.model, method=cfg.method, device=f"{dev.type} {self.dtype}", params=self.total_params
         )
@@ -573,14 +573,11 @@ class Trainer:
                     (cfg.eval_every and step % cfg.eval_every == 0) or step == self.steps
                 )
                 save = (cfg.save_every and step % cfg.save_every == 0) or step == stop
-                text = None
+                line = None
                 if step % cfg.log_every == 0 or do_eval or save:
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     line = self._line(step, window, lr, grad_norm)
-                    text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
-                        f"  MFU {100 * line['mfu']:.1f}%" if line["mfu"] is not None else ""
-                    )
                     if not math.isfinite(line["loss"]):  # the window's summed loss: any step's NaN shows
                         emit(line)
                         write_report()
@@ -591,10 +588,10 @@ class Trainer:
                 if save:
                     self.save(step)
                     write_report()
-                progress.update(step, text)
+                progress.update(step, line)
                 if on_step is not None:
                     on_step(step, self)
-                if text is not None:  # the next window starts after the eval and the checkpoint
+                if line is not None:  # the next window starts after the eval and the checkpoint
                     window = new_window()
             if stop == self.steps:
                 self.export()
