@@ -133,11 +133,19 @@ def _recipe(name: str, path: str | None, args: dict) -> str:
 
 def _suggest(ap: argparse.ArgumentParser, unknown: list[str]) -> str:
     """'; did you mean --steps?' for the unknown flags close to a known one ('' if none is)."""
+    from .config import suggest
+
     flags = [f for a in ap._actions for f in a.option_strings if f.startswith("--")]
     hints = []
     for u in unknown:
         flag = u.partition("=")[0]
-        if flag.startswith("--") and (m := difflib.get_close_matches(flag, flags, 1, 0.6)):
+        if not flag.startswith("--"):
+            continue
+        no = flag.startswith("--no-")  # --no-KEY of a boolean key
+        key = suggest(flag[5:] if no else flag[2:])  # another trainer's name (--learning_rate: --lr), a typo
+        m = [f"--no-{key}" if no else f"--{key}"] if key else []
+        m = [f for f in m + difflib.get_close_matches(flag, flags, 1, 0.6) if f in flags]
+        if m:
             hints.append(f"{m[0]} for {flag}" if len(unknown) > 1 else m[0])
     return f"; did you mean {', '.join(hints)}?" if hints else ""
 

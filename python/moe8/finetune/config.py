@@ -226,12 +226,65 @@ def _check_type(name: str, value, where: str):
     return float(value) if t is float else value
 
 
+# the names other trainers (transformers' TrainingArguments, PEFT, TRL, axolotl) give these keys
+ALIASES = {
+    "lr": "learning_rate min_lr",
+    "micro_batch": "batch_size per_device_train_batch_size train_batch_size micro_batch_size bs",
+    "grad_accum": "gradient_accumulation_steps gradient_accumulation accumulation_steps",
+    "steps": "max_steps num_steps train_steps total_steps iters max_iters",
+    "epochs": "num_train_epochs num_epochs epoch",
+    "seq_len": "max_seq_length max_seq_len max_length sequence_len sequence_length seq_length block_size "
+    "context_length cutoff_len",
+    "warmup_steps": "warmup num_warmup_steps warmup_ratio",
+    "min_lr_ratio": "min_lr_rate final_lr_ratio",
+    "lora_r": "lora_rank rank r",
+    "lora_targets": "target_modules lora_target_modules lora_target_linear",
+    "activation_checkpointing": "gradient_checkpointing checkpointing recompute",
+    "output_dir": "output out_dir output_path save_dir",
+    "data": "dataset datasets train_file train_data dataset_name data_path train_dataset data_files",
+    "eval_data": "eval_file validation_file eval_dataset test_data val_data test_datasets",
+    "eval_fraction": "val_set_size validation_split val_split eval_split test_size",
+    "model": "model_name_or_path model_name base_model model_id model_path",
+    "tokenizer": "tokenizer_name tokenizer_name_or_path tokenizer_path",
+    "eval_every": "eval_steps evaluation_steps",
+    "save_every": "save_steps checkpoint_every",
+    "log_every": "logging_steps log_steps log_interval",
+    "keep_checkpoints": "save_total_limit",
+    "max_grad_norm": "grad_clip clip_grad_norm gradient_clipping max_norm",
+    "dtype": "torch_dtype precision bf16 fp16 mixed_precision",
+    "aux_loss_coef": "router_aux_loss_coef load_balancing_loss_coef output_router_logits",
+    "router_z_loss_coef": "z_loss_coef router_z_loss z_loss",
+    "resume": "resume_from_checkpoint",
+    "overwrite": "overwrite_output_dir",
+    "report_to": "log_with trackers",
+    "text_field": "dataset_text_field",
+    "max_documents": "max_samples num_samples max_train_samples",
+    "ep": "expert_parallel ep_size expert_parallel_size",
+    "num_layers": "num_hidden_layers n_layers",
+    "moe8": "use_moe8",
+    "seed": "random_seed data_seed",
+}
+_ALIAS = {alias: key for key, names in ALIASES.items() for alias in names.split()}
+
+
+def suggest(name: str) -> Optional[str]:
+    """The key an unknown key most likely means: another trainer's name for it (learning_rate: lr), else the
+    closest spelling (stpes: steps), else None."""
+    norm = name.strip().lower().replace("-", "_")
+    if norm in KEYS:
+        return norm
+    if norm in _ALIAS:
+        return _ALIAS[norm]
+    close = difflib.get_close_matches(norm, KEYS, 1, 0.6)
+    if not close and len(norm) == 2:  # two letters swapped: rl, pe
+        close = [k for k in KEYS if len(k) == 2 and sorted(k) == sorted(norm)]
+    return close[0] if close else None
+
+
 def _unknown(names, where: str):
     bad = sorted(set(names) - set(KEYS))
     if bad:
-        hints = [
-            f"{b} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(b, KEYS, 1)) else b for b in bad
-        ]
+        hints = [f"{b} (did you mean {m}?)" if (m := suggest(b)) else b for b in bad]
         raise FinetuneError(
             f"{where}: unknown config keys: {', '.join(hints)}; `moe8 finetune --help` lists them"
         )

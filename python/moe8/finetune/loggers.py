@@ -107,12 +107,15 @@ class Trackers:
 
 
 class Progress:
-    """tqdm when installed, else one carriage-return line: step, loss, tokens/s, MFU, ETA."""
+    """The training's progress, on rank 0: on a terminal (stdout and stderr both) with progress on, a tqdm bar
+    (when installed; else one carriage-return line); otherwise, for a log file or a pipe, and always with
+    progress off, one plain line per logged step: step, loss (and eval loss), lr, tokens/s, MFU, ETA."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.total, self.initial, self.enabled = total, initial, enabled
+    def __init__(self, total: int, initial: int, progress: bool, main: bool = True):
+        self.total, self.initial, self.main = total, initial, main
         self.t0, self.text, self.bar = time.perf_counter(), "", None
-        if enabled:
+        self.live = main and progress and sys.stdout.isatty() and sys.stderr.isatty()
+        if self.live:
             try:
                 from tqdm import tqdm
 
@@ -122,26 +125,42 @@ class Progress:
             except ImportError:
                 pass
 
-    def update(self, step: int, text: str | None) -> None:
-        if text is not None:
-            self.text = text
+    def eta(self, step: int) -> str:
+        s = int((time.perf_counter() - self.t0) / max(1, step - self.initial) * (self.total - step))
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+    def update(self, step: int, line: dict | None) -> None:
+        """After each step; `line` is the step's metrics line when it was logged, else None."""
+        if not self.main:
+            return
+        if line is not None:
+            self.text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
+                f"  MFU {100 * line['mfu']:.1f}%" if line.get("mfu") is not None else ""
+            )
         if self.bar is not None:
-            if text is not None:
-                self.bar.set_postfix_str(text, refresh=False)
+            if line is not None:
+                self.bar.set_postfix_str(self.text, refresh=False)
             self.bar.update(1)
-        elif self.enabled:
-            eta = (time.perf_counter() - self.t0) / max(1, step - self.initial) * (self.total - step)
-            sys.stderr.write(f"\r{step}/{self.total}  {self.text}  ETA {int(eta) // 60}:{int(eta) % 60:02d} ")
+        elif self.live:
+            sys.stderr.write(f"\r{step}/{self.total}  {self.text}  ETA {self.eta(step)} ")
             sys.stderr.flush()
+        elif line is not None:
+            ev = f"  eval {line['eval_loss']:.3f}" if line.get("eval_loss") is not None else ""
+            mfu = f"  MFU {100 * line['mfu']:.1f}%" if line.get("mfu") is not None else ""
+            print(
+                f"step {step}/{self.total}  loss {line['loss']:.3f}{ev}  lr {line['lr']:.3g}  "
+                f"{line['tokens_per_s']:,.0f} tok/s{mfu}  ETA {self.eta(step)}",
+                flush=True,
+            )
 
     def write(self, msg: str) -> None:
         if self.bar is not None:
             self.bar.write(msg)
         else:
-            print(("\n" if self.enabled and self.text else "") + msg, flush=True)
+            print(("\n" if self.live and self.text else "") + msg, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
+        elif self.live:
             sys.stderr.write("\n")
