@@ -34,15 +34,18 @@ class Config:
     # model and data
     model: str = _key(
         "tiny-qwen3-moe",
-        "a local Hugging Face model directory (config.json + weights) of a supported MoE family, or a built-in "
-        "model with random weights: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe (for trying things out) or "
+        "a local Hugging Face model directory (config.json + weights) of a supported MoE family, a Hugging Face "
+        "model id (ORG/NAME: from the local cache, else downloaded; HF_HUB_CACHE, HF_HUB_OFFLINE apply), or a "
+        "built-in model with random weights: tiny-qwen3-moe, tiny-mixtral, tiny-olmoe (for trying things out) or "
         "qwen3-moe-1b (Qwen3-30B-A3B proportions, ~1B parameters with the qwen3 tokenizer)",
     )
     model_config: str = _key(
         "",
-        "build the model with random weights from a transformers config instead of loading one (for measuring): "
-        "a model type (qwen3_moe: its config class's defaults), a config.json path, or inline JSON "
-        '({"model_type": "mixtral", "num_local_experts": 8}); model then only names the run',
+        "build the model with random weights from a transformers config instead of loading one (for measuring; "
+        "a LoRA run then writes the adapter without its random base): a model type (qwen3_moe: its config "
+        "class's defaults), a recipe's model config by name (moe8 recipes: qwen3_30b_a3b, deepseek_v3_reduced, "
+        '...), a config.json path, or inline JSON ({"model_type": "mixtral", "num_local_experts": 8}); model '
+        "then only names the run",
     )
     num_layers: int = _key(0, "with model_config: this many decoder layers instead of the config's (0: keep)")
     tokenizer: str = _key(
@@ -55,13 +58,16 @@ class Config:
         "auto",
         "training data: a text file (.txt), a JSONL / JSON file, or (with the datasets library) a csv, parquet "
         "or arrow file, of records in one of the formats (see format); .txt, .jsonl, .json and .csv files may be "
-        "gzip, bz2, xz or zstd compressed (.gz, .bz2, .xz, .zst; zstd needs the zstandard module); auto: the "
+        "gzip, bz2, xz or zstd compressed (.gz, .bz2, .xz, .zst; zstd needs the zstandard module); or a Hugging "
+        "Face dataset id (ORG/NAME: its train file, from the local cache, else downloaded); auto: the "
         "first 20,000 lines of "
         "text/sentences.txt of the shared data folder ($MOE8_SHARED_DATA, or ../shared/data beside a source "
         "checkout) when present, else generated sentences",
     )
     eval_data: str = _key(
-        "", "a separate evaluation file (read like data); empty: hold out eval_fraction of the training data"
+        "",
+        "a separate evaluation file (read like data), or a Hugging Face dataset id (its validation or test "
+        "file); empty: hold out eval_fraction of the training data",
     )
     data_format: str = _key(
         "auto",
@@ -177,7 +183,11 @@ class Config:
     peak_tflops: Optional[float] = _key(
         None, "peak TFLOP/s for MFU (default: 989 on H100/H200, bf16 dense; else MFU is not reported)"
     )
-    progress: bool = _key(True, "show a progress bar")
+    progress: bool = _key(
+        True,
+        "a progress bar when stdout and stderr are a terminal; otherwise (a log file, a pipe) and with "
+        "--no-progress: one plain line per logged step (step, loss, eval loss, lr, tokens/s, MFU, ETA)",
+    )
     report_to: List[str] = _key(
         [], "also log to these (comma-separated): tensorboard (output_dir/tensorboard), wandb, mlflow"
     )
@@ -228,7 +238,7 @@ def _check_type(name: str, value, where: str):
 
 # the names other trainers (transformers' TrainingArguments, PEFT, TRL, axolotl) give these keys
 ALIASES = {
-    "lr": "learning_rate min_lr",
+    "lr": "learning_rate",
     "micro_batch": "batch_size per_device_train_batch_size train_batch_size micro_batch_size bs",
     "grad_accum": "gradient_accumulation_steps gradient_accumulation accumulation_steps",
     "steps": "max_steps num_steps train_steps total_steps iters max_iters",
@@ -236,7 +246,7 @@ ALIASES = {
     "seq_len": "max_seq_length max_seq_len max_length sequence_len sequence_length seq_length block_size "
     "context_length cutoff_len",
     "warmup_steps": "warmup num_warmup_steps warmup_ratio",
-    "min_lr_ratio": "min_lr_rate final_lr_ratio",
+    "min_lr_ratio": "min_lr min_lr_rate final_lr_ratio",
     "lora_r": "lora_rank rank r",
     "lora_targets": "target_modules lora_target_modules lora_target_linear",
     "activation_checkpointing": "gradient_checkpointing checkpointing recompute",
