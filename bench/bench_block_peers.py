@@ -34,7 +34,7 @@ ROUTINGS = ("balanced", "skewed")
 def block_inputs(block, T: int, routing: str, seed: int = 0):
     """x [T, H] bf16 (requires grad) and dy [T, H]; "skewed": x tilted towards a Zipf-drawn expert's router row
     per token (its favourite then takes the top slot for most tokens)."""
-    gate = block.gate.weight  # [E, H]
+    gate = block.gate.weight.detach()  # [E, H]
     E, H = gate.shape
     g = torch.Generator(device=gate.device).manual_seed(seed)
     x = torch.randn(T, H, device=gate.device, generator=g)
