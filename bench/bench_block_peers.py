@@ -21,7 +21,7 @@ import json
 import time
 
 import torch
-from bench_layer import BF16_CEILING, SHAPES, hf_block, median_ms, rel  # this folder is on sys.path
+from bench_layer import BF16_CEILING, SHAPES, back_to_back_ms, hf_block, median_ms, rel  # on sys.path
 from peers import SONICMOE, sonicmoe_block, sonicmoe_version
 from run_info import run_info
 
@@ -75,9 +75,11 @@ def peak_and_held(forward, params, dy) -> tuple[float, float]:
     return peak / 2**30, held / 2**30
 
 
-def measure(label, forward, params, dy, flops, reference=None, profile_top=0, warmup=3, iters=10) -> dict:
+def measure(label, forward, params, dy, flops, reference=None, opts=None, warmup=3, iters=10) -> dict:
     """One row: ms, TFLOP/s, peak / held GiB, the output's and x's gradient's difference from `reference`
-    (transformers' row, the same inputs), and optionally the top kernels of one more step."""
+    (transformers' row, the same inputs); with opts (the command line): the top kernels of one more step
+    (profile), its GPU busy and idle time from a trace (trace: a folder), ms per step queued back to back."""
+    opts = opts or {}
     x = params[0]
 
     def step():
@@ -100,11 +102,26 @@ def measure(label, forward, params, dy, flops, reference=None, profile_top=0, wa
     if reference is not None:
         row["output_rel_diff"] = rel(y, reference["out"])
         row["dx_rel_diff"] = rel(dx, reference["dx"])
-    if profile_top:
+    if opts.get("profile"):
         from profiling import profile_step
 
         print(f"  {label}:", flush=True)
-        row["profile"] = profile_step(step, profile_top)
+        row["profile"] = profile_step(step, opts["profile"])
+    if opts.get("trace"):  # where the GPU idles in one more step (bench/profiling.py)
+        from pathlib import Path
+
+        from profiling import export_trace, gpu_gaps, print_gaps
+
+        path = Path(opts["trace"]) / f"{opts['tag']}_{label.split()[0]}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_trace(step, path)
+        with open(path) as f:
+            gaps = gpu_gaps(json.load(f))
+        row["gpu_busy_ms"], row["gpu_idle_ms"] = gaps["busy_us"] / 1e3, gaps["idle_us"] / 1e3
+        row["idle_by_op"] = gaps.get("idle_by_op", [])
+        print_gaps(f"  {label} trace", gaps)
+    if opts.get("back_to_back"):
+        row["back_to_back_ms"] = back_to_back_ms(step, opts["back_to_back"])
     print(
         f"  {label:<28} {ms:8.3f} ms {row['expert_tflops']:6.0f} TF/s  peak {peak:6.2f} GiB  held {held:5.2f} GiB"
         f"  (first call {first_s:.1f} s)",
@@ -129,7 +146,7 @@ def moe8_config(spec: str):
         raise SystemExit(f"--moe8: {e}") from None
 
 
-def bench(name, routing, T, configs, peers, profile_top) -> dict:
+def bench(name, routing, T, configs, peers, opts) -> dict:
     H, I, E, K = SHAPES[name]
     torch.manual_seed(0)
     block = hf_block(H, I, E, K)
@@ -140,8 +157,10 @@ def bench(name, routing, T, configs, peers, profile_top) -> dict:
     gate, experts = block.gate, block.experts
     params = [x, *block.parameters()]
     rows = []
-    ref = measure("transformers (grouped_mm)", lambda: block(x.unsqueeze(0))[0], params, dy, flops, None,
-                  profile_top)  # fmt: skip
+    opts = {**opts, "tag": f"{name}_{routing}"}
+    ref = measure(
+        "transformers (grouped_mm)", lambda: block(x.unsqueeze(0))[0], params, dy, flops, None, opts
+    )
     rows.append(ref)
     for label, cfg in configs:
 
@@ -151,7 +170,7 @@ def bench(name, routing, T, configs, peers, profile_top) -> dict:
             )
             return y
 
-        rows.append(measure(label, moe8_forward, params, dy, flops, ref, profile_top))
+        rows.append(measure(label, moe8_forward, params, dy, flops, ref, opts))
     if SONICMOE in peers:
         why, info = sonicmoe_version()
         if why is None:
@@ -160,7 +179,7 @@ def bench(name, routing, T, configs, peers, profile_top) -> dict:
                     gate.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(), K
                 )
                 p = [x, *moe.parameters()]
-                rows.append({**measure(SONICMOE, lambda: moe(x)[0], p, dy, flops, ref, profile_top), **info})
+                rows.append({**measure(SONICMOE, lambda: moe(x)[0], p, dy, flops, ref, opts), **info})
                 del moe
             except Exception as e:  # noqa: BLE001  (a peer failing is recorded, the other rows are kept)
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
@@ -198,6 +217,10 @@ def main():
         "--peers", default=SONICMOE, help=f"comma-separated peers to run beside moe8: {SONICMOE} or ''"
     )
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print each row's N top kernels")
+    ap.add_argument("--trace", default=None, metavar="DIR", help="save a trace of one more step per row in DIR "
+                    "and print where the GPU idles")  # fmt: skip
+    ap.add_argument("--back-to-back", type=int, default=0, metavar="N", help="also time N steps queued back to "
+                    "back per row (one synchronisation at the end)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if not moe8.cuda_available():
@@ -218,7 +241,8 @@ def main():
     results = []
     for s in shapes:
         for r in routings:
-            results.append(bench(s, r, args.tokens, configs, peers, args.profile))
+            opts = {"profile": args.profile, "trace": args.trace, "back_to_back": args.back_to_back}
+            results.append(bench(s, r, args.tokens, configs, peers, opts))
             if args.json:  # after every shape: a later failure keeps what ran
                 with open(args.json, "w") as f:
                     json.dump({"meta": meta, "blocks": results}, f, indent=1)
@@ -226,6 +250,7 @@ def main():
     print(f"\n{meta}")
     print(
         f"{'shape':<8} {'routing':<9} {'impl':<28} {'ms':>8} {'vs HF':>6} {'TF/s':>5} {'peak GiB':>8} {'held':>6}"
+        f" {'queued ms':>9} {'GPU busy':>8}"
     )
     for b in results:
         for r in b["rows"]:
@@ -235,7 +260,8 @@ def main():
             print(
                 f"{b['shape']:<8} {b['routing']:<9} {r['impl']:<28} {r['ms']:>8.3f} "
                 f"{r['speedup_vs_transformers']:>5.2f}x {r['expert_tflops']:>5.0f} {r['peak_extra_gib']:>8.2f} "
-                f"{r['held_gib']:>6.2f}"
+                f"{r['held_gib']:>6.2f} {r.get('back_to_back_ms', float('nan')):>9.3f} "
+                f"{r.get('gpu_busy_ms', float('nan')):>8.3f}"
             )
 
 
