@@ -157,7 +157,7 @@ def roundtrip(
         _same(f"round {i}: x.grad", _grad(x), _grad(x2))
         _same(f"round {i}: weights.grad", _grad(w), _grad(w2))
     t.close()
-    return "ok"
+    return t.capacity
 
 
 def interleaved(rank, world, *, E, K, H, seed):
@@ -332,7 +332,74 @@ def ep_experts(rank, world, *, E, K, H, inter, seed, backward=True, fp8_dispatch
     return "ok"
 
 
+def oversized(rank, world, *, big_rank):
+    """A fixed capacity (max_tokens 8, through make_transport as parallelize passes it) and rank `big_rank`
+    dispatching 20 tokens: every rank raises the same ValueError at once (well inside the barriers' timeout),
+    none waits for a peer; the next call with small batches works."""
+    from moe8.parallel.experts import make_transport
+
+    E, K, H = 2 * world, 2, 64
+    t = make_transport("ipc", dist.group.WORLD, E, timeout_s=5.0, max_tokens=8)
+    assert t.max_tokens == 8 and t.timeout_s == 5.0, (t.max_tokens, t.timeout_s)
+    T = 20 if rank == big_rank else 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    w = torch.rand(T, K, device="cuda")
+    start = time.monotonic()
+    try:
+        t.dispatch(x, ids, w)
+        raise AssertionError("an oversized batch was dispatched")
+    except ValueError as e:
+        message, elapsed = str(e), time.monotonic() - start
+    if elapsed > 4.0:
+        raise AssertionError(f"the refusal took {elapsed:.1f} s: {message}")
+    rows, _, meta = t.dispatch(x[:4], ids[:4], w[:4])
+    t.combine(rows, meta)
+    torch.cuda.synchronize()
+    t.close()
+    return message
+
+
+def hf_grows(rank, world):
+    """A transformers model under parallelize(transport="ipc") with no max_tokens: the buffers are sized by
+    the first batch; a later, larger batch on one rank grows them on every rank, and each rank's logits and
+    loss are those of the whole model on its own batch (fp32)."""
+    import copy
+
+    import transformers
+
+    from moe8.parallel import experts_modules, parallelize
+
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(cfg).cuda()
+    model = parallelize(copy.deepcopy(full), None, transport="ipc")
+    transport = experts_modules(model)[0][1]._moe8_ep["transport"]
+    capacities = []
+    for step, seq in enumerate((6, 20 if rank == 1 else 6, 5)):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        ids = torch.randint(3, 128, (2, seq), generator=g).cuda()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        with torch.no_grad():
+            want = full(input_ids=ids, labels=ids)
+        if not torch.allclose(out.logits, want.logits, rtol=1e-5, atol=1e-5):
+            diff = (out.logits - want.logits).abs().max().item()
+            raise AssertionError(f"step {step}: logits differ by {diff}")
+        capacities.append(transport.capacity)
+    torch.cuda.synchronize()
+    transport.close()
+    return capacities
+
+
 SCENARIOS = {
+    "oversized": oversized,
+    "hf_grows": hf_grows,
     "roundtrip": roundtrip,
     "interleaved": interleaved,
     "missing_peer": missing_peer,

@@ -379,6 +379,118 @@ def test_dead_peer_raises(tmp_path):
     )
 
 
+STALL_BOUND_S = 20  # the transport's bound on every wait, in the stalled-peer test
+LAYER = "model.layers.3.mlp.experts"
+
+
+def _stalls(rank, world, bound):
+    """Rank 1 stays alive but reaches the layer after its peers' bound has passed: each rank's call ends
+    with a TransportError naming it and the layer (rank 0: its counts wait; rank 1: the rows its peer never
+    sends), within the bound, though the process group's own timeout is 30 minutes."""
+    import time
+
+    from moe8.parallel.nccl import NcclTransport
+    from moe8.parallel.transport import TransportError
+
+    el = E // world
+    t = NcclTransport(dist.group.WORLD, E, timeout_s=bound)
+    x, ids, w, _ = batch(4, 2, rank, torch.float32)
+    params = expert_weights({}, torch.float32)
+    gu, dn = params["gate_up"][rank * el : (rank + 1) * el], params["down"][rank * el : (rank + 1) * el]
+    if rank == 1:
+        time.sleep(bound + 5)
+    start = time.monotonic()
+    try:
+        ep_experts_forward(x, ids, w, gu, dn, transport=t, layer=LAYER)
+        return "returned", "", time.monotonic() - start
+    except TransportError as e:
+        return "TransportError", str(e), time.monotonic() - start
+
+
+def test_stalled_peer_ends_the_group_within_the_bound(tmp_path):
+    """A peer that stalls (alive, late) does not hold the others for the process group's timeout (30 min,
+    gloo's default): every wait of the transport is bounded by its timeout_s (20 s here), so the whole group
+    has its TransportErrors, naming the rank and the layer, in under 60 s."""
+    import time
+
+    group = Workers(2, str(tmp_path / "store"), pg_timeout_s=1800)
+    try:
+        group.run(_noop)  # the processes are up and in their group before the clock starts
+        start = time.monotonic()
+        out = group.run(_stalls, STALL_BOUND_S, timeout=120)
+        total = time.monotonic() - start
+    finally:
+        group.close()
+    assert total < 60, (total, out)
+    for rank, (kind, msg, elapsed) in enumerate(out):
+        assert kind == "TransportError", out
+        assert f"on rank {rank} of the expert-parallel group (layer {LAYER})" in msg, msg
+        assert f"within {STALL_BOUND_S} s" in msg, msg
+        assert STALL_BOUND_S * 0.9 <= elapsed <= STALL_BOUND_S + 15, (rank, elapsed, msg)
+
+
+def _noop(rank, world):
+    dist.barrier()
+    return rank
+
+
+def test_timeout_is_checked():
+    from moe8.parallel.nccl import NcclTransport
+
+    for bad in (0, -1.0, "10", None, True):
+        with pytest.raises(ValueError, match=r"timeout_s: expected > 0 seconds"):
+            NcclTransport.__new__(NcclTransport).__init__(None, 8, timeout_s=bad)
+
+
+def test_capacity_agreement():
+    """The rule every rank of an ipc group applies to the counts it received (capacity flags included): all
+    fit, grow to the largest batch, or, with max_tokens fixed, the same ValueError everywhere."""
+    from moe8.parallel.transport import agreed_capacity, capacity_flag, raise_bad_ids
+
+    bad = torch.tensor([2], dtype=torch.int32)
+    assert capacity_flag(8, 8, None) is None and capacity_flag(8, 8, bad) is bad
+    assert capacity_flag(9, 8, bad).tolist() == [-9] and capacity_flag(9, 8, None).tolist() == [-9]
+    assert agreed_capacity([0, 3, 0], 8, None, 2) is None
+    assert agreed_capacity([0, -20, -12], 8, None, 2) == 20
+    with pytest.raises(
+        ValueError,
+        match=r"x: capacity exceeded: rank 1 sends 20 rows \(10 tokens x k 2\), rank 2 sends 12 rows \(6 tokens "
+        r"x k 2\); a region holds 8 rows \(max_tokens 4 x K 2\)",
+    ):
+        agreed_capacity([0, -20, -12], 8, 4, 2)
+    raise_bad_ids([0, -20, 0], 8)  # a capacity flag is not an out-of-range id
+    with pytest.raises(ValueError, match=r"out-of-range ids \(rank 2: 1\)"):
+        raise_bad_ids([0, -20, 1], 8)
+
+
+def _agree(rank, world, tokens, max_tokens):
+    """Each rank's flag travels to every rank (here through the bounded all_gather the ipc transport uses to
+    create its buffers); every rank decides alone, from the same list."""
+    from moe8.parallel.transport import agreed_capacity, all_gather_bounded, capacity_flag
+
+    k, capacity = 2, 16
+    flag = capacity_flag(tokens[rank] * k, capacity, torch.zeros(1, dtype=torch.int32))
+    flags = all_gather_bounded(int(flag), dist.group.WORLD, 30.0, "capacity flags")
+    try:
+        return "grow", agreed_capacity(flags, capacity, max_tokens, k)
+    except ValueError as e:
+        return "refused", str(e)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 8])
+def test_capacity_agreement_is_the_same_on_every_rank(workers, max_tokens):
+    out = workers(4).run(_agree, [4, 40, 8, 13], max_tokens)
+    assert all(o == out[0] for o in out), out
+    if max_tokens is None:
+        assert out[0] == ("grow", 80)
+    else:
+        assert (
+            out[0][0] == "refused" and "rank 1 sends 80 rows" in out[0][1] and "rank 3 sends 26" in out[0][1]
+        )
+    out = workers(4).run(_agree, [4, 8, 8, 1], max_tokens)
+    assert all(o == ("grow", None) for o in out), out
+
+
 def _route_loss(rank, world, Ts):
     from moe8.parallel.aux import global_route_loss
 

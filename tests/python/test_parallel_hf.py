@@ -247,6 +247,48 @@ def test_parallelize_config_errors(workers):
     )
 
 
+def _empty_rank(rank, world):
+    """Rank 1 gets an empty batch: every rank raises the same ValueError before any layer runs (none is left
+    waiting in a collective); then a step with tokens everywhere runs on the same model."""
+    model = parallelize(hf_build("mixtral"), _mesh(world), timeout_s=30)
+    timeouts = {m._moe8_ep["transport"].timeout_s for _, m in experts_modules(model)}
+    ids = hf_tokens(world).chunk(world)[rank]
+    try:
+        model(input_ids=ids[:0] if rank == 1 else ids, labels=ids)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    loss = hf_step(model, ids)[1]
+    unparallelize(model)
+    return message, timeouts, bool(torch.isfinite(loss)), len(model._forward_pre_hooks)
+
+
+def test_a_rank_without_tokens_is_refused_on_every_rank(workers):
+    out = workers(2).run(_empty_rank)
+    want = "input_ids: rank 1 of the expert-parallel model has no tokens (tokens by rank: [24, 0])"
+    for message, timeouts, finite, hooks in out:
+        assert message is not None and message.startswith(want), message
+        assert timeouts == {30.0} and finite and hooks == 0
+
+
+def _parallelize_arguments(rank, world):
+    errors = []
+    for bad in (dict(max_tokens=0), dict(timeout_s=0), dict(max_tokens=2.5)):
+        try:
+            parallelize(hf_build("mixtral"), _mesh(world), **bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_parallelize_checks_max_tokens_and_timeout(workers):
+    out = workers(2).run(_parallelize_arguments)
+    assert all(o == out[0] for o in out) and len(out[0]) == 3, out
+    assert out[0][0].startswith("max_tokens: expected an int >= 1 or None, got 0")
+    assert out[0][1].startswith("timeout_s: expected > 0 seconds, got 0")
+    assert out[0][2].startswith("max_tokens: expected an int >= 1 or None, got 2.5")
+
+
 def _save(rank, world, family, path, max_shard_bytes):
     from moe8.parallel.checkpoint import save_pretrained
 

@@ -129,6 +129,38 @@ def test_roundtrip_capacity_from_first_call():
     )
 
 
+def test_roundtrip_capacity_grows_on_every_rank():
+    # no max_tokens: a later batch larger than the first grows the buffers on every rank, the results still
+    # bitwise the single-process path's; the capacity ends at the largest T x K (rank 1's 64 x 2)
+    out = _launch(
+        2,
+        "roundtrip",
+        E=4,
+        K=2,
+        H=64,
+        dtype="bfloat16",
+        rounds=[[4, 2], [40, 3], [3, 64], [10, 10], [0, 0]],
+        seed=7,
+        max_tokens=None,
+    )
+    assert out == [128, 128], out
+
+
+@pytest.mark.parametrize("world,big_rank", [(2, 1), (4, 0)])
+def test_oversized_batch_refused_on_every_rank(world, big_rank):
+    out = _launch(world, "oversized", big_rank=big_rank)
+    assert all(m == out[0] for m in out), out
+    assert f"capacity exceeded: rank {big_rank} sends 40 rows (20 tokens x k 2)" in out[0], out[0]
+    assert "a region holds 16 rows (max_tokens 8 x K 2)" in out[0], out[0]
+
+
+def test_parallelize_ipc_grows_for_a_larger_batch():
+    pytest.importorskip("transformers", minversion="5.0")
+    out = _launch(2, "hf_grows")
+    for capacities in out:  # 2 x 6 tokens x K 2, then rank 1's 2 x 20 x 2
+        assert capacities == [24, 80, 80], out
+
+
 def test_two_layers_in_flight():
     _launch(2, "interleaved", E=8, K=2, H=128, seed=6)
 

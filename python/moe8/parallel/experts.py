@@ -33,20 +33,29 @@ def _fp8_dispatch(experts_kwargs: dict) -> bool:
     return config.fp8_dispatch and precision(experts_kwargs.get("fp8") or config.fp8).code >= 0
 
 
-def make_transport(transport: Union[str, Transport], group, num_experts: int) -> Transport:
-    """A Transport by name ("nccl", "ipc") over `group`, or `transport` itself when it already is one."""
+def make_transport(
+    transport: Union[str, Transport],
+    group,
+    num_experts: int,
+    timeout_s: Optional[float] = None,
+    max_tokens: Optional[int] = None,
+) -> Transport:
+    """A Transport by name ("nccl", "ipc") over `group`, or `transport` itself when it already is one.
+    timeout_s: the bound on each wait for the peers (default: the transport's, DEFAULT_TIMEOUT_S for nccl, 10 s
+    for ipc's GPU barriers); max_tokens: the ipc buffers' fixed capacity (None: grown as batches need)."""
     if isinstance(transport, Transport):
         return transport
+    timeout = {} if timeout_s is None else dict(timeout_s=timeout_s)
     if transport == "nccl":
         from .nccl import NcclTransport
 
-        return NcclTransport(group, num_experts)
+        return NcclTransport(group, num_experts, **timeout)
     if transport == "ipc":
         try:
             from .ipc import IpcTransport
         except ImportError as e:
             raise ValueError(f"transport 'ipc' is not available here: {e}") from e
-        return IpcTransport(group, num_experts)
+        return IpcTransport(group, num_experts, max_tokens=max_tokens, **timeout)
     raise ValueError(f"transport: expected 'nccl', 'ipc' or a Transport, got {transport!r}")
 
 
@@ -64,6 +73,7 @@ def ep_experts_forward(
     grad_scale: float = 1.0,
     gate_up_bias: Optional[Tensor] = None,
     down_bias: Optional[Tensor] = None,
+    layer: str = "",
     **experts_kwargs,
 ) -> Tensor:
     """y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) with the experts spread over an expert-parallel
@@ -82,6 +92,8 @@ def ep_experts_forward(
         fp8_dispatch is on, the rows travel as e4m3 codes + 1x128 scales (Transport.dispatch(fp8=True)).
     Overlap: with config.ep_chunks > 1 and a transport that pipelines (nccl; not with FP8 dispatch), the
         tokens go in that many parts, each part's expert GEMMs running while the next part's rows move.
+    layer: the layer's name, which a TransportError names (a peer that exited, or stalled past the
+        transport's timeout_s).
     grad_scale: multiplies the gradients of the expert weights, biases and LoRA factors. Each expert's
         gradient sums the contributions of every rank's loss; 1 / group size turns that sum into the mean a
         data-parallel gradient average would give.
@@ -132,14 +144,15 @@ def ep_experts_forward(
         )
 
     fp8 = _fp8_dispatch(experts_kwargs)
+    named = dict(layer=layer) if layer else {}  # a Transport of one's own may not take it
     chunks = (experts_kwargs.get("config") or DEFAULT).ep_chunks
     if chunks > 1 and not fp8 and hasattr(transport, "dispatch_pipelined"):
         from .nccl import wait
 
-        parts = transport.dispatch_pipelined(x, ids, weights, chunks, check_ids=check_ids)
+        parts = transport.dispatch_pipelined(x, ids, weights, chunks, check_ids=check_ids, **named)
         backs = []
         for rows, local_ids, meta, pending in parts:  # part c computes while part c + 1's rows move
             backs.append((*transport.combine_async(experts(wait(rows, pending), local_ids), meta), meta))
         return torch.cat([weighted_sum(wait(back, pending), meta) for back, pending, meta in backs])
-    rows, local_ids, meta = transport.dispatch(x, ids, weights, check_ids=check_ids, fp8=fp8)
+    rows, local_ids, meta = transport.dispatch(x, ids, weights, check_ids=check_ids, fp8=fp8, **named)
     return weighted_sum(transport.combine(experts(rows, local_ids), meta), meta)

@@ -27,7 +27,7 @@ from ..hf.forward import module_config
 from ..hf.patching import config_of
 from ..hf.registry import registry
 from .experts import ep_experts_forward, make_transport
-from .transport import Transport
+from .transport import DEFAULT_TIMEOUT_S, Transport, on_device, wait_bounded
 
 LORA_PARAMS = ("gate_up_lora_A", "gate_up_lora_B", "down_lora_A", "down_lora_B")  # moe8.lora.apply_lora's
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", *LORA_PARAMS)
@@ -75,6 +75,7 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
         transport=st["transport"],
         check_ids=st["check_ids"],
         grad_scale=st["grad_scale"],
+        layer=st["name"],
         config=module_config(self),  # the model's moe8.Config (routed_down, fp8, ...), as on one GPU
         **st["kwargs"],
         **extra,
@@ -94,6 +95,38 @@ def _check_same(info: dict, group) -> None:
                 f"parallelize: the ranks disagree on {key} (rank 0: {values[0]}; {differ}); every rank must "
                 "build the same model and call parallelize with the same mesh and transport"
             )
+
+
+def _tokens_of(args: tuple, kwargs: dict) -> int:
+    """The tokens of a causal LM's forward (input_ids [B, S], or inputs_embeds [B, S, H]); -1 when unknown."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        return embeds.shape[:-1].numel()
+    return -1
+
+
+def _refuse_empty_ranks(model, args, kwargs) -> None:
+    """A forward pre-hook of an expert-parallel model: the ranks exchange their token counts (one small
+    all_gather, bounded), and a rank without tokens makes every rank raise the same ValueError before any
+    layer runs (its attention would fail, and its peers would wait for it in their first MoE layer)."""
+    st = model._moe8_ep_model
+    group, timeout_s = st["group"], st["timeout_s"]
+    mine = torch.tensor([_tokens_of(args, kwargs)], dtype=torch.int64, device=on_device(group))
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait_bounded(
+        dist.all_gather(parts, mine, group=group, async_op=True), timeout_s, "token count all_gather", group
+    )
+    counts = torch.cat(parts).tolist()
+    empty = [r for r, n in enumerate(counts) if n == 0]
+    if empty:
+        raise ValueError(
+            f"input_ids: rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the expert-parallel "
+            f"model {'have' if len(empty) > 1 else 'has'} no tokens (tokens by rank: {counts}); every rank must "
+            "run at least one token in each forward (drop or pad the last, incomplete batch)"
+        )
 
 
 def auto_transport(ep: int, device) -> str:
@@ -117,6 +150,8 @@ def parallelize(
     grad_scale: Optional[float] = None,
     check_ids: bool = False,
     device=None,
+    max_tokens: Optional[int] = None,
+    timeout_s: Optional[float] = None,
 ) -> nn.Module:
     """Shard the experts of a transformers MoE model over mesh["ep"] and run them expert-parallel; returns
     the model (changed in place).
@@ -129,6 +164,12 @@ def parallelize(
     grad_scale: factor on the expert gradients; default 1 / ep, so that after the dense gradients are
         averaged over all ranks every gradient is that of the mean of the ranks' losses.
     check_ids: range-check the router's ids (they come from a top-k over the experts: off by default).
+    max_tokens: for "ipc", the most tokens a rank runs in one forward: buffers of that size, and a larger batch
+        raises the same ValueError on every rank; None: buffers sized by the first batch and grown on every
+        rank when a later one needs more.
+    timeout_s: the longest a transport waits for its peers (a peer that stalled or exited) before raising
+        TransportError naming the rank and the layer; default 300 s for "nccl", 10 s for ipc's GPU barriers.
+    A forward where some rank has no tokens raises the same ValueError on every rank before any layer runs.
 
     Every rank must build the same model; a different number of experts, hidden size, ep, dp or transport on
     some rank raises the same ValueError on every rank, as does E % ep != 0.
@@ -157,6 +198,10 @@ def parallelize(
         expert_lora=[[tuple(getattr(m, p).shape) for p in LORA_PARAMS if hasattr(m, p)] for _, m in found],
     )
     _check_same(info, None)
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens: expected an int >= 1 or None, got {max_tokens!r}")
     for n, m in found:
         num = m.gate_up_proj.shape[0]
         if num % ep:
@@ -167,10 +212,10 @@ def parallelize(
             raise ValueError(f"parallelize: {n} is already expert-parallel")
     rank = dist.get_rank(group)
     transports = {}
-    for _, m in found:
+    for n, m in found:
         num = m.gate_up_proj.shape[0]
         if num not in transports:
-            transports[num] = make_transport(transport, group, num)
+            transports[num] = make_transport(transport, group, num, timeout_s, max_tokens)
         local = num // ep
         kwargs = experts_kwargs(m)
         for p in EXPERT_PARAMS:
@@ -185,8 +230,12 @@ def parallelize(
             check_ids=check_ids,
             grad_scale=1.0 / ep if grad_scale is None else grad_scale,
             group=group,
+            name=n,
         )
         m.forward = types.MethodType(_ep_forward, m)
+    bound = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    model._moe8_ep_model = dict(group=dist.group.WORLD, timeout_s=bound)
+    model._moe8_ep_model["hook"] = model.register_forward_pre_hook(_refuse_empty_ranks, with_kwargs=True)
     return model
 
 
@@ -243,4 +292,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
                 setattr(m, p, nn.Parameter(gather_experts(m, p), requires_grad=w.requires_grad))
         del m._moe8_ep
         del m.forward
+    st = model.__dict__.pop("_moe8_ep_model", None)
+    if st is not None:
+        st["hook"].remove()
     return model

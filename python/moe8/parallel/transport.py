@@ -24,6 +24,8 @@ the ranks' concatenated batch, so per-expert sums (weight gradients) run in the 
 
 from __future__ import annotations
 
+import datetime
+import pickle
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,9 +35,91 @@ from torch import Tensor
 from .. import ops
 from ..fp8 import dequantize, quantize_rows_1x128
 
+DEFAULT_TIMEOUT_S = 300.0  # how long a transport's wait for its peers lasts before TransportError
+
 
 class TransportError(RuntimeError):
     """A collective of a transport failed (a peer exited, or a wait timed out)."""
+
+
+def check_timeout(timeout_s) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected > 0 seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def where(layer: str) -> str:
+    """' (layer NAME)' for a message, or nothing when the layer has no name."""
+    return f" (layer {layer})" if layer else ""
+
+
+def wait_bounded(work, timeout_s: float, what: str, group, layer: str = "", transport: str = "nccl") -> None:
+    """work.wait() for at most timeout_s: a peer that exited or stalls gives TransportError naming this rank,
+    the collective and the layer, not a wait of the process group's own timeout (30 min with gloo)."""
+    import torch.distributed as dist
+
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        rank = dist.get_rank(group)
+        raise TransportError(
+            f"moe8.parallel {transport}: the {what} failed on rank {rank} of the expert-parallel group"
+            f"{where(layer)}: a peer exited or did not reach it within {timeout_s:g} s: {e}"
+        ) from e
+
+
+def on_device(group):
+    """The device the process group's collectives take tensors on."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def all_gather_bounded(
+    obj, group, timeout_s: float, what: str, layer: str = "", transport: str = "nccl"
+) -> list:
+    """Every rank's picklable obj, as dist.all_gather_object gives, each wait bounded by timeout_s."""
+    import torch.distributed as dist
+
+    n, dev = dist.get_world_size(group), on_device(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    wait_bounded(
+        dist.all_gather(sizes, mine, group=group, async_op=True), timeout_s, what, group, layer, transport
+    )
+    most = max(int(t) for t in sizes)
+    parts = [torch.empty(most, dtype=torch.uint8, device=dev) for _ in range(n)]
+    padded = torch.zeros(most, dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    wait_bounded(
+        dist.all_gather(parts, padded, group=group, async_op=True), timeout_s, what, group, layer, transport
+    )
+    return [pickle.loads(p[: int(s)].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+def capacity_flag(slots: int, capacity: int, bad: Optional[Tensor]):
+    """What a source sends in the bad-ids place of its counts: the number of out-of-range ids (>= 0), or, when
+    its slots do not fit a region (slots > capacity: it then sends no rows), -slots."""
+    if slots > capacity:
+        return torch.full((1,), -slots, dtype=torch.int32, device=bad.device if bad is not None else "cpu")
+    return bad
+
+
+def agreed_capacity(flags: list, capacity: int, max_tokens: Optional[int], k: int) -> Optional[int]:
+    """From every source's flag (capacity_flag; every rank receives the same list): None when every batch fit;
+    else the capacity every rank grows its buffers to (the largest slots asked for), or, with a fixed capacity
+    (max_tokens given), the ValueError every rank raises at once."""
+    asked = {r: -f for r, f in enumerate(flags) if f < 0}
+    if not asked:
+        return None
+    if max_tokens is not None:
+        ranks = ", ".join(f"rank {r} sends {n} rows ({n // k} tokens x k {k})" for r, n in asked.items())
+        raise ValueError(
+            f"x: capacity exceeded: {ranks}; a region holds {capacity} rows (max_tokens {max_tokens} x K {k}); "
+            "pass a larger max_tokens to moe8.parallel.parallelize / IpcTransport, or None to grow as needed"
+        )
+    return max(max(asked.values()), capacity)
 
 
 @dataclass
@@ -51,13 +135,16 @@ class Meta:
 
 
 class Transport:
-    """Base class: subclasses implement dispatch and combine; `name` is what parallelize() takes."""
+    """Base class: subclasses implement dispatch and combine; `name` is what parallelize() takes.
+    timeout_s: the longest any wait for the peers lasts; past it the call raises TransportError naming the rank
+    and the layer (the group is unusable after that: a peer stalled or exited)."""
 
     name = ""
 
-    def __init__(self, group, num_experts: int):
+    def __init__(self, group, num_experts: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         import torch.distributed as dist
 
+        self.timeout_s = check_timeout(timeout_s)
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -68,10 +155,18 @@ class Transport:
         self.num_experts = int(num_experts)
         self.num_local = self.num_experts // self.size
 
-    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor, check_ids: bool = True, fp8: bool = False):
+    def dispatch(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        check_ids: bool = True,
+        fp8: bool = False,
+        layer: str = "",
+    ):
         """x [T, H], ids [T, K] global expert ids, weights [T, K] -> (rows [R_recv, H], local_ids [R_recv]
         int32 in [0, E_local), Meta). Differentiable in x. fp8: the rows travel as e4m3 codes + 1x128 scales
-        and arrive dequantised (see the module's docstring)."""
+        and arrive dequantised (see the module's docstring). layer: the layer's name, for the messages."""
         raise NotImplementedError
 
     def combine(self, rows: Tensor, meta: Meta) -> Tensor:
@@ -96,9 +191,9 @@ def source_plan(ids: Tensor, num_experts: int, check_ids: bool):
 
 def raise_bad_ids(bad_per_rank: list, num_experts: int) -> None:
     """The ValueError every rank raises when some rank's ids were out of range (same message everywhere)."""
-    where = {r: n for r, n in enumerate(bad_per_rank) if n}
-    if where:
-        ranks = ", ".join(f"rank {r}: {n}" for r, n in where.items())
+    found = {r: n for r, n in enumerate(bad_per_rank) if n > 0}  # < 0: a capacity flag (capacity_flag)
+    if found:
+        ranks = ", ".join(f"rank {r}: {n}" for r, n in found.items())
         raise ValueError(f"ids: expected expert ids in [0, {num_experts}), found out-of-range ids ({ranks})")
 
 
