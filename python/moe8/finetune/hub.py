@@ -95,7 +95,7 @@ def data_files(spec: str, key: str) -> list[Path]:
     says a split). FinetuneError naming the key for a missing file."""
     path = Path(spec)
     if path.exists() or not is_hub_id(spec) or path.suffix in LOCAL_SUFFIXES:
-        if not path.is_file():
+        if not path.exists():  # a directory or unreadable file: the reader says why
             raise FinetuneError(f"{key}: file not found: {spec}")
         return [path]
     root = snapshot(spec, key, [f"*{s}" for s in DATA_SUFFIXES], repo_type="dataset")

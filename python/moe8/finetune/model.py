@@ -78,8 +78,8 @@ def model_config(cfg: Config, tok=None):
             path = hub.model_dir(cfg.model)
         if not path.is_dir():
             raise FinetuneError(
-                f"model: {cfg.model} is neither a directory, a Hugging Face model id (ORG/NAME) nor a built-in "
-                f"model ({', '.join(BUILTIN)})"
+                f"model: {cfg.model} is neither a directory nor a built-in model ({', '.join(BUILTIN)}), nor a "
+                "Hugging Face model id (ORG/NAME)"
             )
         if not (path / "config.json").is_file():
             raise FinetuneError(f"model: {path} has no config.json: not a Hugging Face model directory")
