@@ -29,6 +29,7 @@ from _fuzz_common import (  # noqa: F401 - Case, OK: for the tests
     size,
 )
 from _fuzz_fp8 import fp8_case, fp8_cols_case, fp8_gemm_case, fp8_rows_case, routed_act_case
+from _fuzz_views import other_device, views_case
 
 import moe8
 from moe8 import ops
@@ -239,7 +240,7 @@ def grouped_gemm_case(rng, dev):
     b = randn(rng, (E, N, Kd) if layout == 0 else (E, Kd, N), dt, dev)
     off = offsets_of(rng, E, R)
     fault = pick(rng, OK, OK, "past_rows", "decreasing", "first", "off_dtype", "off_len", "b_dtype", "b_2d",
-                 "a_1d", "layout", "b_inner")  # fmt: skip
+                 "a_1d", "layout", "b_inner", "b_device", "offsets_device")  # fmt: skip
     names, either = (), False
     if fault == "past_rows":
         off = off.clone()
@@ -268,10 +269,13 @@ def grouped_gemm_case(rng, dev):
         layout, names = pick(rng, 2, -1), ("layout",)
     elif fault == "b_inner":
         b, names = randn(rng, (E, N, Kd + 1) if layout == 0 else (E, Kd + 1, N), dt, dev), ("b",)
-    else:
+    elif fault == "b_device":
+        b, names = b.to(other_device(dev)), ("b",)
+    elif fault != "offsets_device":
         fault = OK
     either = fault in ("past_rows", "decreasing", "first") and dev != "cpu"  # the GPU does not read them
-    off = off.to(dev)
+    off = off.to(dev if fault != "offsets_device" else other_device(dev))
+    names = ("offsets",) if fault == "offsets_device" else names
     return Case("grouped_gemm", fault, lambda: ops.grouped_gemm(a, b, off, layout, None),
                 lambda: grouped_ref(a.cpu(), b.cpu(), off.cpu(), layout).to(dt), names, either)  # fmt: skip
 
@@ -281,13 +285,15 @@ def lowrank_case(rng, dev):
     h, t = randn(rng, (R, N), torch.float32, dev), randn(rng, (R, r), torch.float32, dev)
     b = randn(rng, (E, N, r), torch.float32, dev)
     off = offsets_of(rng, E, R)
-    fault, names = pick(rng, OK, "past_rows", "t_rows"), ()
+    fault, names = pick(rng, OK, "past_rows", "t_rows", "t_device"), ()
     if fault == "past_rows":
         off = off.clone()
         off[-1] = R + 3
         names = ("offsets",)
     elif fault == "t_rows":
         t, names = randn(rng, (R + 1, r), torch.float32, dev), ("t",)
+    elif fault == "t_device":
+        t, names = t.to(other_device(dev)), ("t",)
     off = off.to(dev)
 
     def reference():
@@ -465,7 +471,7 @@ def loss_case(rng, dev):
 
 GENERATORS = [experts_case, experts_case, moe_case, route_case, grouped_gemm_case, lowrank_case, rows_case,
               rows_case, plan_case, activation_case, loss_case, fp8_case, fp8_rows_case, routed_act_case, fp8_cols_case,
-              fp8_gemm_case]  # fmt: skip
+              fp8_gemm_case, views_case]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ run
