@@ -219,9 +219,13 @@ def test_head_dims_off_the_kernels_alignment_match_transformers(head_dim, S, mas
 
 
 @pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
-def test_gpt_oss_with_head_dim_12_accelerated_matches_transformers():
-    """A whole GPT-OSS (head_dim 12, bf16, CUDA) through moe8.accelerate with its defaults, a 3 x 17 batch with
-    a padding mask: the loss and the gradients match transformers'."""
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 12), ("float32", 10)])
+def test_gpt_oss_with_an_unaligned_head_dim_accelerated_matches_transformers(dtype, head_dim):
+    """A whole GPT-OSS on CUDA whose head dim is off the kernel's alignment (12 in bf16, 10 in fp32) through
+    moe8.accelerate with its defaults, a 3 x 17 batch with a padding mask, forward and backward, against
+    transformers. fp32: the loss and every gradient agree closely. bf16: the loss agrees and every
+    gradient is finite (a router near a tie may pick another expert for a token when the attention rounds
+    differently, so the experts' gradients are compared in fp32 only)."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -229,15 +233,16 @@ def test_gpt_oss_with_head_dim_12_accelerated_matches_transformers():
     import moe8
     from moe8 import hf
 
-    _, cfg = _gpt_oss_attention(12)
+    dt = getattr(torch, dtype)
+    _, cfg = _gpt_oss_attention(head_dim)
     cfg.update(
         dict(vocab_size=128, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
              sliding_window=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     )  # fmt: skip
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
-    acc = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to("cuda", torch.bfloat16)
+    ref = AutoModelForCausalLM.from_config(cfg).to("cuda", dt)
+    acc = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to("cuda", dt)
     acc.load_state_dict(ref.state_dict())
     ids = torch.randint(3, 128, (3, 17), device="cuda")
     mask = torch.ones_like(ids)
@@ -247,15 +252,19 @@ def test_gpt_oss_with_head_dim_12_accelerated_matches_transformers():
         model.train()
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
         out.loss.backward()
-        return out.loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
-    loss_r, grads_r = step(ref)
+    out_r, grads_r = step(ref)
     acc = moe8.accelerate(acc)
     try:
-        loss_a, grads_a = step(acc)
+        out_a, grads_a = step(acc)
     finally:
         hf.disable()
-    assert rel(loss_a, loss_r) < 2e-2
-    assert grads_a.keys() == grads_r.keys()
+    assert grads_a.keys() == grads_r.keys() and grads_r
+    if dt == torch.bfloat16:
+        assert rel(out_a.loss, out_r.loss) < 2e-2
+        assert all(torch.isfinite(g).all() for g in grads_a.values())
+        return
+    assert rel(out_a.loss, out_r.loss) < 2e-3  # (moe8's fused loss forms no logits)
     for name, g in grads_r.items():
-        assert rel(grads_a[name], g) < 6e-2, name
+        assert rel(grads_a[name], g) < 2e-3, name
