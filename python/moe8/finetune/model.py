@@ -302,9 +302,12 @@ def lora_targets(model, cfg: Config, log=None) -> list[str]:
     return [t for t in wanted if t not in missing]
 
 
-def peft_lora(model, cfg: Config, targets: list[str]):
+def peft_lora(model, cfg: Config, targets: list[str] | None = None):
     """--method lora --no-moe8: the same LoRA through PEFT (target_modules for the attention projections,
-    target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to."""
+    target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to.
+    targets: lora_targets(model, cfg) when not given."""
+    if targets is None:
+        targets = lora_targets(model, cfg)
     try:
         import peft
     except ImportError:
