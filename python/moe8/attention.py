@@ -59,17 +59,29 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
+def _rows_aligned(m: Tensor) -> bool:
+    """Whether the CUDA kernel reads m as it is: its last dim dense, its start and every other stride (of a dim
+    longer than 1) a multiple of 16 elements. Otherwise (T not a multiple of 16, a slice of a longer mask) it
+    is copied into rows padded to 16."""
+    strides = [st for st, n in zip(m.stride()[:-1], m.shape[:-1]) if n > 1]
+    return (
+        (m.shape[-1] <= 1 or m.stride(-1) == 1)
+        and m.data_ptr() % (_ALIGN * m.element_size()) == 0
+        and all(st % _ALIGN == 0 for st in strides)
+    )
+
+
 def _aligned_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """The additive mask [B or 1, 1 or H, S, T] broadcast to [B, H, S, T] in q's dtype, its rows padded to a
-    multiple of 16 columns in storage (a view of the first T), as the CUDA kernel needs; None stays None on
-    the CPU and is a zero mask on CUDA."""
+    """The additive mask [B or 1, 1 or H, S, T] broadcast to [B, H, S, T] in q's dtype, its rows 16-element
+    aligned in storage (_rows_aligned; else copied into rows padded to a multiple of 16, a view of the first T),
+    as the CUDA kernel needs; None stays None on the CPU and is a zero mask on CUDA."""
     B, H, S, T = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if mask is None:
         if not q.is_cuda:
             return None
         mask = q.new_zeros(1, 1, 1, T)  # the CUDA kernel's backward takes a mask tensor, not None
     mask = _additive(mask[..., :T], q.dtype)
-    if q.is_cuda and T % _ALIGN:
+    if q.is_cuda and not _rows_aligned(mask):
         padded = mask.new_zeros(*mask.shape[:-1], (T + _ALIGN - 1) // _ALIGN * _ALIGN)
         padded[..., :T] = mask
         mask = padded[..., :T]

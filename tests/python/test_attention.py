@@ -268,3 +268,16 @@ def test_gpt_oss_with_an_unaligned_head_dim_accelerated_matches_transformers(dty
     assert rel(out_a.loss, out_r.loss) < 2e-3  # (moe8's fused loss forms no logits)
     for name, g in grads_r.items():
         assert rel(grads_a[name], g) < 2e-3, name
+
+
+def test_rows_aligned_decides_when_the_cuda_mask_is_copied():
+    """What the CUDA kernel reads of a mask as it is (the rule, on CPU tensors): rows of a multiple of 16
+    elements; a slice of a longer mask, or rows of 17, are copied into padded rows."""
+    from moe8.attention import _rows_aligned
+
+    assert _rows_aligned(torch.zeros(2, 1, 5, 32))
+    assert _rows_aligned(torch.zeros(1, 1, 5, 16).expand(2, 4, 5, 16))
+    assert not _rows_aligned(torch.zeros(2, 1, 5, 17))
+    assert not _rows_aligned(torch.zeros(2, 1, 5, 40)[..., :32])  # rows 40 apart
+    assert not _rows_aligned(torch.zeros(2, 1, 5, 33)[..., 1:])  # starts one element in
+    assert not _rows_aligned(torch.zeros(2, 1, 32, 5).transpose(-1, -2))
