@@ -115,3 +115,51 @@ def test_a_local_path_is_never_a_hub_id(tmp_path, monkeypatch):
     assert hub.data_files("acme/local.jsonl", "data") == [Path("acme/local.jsonl")]
     with pytest.raises(FinetuneError, match="^eval_data: file not found: acme/gone.jsonl$"):
         hub.data_files("acme/gone.jsonl", "eval_data")  # a file's suffix: no Hub look-up
+
+
+def test_a_dataset_split_is_its_files_name(tmp_path, monkeypatch):
+    """data takes the train file, eval_data the validation / test one; no split in any name: every file; a
+    split in several shards is refused, naming the first."""
+    from moe8.finetune import hub
+    from moe8.finetune.config import FinetuneError
+
+    root = tmp_path / "snap"
+    monkeypatch.setattr(hub, "snapshot", lambda repo_id, key, patterns, repo_type=None: root)
+    (root / "data").mkdir(parents=True)
+    for name in ("train-00000-of-00001.parquet", "validation-00000-of-00001.parquet", "README.md"):
+        (root / "data" / name).write_text("x")
+    assert hub.data_files("acme/set", "data") == [root / "data" / "train-00000-of-00001.parquet"]
+    assert hub.data_files("acme/set", "eval_data") == [root / "data" / "validation-00000-of-00001.parquet"]
+    (root / "data" / "validation-00000-of-00001.parquet").unlink()
+    with pytest.raises(
+        FinetuneError, match="eval_data: the dataset acme/set has no validation, valid, val, test"
+    ):
+        hub.data_files("acme/set", "eval_data")
+    (root / "data" / "train-00000-of-00001.parquet").rename(root / "data" / "chats.parquet")
+    assert hub.data_files("acme/set", "eval_data") == [root / "data" / "chats.parquet"]  # no split named
+    (root / "data" / "more.parquet").write_text("x")
+    cfg = base.Config(data="acme/set")
+    with pytest.raises(
+        FinetuneError, match=r"data: the dataset acme/set holds 2 files for this split; .* \(.*chats"
+    ):
+        hub.local_data(cfg)
+
+
+def test_a_model_snapshot_takes_the_top_level_files(tmp_path, monkeypatch):
+    """Only the top-level config, tokenizer and weights: a subfolder (gpt-oss' original/) is never fetched."""
+    import huggingface_hub
+
+    from moe8.finetune import hub
+
+    calls = []
+
+    def fake(repo_id, **kw):
+        calls.append(kw)
+        (tmp_path / "config.json").write_text("{}")
+        (tmp_path / "model.safetensors").write_text("")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert hub.model_dir("acme/m") == tmp_path and hub.model_weights("acme/m", tmp_path) == tmp_path
+    assert calls[0]["ignore_patterns"] == ["*/*"] and calls[0]["local_files_only"]
+    assert "*.safetensors" not in calls[0]["allow_patterns"]  # the weights only when the model is built

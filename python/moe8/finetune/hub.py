@@ -33,11 +33,12 @@ def cache_dir() -> str:
 
 def snapshot(repo_id: str, key: str, patterns: list[str], repo_type: str | None = None) -> Path:
     """The cached snapshot folder of repo_id holding `patterns`: from the cache when there, else downloaded
-    (FinetuneError naming `key` and the cache when offline with no cached copy, or when the Hub refuses)."""
+    (FinetuneError naming `key` and the cache when offline with no cached copy, or when the Hub refuses). A
+    model's files are its top-level ones: subfolders hold other formats (gpt-oss' original/ weights)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-    kw = dict(repo_type=repo_type, allow_patterns=patterns)
+    kw = dict(repo_type=repo_type, allow_patterns=patterns, ignore_patterns=None if repo_type else ["*/*"])
     try:
         return Path(snapshot_download(repo_id, local_files_only=True, **kw))
     except (LocalEntryNotFoundError, HFValidationError):
