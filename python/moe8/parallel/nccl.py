@@ -27,6 +27,7 @@ is a combine-direction all_to_all of the row gradients, combine's a dispatch-dir
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -59,13 +60,21 @@ class Link(NamedTuple):
 
 def _wait(work, what: str, link: Link, host: bool) -> None:
     """work done (host: on the host, at most link.timeout_s; else, on NCCL, the compute stream waits for it)."""
-    if host or dist.get_backend(link.group) != "nccl":
+    nccl = dist.get_backend(link.group) == "nccl"
+    if not nccl:  # gloo: the collective runs on the host, its wait is the host's
         wait_bounded(work, link.timeout_s, f"{what} all_to_all", link.group, link.layer)
         return
     try:
         work.wait()
     except RuntimeError as e:
         raise _failed(what, link, e) from e
+    if host:  # the host read that follows, bounded: NCCL's own bounded wait polls at 1 ms
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + link.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise _failed(what, link, TimeoutError(f"not done within {link.timeout_s:g} s"))
 
 
 def _all_to_all(
