@@ -189,3 +189,33 @@ def test_a_step_without_loss_tokens_is_refused(tmp_path, text_file, capsys, monk
     rc, text = finetune_rc(capsys, flags(out, text_file, "--steps", 2))
     assert rc == 2 and "step 1: its 2 sequences hold no loss tokens" in text, text
     assert "Traceback" not in text and not out.exists()  # nothing kept: no checkpoint was written
+
+
+def test_padding_takes_no_part_in_the_load_balancing_loss():
+    """The router's load-balancing loss of a padded batch: that of its real tokens alone (transformers'
+    load_balancing_loss_func over them, no mask), whatever the padding tokens are."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from moe8.finetune.packing import padding
+    from moe8.finetune.train import balance_loss
+
+    model = base.tiny_model()
+    model.config.output_router_logits = True
+    balance = balance_loss(model)
+    rng = random.Random(0)
+    docs = [([rng.randint(0, 255) for _ in range(n)],) * 2 for n in (20, 9, 30, 5, 17, 26, 3)]
+    results = []
+    for pad_id in (259, 7):
+        (x, y, pos), stats = pack_documents(docs, 32, pad_id)
+        pad = padding(y, pos)
+        assert stats.padding == int(pad.sum()) > 0 and (x[pad] == pad_id).all() and (y[pad] == IGNORE).all()
+        with torch.no_grad():
+            logits = model(input_ids=x.long(), position_ids=pos.long()).router_logits
+        real = (~pad).flatten()
+        want = load_balancing_loss_func(tuple(t[real] for t in logits), 8, 2)
+        got = balance(logits, (~pad).long())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        results.append(got)
+        with_pad = load_balancing_loss_func(logits, 8, 2)  # what the padding would have changed
+        assert abs(float(with_pad - want)) > 1e-4
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-7)

@@ -88,6 +88,14 @@ def has_loss(labels: list[int]) -> bool:
     return any(x != IGNORE for x in labels[1:])
 
 
+def padding(labels: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the padding of rows from pack_documents, the last document of a row when it has no label (a
+    kept document always has one)."""
+    start = pos == 0
+    last = start.long().cumsum(1) == start.sum(1, keepdim=True)  # the row's last document
+    return last & ~((labels != IGNORE) & last).any(1, keepdim=True)
+
+
 def pack_rows(
     docs: list[tuple[list[int], list[int]]], seq_len: int, packing: str, pad_id: int
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], PackStats]:

@@ -40,6 +40,7 @@ from .model import (
     peak_flops,
     quiet_bars,
 )
+from .packing import padding
 from .routing import RoutingStats, router_z_loss
 
 STATE = "training_state.pt"
@@ -166,6 +167,7 @@ class Trainer:
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )
         self.attention = attention_layers(self.model.config)
+        self.balance = balance_loss(self.model) if cfg.packing == "documents" else None
         self.total_params, self.active_params = active_params(self.model)
         self.stats = RoutingStats(self.model)  # before parallelize: counts over all E experts
         self.mesh, self.expert_ids = None, set()
@@ -309,7 +311,10 @@ class Trainer:
             ce = F.cross_entropy(
                 out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
             )
-        return ce, getattr(out, "aux_loss", None), router_z_loss(getattr(out, "router_logits", None))
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None and self.balance is not None:  # the load-balancing loss without the padding tokens
+            aux = self.balance(out.router_logits, (~padding(y, pos)).long())
+        return ce, aux, router_z_loss(getattr(out, "router_logits", None))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -677,6 +682,20 @@ class Trainer:
         if d.on:
             line["memory_gib_ranks"] = memory
         return line
+
+
+def balance_loss(model):
+    """(router_logits, mask [B, S]) -> the model's load-balancing loss over the tokens where mask is 1
+    (transformers' load_balancing_loss_func of the model's family, as with an attention mask), or None when
+    the family has none."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    E, k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
+    if fn is None or E is None or k is None:
+        return None
+    return lambda logits, mask: fn(logits, E, k, mask)
 
 
 def _load_state(path: Path) -> dict:
