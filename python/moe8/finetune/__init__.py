@@ -7,9 +7,11 @@
     moe8 finetune --recipe NAME --data FILE    a recipe that ships with moe8 (`moe8 recipes` lists them)
     moe8 finetune --model ORG/NAME         a Hugging Face model by id (the local cache first); --data ORG/NAME too
 
-Data: text, JSONL / JSON, parquet / arrow (with datasets) files of text, messages, alpaca or ShareGPT records;
-chats have loss on the assistant turns only; documents are packed with per-document position_ids. The peak GPU
-memory is estimated before loading (--no-memory-check to skip the refusal).
+Data: .txt, JSONL / JSON, csv / parquet / arrow (with datasets) files of text, messages, alpaca or ShareGPT
+records, .txt / .jsonl / .json / .csv also gzip, bz2, xz or zstd compressed; chats have loss on the assistant
+turns only; each document or conversation is packed whole into one sequence (--packing stream: end to end),
+with per-document position_ids. --resume checks the data against the checkpoint's (--allow-data-change). The
+peak GPU memory is estimated before loading (--no-memory-check to skip the refusal).
 Progress: a bar on a terminal; in a log file or pipe (or with --no-progress) one line per logged step.
 Writes into output_dir: the model (save_pretrained + tokenizer, or the PEFT adapter for LoRA),
 metrics.jsonl (one line per logged step: loss, eval_loss, lr, tokens/s, MFU, memory, grad norm, router losses,
