@@ -214,8 +214,19 @@ def test_head_dims_off_the_kernels_alignment_match_transformers(head_dim, S, mas
         out = fn(m, *leaves, mask, head_dim**-0.5, 0.0)[0]  # [B, S, H, D]
         out.float().pow(2).sum().backward()
         results.append([out, *(t.grad for t in leaves), m.sinks.grad])
-    for name, a, b in zip(["out", "q", "k", "v", "sinks"], *results):
-        assert a.shape == b.shape and rel(a, b) < 2e-2, name
+    # both against float64: moe8 within 2e-2, or no further off than transformers' own bf16 rounding allows
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, m.sinks)]
+    ref = reference(*ref_leaves, None if mask is None else mask.double(), head_dim**-0.5).transpose(1, 2)
+    ref.pow(2).sum().backward()
+    want = [ref, *(t.grad for t in ref_leaves)]
+    for name, theirs, ours, exact in zip(["out", "q", "k", "v", "sinks"], *results, want):
+        assert ours.shape == theirs.shape == exact.shape, name
+        assert rel(ours, exact) < max(2e-2, 1.5 * rel(theirs, exact)), (
+            name,
+            rel(ours, exact),
+            rel(theirs, exact),
+        )
+        assert rel(ours, theirs) < 5e-2, name
 
 
 @pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
