@@ -1,7 +1,7 @@
 """moe8 finetune — fine-tune a Hugging Face MoE model (full or LoRA) with its experts on moe8.
 
-    moe8 finetune                          a quick run on a built-in tiny model (2 CPU cores: 45-80 s, of which
-                                           start-up and data ~12 s, the 200 steps the rest; more when the cores are busy)
+    moe8 finetune                          a quick run on a built-in tiny model (2 CPU cores: 45-80 s, ~12 s
+                                           of it start-up and data, then 200 steps, slower on busy cores)
     moe8 finetune CONFIG.toml [--KEY VALUE ...]    keys from the file, flags override them
     moe8 finetune CONFIG.toml --resume     continue after a kill, from the last checkpoint
     moe8 finetune --recipe NAME --data FILE    a recipe that ships with moe8 (`moe8 recipes` lists them)
@@ -33,7 +33,7 @@ from .memory import MemoryCheckError
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="moe8 finetune",
-        usage="moe8 finetune [CONFIG.toml] [--KEY VALUE ...]",
+        usage="moe8 finetune [CONFIG.toml | --recipe NAME] [--KEY VALUE ...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --ste is not --steps: a typo must not silently pick a key
