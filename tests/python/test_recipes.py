@@ -1,7 +1,7 @@
-"""recipes/*.toml: each parses, names a real config under recipes/configs whose estimated peak fits one H200 at the
-recipe's ep (the full-size model, counted on the meta device), and bench/bench_recipes.py --tiny runs recipes
-through moe8 finetune's trainer and plain transformers on the CPU with the same losses, writing both into its
-JSON."""
+"""The recipes (moe8/recipes/*.toml, which recipes/ in the checkout points to): each parses, names a real config
+under moe8/recipes/configs whose estimated peak fits one H200 at the recipe's ep (the full-size model, counted on
+the meta device), and bench/bench_recipes.py --tiny runs recipes through moe8 finetune's trainer and plain
+transformers on the CPU with the same losses, writing both into its JSON."""
 
 import importlib.util
 import json
@@ -17,6 +17,7 @@ pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune need
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import make_config  # noqa: E402
 from moe8.finetune.model import config_from  # noqa: E402
+from moe8.finetune.recipes import DIR as RECIPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = 139 * 2**30  # usable bytes of one H200 as torch reports it, about
@@ -33,16 +34,16 @@ def test_every_recipe_parses_and_fits_its_gpus():
     import dataclasses
 
     b = bench()
-    assert sorted(p.stem for p in (ROOT / "recipes").glob("*.toml")) == sorted(b.RECIPES)
+    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == sorted(b.RECIPES)
     families = {"qwen3": "qwen3_moe", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "olmoe": "olmoe"}
     families |= {"qwen2_moe": "qwen2_moe", "deepseek_v3": "deepseek_v3"}
     configs = {}
     for name, (config_file, _) in b.RECIPES.items():
-        path = ROOT / "recipes" / f"{name}.toml"
+        path = RECIPES / f"{name}.toml"
         ep = tomllib.loads(path.read_text()).get("ep", 1)
         cfg = make_config(str(path), {"ep": 1})  # ep > 1 is refused outside torchrun: estimated below
         if config_file not in configs:
-            config = config_from(str(ROOT / "recipes" / "configs" / config_file))
+            config = config_from(str(RECIPES / "configs" / config_file))
             configs[config_file] = (config, {})
         config, counted = configs[config_file]
         assert config.model_type == next(v for k, v in families.items() if name.startswith(k)), name
@@ -72,7 +73,7 @@ def test_bench_tiny_both_sides_train_alike(tmp_path):
     assert out["info"]["tiny"] and list(out["recipes"]) == names
     for name in names:
         r = out["recipes"][name]
-        recipe = tomllib.loads((ROOT / "recipes" / f"{name}.toml").read_text())
+        recipe = tomllib.loads((RECIPES / f"{name}.toml").read_text())
         a, t = r["moe8"], r["transformers"]
         assert r["layers"] == 2 and r["method"] == recipe["method"] and r["settings_differ"] == [], name
         assert a["settings"] == t["settings"], name
