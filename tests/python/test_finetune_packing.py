@@ -219,3 +219,13 @@ def test_padding_takes_no_part_in_the_load_balancing_loss():
         with_pad = load_balancing_loss_func(logits, 8, 2)  # what the padding would have changed
         assert abs(float(with_pad - want)) > 1e-4
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-7)
+
+
+def test_eval_data_without_a_loss_token_within_seq_len_is_refused(tmp_path, text_file, capsys):
+    evals = write_jsonl(tmp_path / "e.jsonl", [{"messages": c} for c in chats(4)])
+    out = tmp_path / "out"
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--seq_len", 40, "--eval_data", evals))
+    assert rc == 2 and "eval_data: " in text and "no loss token within seq_len = 40 (4 longer than" in text, (
+        text
+    )
+    assert not out.exists()

@@ -106,3 +106,16 @@ def test_resume_of_a_finished_run_says_so(tmp_path, text_file, capsys):
     assert files(out) == before  # nothing trained, nothing written
     rc, text = finetune_rc(capsys, flags(out, text_file, "--resume", "--steps", 7))  # a longer run continues
     assert rc == 0 and "resuming from" in text and "done: 7 steps" in text, text
+
+
+def test_a_checkpoint_without_the_packing_key_resumes_as_a_stream(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    assert finetune_rc(capsys, flags(out, text_file, "--run_steps", 3, "--packing", "stream"))[0] == 0
+    path = out / "checkpoint-3" / "training_state.pt"
+    state = torch.load(path, weights_only=True)
+    del state["config"]["packing"]  # as a checkpoint written without the key, whose rows were streamed
+    torch.save(state, path)
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--resume"))
+    assert rc == 2 and "packing: 'stream' -> 'documents'" in text, text
+    rc, text = finetune_rc(capsys, flags(out, text_file, "--resume", "--packing", "stream"))
+    assert rc == 0 and "resuming from" in text, text

@@ -284,13 +284,13 @@ class Data:
         self.eval_tokens = 0
         if cfg.eval_data:
             kind, _, edocs, esource, estats = tokenize(cfg, tok, cfg.eval_data, "eval_data")
-            self.eval, _ = pack_rows(edocs, S, cfg.packing, pad)
+            self.eval, estats = pack_rows(edocs, S, cfg.packing, pad)
             self.eval_tokens = sum(len(d[0]) for d in edocs)
             if not len(self.eval[0]):
-                raise FinetuneError(
-                    f"eval_data: {esource}: {sum(len(d[0]) for d in edocs):,} tokens, less than one sequence "
-                    f"of seq_len {S}"
-                )
+                why = f"less than one sequence of seq_len {S}"
+                if estats.dropped + estats.no_loss:
+                    why = f"no loss token within seq_len = {S} ({estats.describe()})"
+                raise FinetuneError(f"eval_data: {esource}: {self.eval_tokens:,} tokens, {why}")
             self.eval_source = esource
         self.micro_batch, self.seed = cfg.micro_batch, cfg.seed
         self.per_epoch = len(self.train[0]) // cfg.micro_batch

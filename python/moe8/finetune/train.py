@@ -265,6 +265,8 @@ class Trainer:
         for bad in unreadable:
             self.log(f"resume: unreadable checkpoint {bad}; resuming from {self.resumed_from} instead")
         old = {**vars(Config()), **state["config"]}  # a key newer than the checkpoint: its default
+        if "packing" not in state["config"]:  # a checkpoint without the packing key streamed its rows
+            old["packing"] = "stream"
         # the launch's layout first: its message says how to launch
         world, ep = state.get("world", 1), old.get("ep", 1)
         if (world, ep) != (self.dist.world, self.cfg.ep):
