@@ -298,6 +298,34 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   }
 }
 
+bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                           const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
+                           bool check_indices, const TensorView& workspace) {
+  check_float_matrix("x", x);
+  const int64_t T = x.size(0), Kd = x.size(1);
+  MOE8_CHECK(top_k >= 1, "top_k: expected at least 1, got ", top_k);
+  check_tensor("row_to_slot", row_to_slot, "x", x);
+  check_dtype("row_to_slot", row_to_slot, {DType::kI32});
+  check_ndim("row_to_slot", row_to_slot, 1);
+  const int64_t R = row_to_slot.size(0);
+  const int64_t E = check_expert_weights("b", b, offsets, layout, -1, Kd, "x", x);
+  check_same_dtype("b", b, "x", x);
+  const int64_t N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
+  check_tensor("c", c, "x", x);
+  check_same_dtype("c", c, "x", x);
+  check_shape("c", c, {R, N});
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
+  if (checks_values(check_indices, row_to_slot)) check_range("row_to_slot", row_to_slot, -1, T * top_k, stream);
+  if (!on_cuda(x, "gathered_grouped_gemm")) {
+    cpu::gathered_grouped_gemm(x, row_to_slot, top_k, b, offsets, layout, c);
+    return true;
+  }
+  if (!usable_workspace(workspace, x, E) || !cuda::grouped_gemm_gathered_sm90_supported(x, b, layout, N)) return false;
+  cuda::grouped_gemm_gathered_sm90(x, row_to_slot, top_k, b, offsets, c, workspace.data, workspace.numel(),
+                                   as_ptr(stream));
+  return true;
+}
+
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,
                         const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices,
                         const TensorView& workspace) {

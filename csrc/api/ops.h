@@ -61,6 +61,15 @@ void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorV
                         const TensorView& db, const TensorView& dbias, intptr_t stream, bool check_indices = true,
                         const TensorView& workspace = TensorView{});
 
+// c[r] = x[row_to_slot[r] / top_k] · op(b[e]) for the rows r of expert e (grouped_gemm of
+// permute(x, row_to_slot), 0 where row_to_slot[r] < 0), the rows read from x inside the GEMM: x [T, Kd],
+// row_to_slot [R] int32 (slots < T * top_k), b as for grouped_gemm, c [R, N], no bias. On the CPU the reference
+// runs; on a GPU the sm_90a kernel with `workspace` where it applies (bfloat16, kNK), and otherwise nothing runs
+// and false is returned (the caller permutes and calls grouped_gemm). Returns whether c was written.
+bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                           const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
+                           bool check_indices = true, const TensorView& workspace = TensorView{});
+
 // out = h + grouped_gemm(t, b, offsets, layout) in one pass over h (the expert LoRA's B projection added to the
 // base GEMM's output): h, out [R,N]; t [R,rank] (rank <= 1024); b [E,N,rank] (kNK) or [E,rank,N] (kKN); one float
 // dtype for all four. Rows in no group get h.

@@ -164,6 +164,15 @@ NB_MODULE(_C, m) {
       nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("bias").none(), nb::arg("c"),
       nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
+      "gathered_grouped_gemm",
+      [](Array x, Array row_to_slot, int top_k, Array b, Array offsets, int layout, Array c, intptr_t stream,
+         bool check_indices, OptArray workspace) {
+        return moe8::api::gathered_grouped_gemm(V(x), V(row_to_slot), top_k, V(b), V(offsets), layout_of(layout), V(c),
+                                                stream, check_indices, V(workspace));
+      },
+      nb::arg("x"), nb::arg("row_to_slot"), nb::arg("top_k"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"),
+      nb::arg("c"), nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def(
       "grouped_gemm_wgrad",
       [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream, bool check_indices,
          OptArray workspace) {

@@ -1,4 +1,5 @@
-// grouped_gemm.cpp — CPU reference of the ragged grouped GEMM (forward/dgrad) and its ragged-K wgrad.
+// grouped_gemm.cpp — CPU reference of the ragged grouped GEMM (forward/dgrad), of the same GEMM on rows gathered
+// from the tokens, and of the ragged-K wgrad.
 // Rows of expert e are offsets[e] .. offsets[e+1]-1; every product accumulates in fp32.
 #include <vector>
 
@@ -14,41 +15,66 @@ float load(const TensorView& t, int64_t i) {
   return to_f(t.ptr<T>()[i]);
 }
 
+// c[r] = A(r) . op(b[e]) (+ bias[e]) for the rows r of expert e, where row_of(r) points at the row's Kd values
+// (nullptr: a row of zeros); rows past the last group are 0.
+template <typename scalar_t, typename RowOf>
+void rows_times_experts(RowOf row_of, int64_t R, int64_t Kd, const TensorView& b, const TensorView& offsets,
+                        WeightLayout layout, const TensorView& bias, const TensorView& c) {
+  const int64_t N = c.size(1);
+  const int E = static_cast<int>(b.size(0));
+  const std::vector<int64_t> off = clamped_offsets(offsets, R);
+  const scalar_t* B = b.ptr<scalar_t>();
+  scalar_t* C = c.ptr<scalar_t>();
+  std::vector<float> w(Kd * N);  // b[e] as fp32 [Kd, N]: the inner loop becomes a vectorisable axpy over N
+  for (int e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], r1 = off[e + 1];
+    if (r0 == r1) continue;
+    const scalar_t* W = B + static_cast<int64_t>(e) * N * Kd;
+    parallel_for(Kd, 64, [&](int64_t k) {
+      for (int64_t n = 0; n < N; ++n) w[k * N + n] = to_f(layout == WeightLayout::kNK ? W[n * Kd + k] : W[k * N + n]);
+    });
+    parallel_for(r1 - r0, 8, [&](int64_t i) {
+      const int64_t r = r0 + i;
+      std::vector<float> acc(N, 0.f);
+      if (const scalar_t* A = row_of(r)) {
+        for (int64_t k = 0; k < Kd; ++k) {
+          const float x = to_f(A[k]);
+          const float* wk = w.data() + k * N;
+          for (int64_t n = 0; n < N; ++n) acc[n] += x * wk[n];
+        }
+      }
+      if (bias.present)
+        for (int64_t n = 0; n < N; ++n)
+          acc[n] += bias.dtype == DType::kF32 ? load<float>(bias, e * N + n) : load<scalar_t>(bias, e * N + n);
+      for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(acc[n]);
+    });
+  }
+  for (int64_t r = off[E]; r < R; ++r)  // rows past the last group
+    for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(0.f);
+}
+
 }  // namespace
 
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                   const TensorView& bias, const TensorView& c) {
-  const int64_t R = a.size(0), Kd = a.size(1), N = c.size(1);
-  const int E = static_cast<int>(b.size(0));
-  const std::vector<int64_t> off = clamped_offsets(offsets, R);
+  const int64_t R = a.size(0), Kd = a.size(1);
   MOE8_CPU_DISPATCH_FLOAT(a.dtype, "grouped_gemm", [&] {
     const scalar_t* A = a.ptr<scalar_t>();
-    const scalar_t* B = b.ptr<scalar_t>();
-    scalar_t* C = c.ptr<scalar_t>();
-    std::vector<float> w(Kd * N);  // b[e] as fp32 [Kd, N]: the inner loop becomes a vectorisable axpy over N
-    for (int e = 0; e < E; ++e) {
-      const int64_t r0 = off[e], r1 = off[e + 1];
-      if (r0 == r1) continue;
-      const scalar_t* W = B + static_cast<int64_t>(e) * N * Kd;
-      parallel_for(Kd, 64, [&](int64_t k) {
-        for (int64_t n = 0; n < N; ++n) w[k * N + n] = to_f(layout == WeightLayout::kNK ? W[n * Kd + k] : W[k * N + n]);
-      });
-      parallel_for(r1 - r0, 8, [&](int64_t i) {
-        const int64_t r = r0 + i;
-        std::vector<float> acc(N, 0.f);
-        for (int64_t k = 0; k < Kd; ++k) {
-          const float x = to_f(A[r * Kd + k]);
-          const float* wk = w.data() + k * N;
-          for (int64_t n = 0; n < N; ++n) acc[n] += x * wk[n];
-        }
-        if (bias.present)
-          for (int64_t n = 0; n < N; ++n)
-            acc[n] += bias.dtype == DType::kF32 ? load<float>(bias, e * N + n) : load<scalar_t>(bias, e * N + n);
-        for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(acc[n]);
-      });
-    }
-    for (int64_t r = off[E]; r < R; ++r)  // rows past the last group
-      for (int64_t n = 0; n < N; ++n) C[r * N + n] = from_f<scalar_t>(0.f);
+    rows_times_experts<scalar_t>([&](int64_t r) { return A + r * Kd; }, R, Kd, b, offsets, layout, bias, c);
+  });
+}
+
+void gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                           const TensorView& offsets, WeightLayout layout, const TensorView& c) {
+  const int64_t R = c.size(0), T = x.size(0), Kd = x.size(1);
+  const int32_t* slots = row_to_slot.ptr<int32_t>();
+  MOE8_CPU_DISPATCH_FLOAT(x.dtype, "gathered_grouped_gemm", [&] {
+    const scalar_t* X = x.ptr<scalar_t>();
+    auto row_of = [&](int64_t r) -> const scalar_t* {
+      const int64_t t = slots[r] < 0 ? -1 : slots[r] / top_k;
+      return t >= 0 && t < T ? X + t * Kd : nullptr;
+    };
+    rows_times_experts<scalar_t>(row_of, R, Kd, b, offsets, layout, TensorView{}, c);
   });
 }
 

@@ -45,6 +45,11 @@ void combine_weights_grad(const TensorView& dy, const TensorView& rows, const Te
 void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                   const TensorView& bias, const TensorView& c);
 
+// c[r] = x[row_to_slot[r] / top_k] . op(b[e]) for the rows r of expert e (0 where row_to_slot[r] < 0 and past the
+// last group): grouped_gemm of the permuted rows, reading them from x.
+void gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                           const TensorView& offsets, WeightLayout layout, const TensorView& c);
+
 // db[e] = sum over the rows r of group e of dc[r]^T a[r] (kNK: [N,Kd]) or a[r]^T dc[r] (kKN: [Kd,N]);
 // dbias[e] = sum of dc[r] (optional). Empty groups give zeros.
 void grouped_gemm_wgrad(const TensorView& a, const TensorView& dc, const TensorView& offsets, WeightLayout layout,

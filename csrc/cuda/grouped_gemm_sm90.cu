@@ -22,8 +22,10 @@
 #if defined(MOE8_WITH_CUTLASS)
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/common.cuh"
+#include "cuda/gathered_rows_sm90.cuh"
 #include "cuda/ops.h"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
@@ -121,6 +123,20 @@ using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::Row
 template <class T, class Config = TileLarge>
 using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
 
+// The forward GEMM of rows gathered from the tokens inside the A load (gathered_rows_sm90.cuh): the 128x256
+// cooperative tile without a cluster (the gathered rows are not multicast). bf16 only.
+template <class T>
+struct GatheredFwdGemm {
+  using Plain = FwdGemm<T, TileLargeSolo>;
+  using Element = T;
+  using Mainloop = GatheredRowsMainloop<typename Plain::Mainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, typename Plain::Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Plain::StrideA;
+  using StrideB = typename Plain::StrideB;
+  using StrideD = typename Plain::StrideD;
+};
+
 namespace heuristics = sm90_heuristics;
 using heuristics::Tile;
 
@@ -198,22 +214,34 @@ size_t cutlass_workspace_bytes(int groups, int sms) {
 }
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
+template <class A, class = void>
+struct takes_gather_source : std::false_type {};
+template <class A>
+struct takes_gather_source<A, std::void_t<decltype(std::declval<A&>().mainloop.src)>> : std::true_type {};
+
+// gathered: where a gathered-rows mainloop (GatheredFwdGemm) reads its rows from.
 template <class G>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Schedule schedule,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const GatherSource* gathered = nullptr) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sms;
   hw.max_active_clusters = max_active_clusters<G>(device);
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {groups, w.shapes, nullptr},  // shapes only on the device
-      {const_cast<const T**>(reinterpret_cast<T**>(w.ptr_a)), static_cast<typename G::StrideA*>(w.stride_a),
-       const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b)), static_cast<typename G::StrideB*>(w.stride_b)},
-      {{}, nullptr, nullptr, reinterpret_cast<T**>(w.ptr_d), static_cast<typename G::StrideD*>(w.stride_d)},
-      hw};
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {groups, w.shapes, nullptr};  // shapes only on the device
+  args.mainloop.ptr_A = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_a));
+  args.mainloop.dA = static_cast<typename G::StrideA*>(w.stride_a);
+  args.mainloop.ptr_B = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b));
+  args.mainloop.dB = static_cast<typename G::StrideB*>(w.stride_b);
+  if constexpr (takes_gather_source<typename Gemm::Arguments>::value) args.mainloop.src = *gathered;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = reinterpret_cast<T**>(w.ptr_d);
+  args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
+  args.hw_info = hw;
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   sm90_util::apply_schedule(args, schedule);
@@ -240,7 +268,7 @@ using sm90_util::kPrepThreads;
 template <class G>
 __global__ void __launch_bounds__(kPrepThreads)
     prep_rows_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, int64_t n, int64_t kd, int64_t ldb,
-                     const void* a, const void* b, void* c, GroupArrays w) {
+                     const void* a, const void* b, void* c, GroupArrays w, bool a_gathered = false) {
   using T = typename G::Element;
   static_assert(sizeof(typename G::StrideA) <= kSlotStride && sizeof(typename G::StrideB) <= kSlotStride &&
                 sizeof(typename G::StrideD) <= kSlotStride);
@@ -250,7 +278,8 @@ __global__ void __launch_bounds__(kPrepThreads)
     int64_t begin, end;
     group_range(offsets, static_cast<int>(e), rows, begin, end);
     w.shapes[e] = GroupShape(static_cast<int>(end - begin), static_cast<int>(n), static_cast<int>(kd));
-    w.ptr_a[e] = const_cast<T*>(static_cast<const T*>(a) + begin * kd);
+    // a gathered-rows mainloop reads x through its own descriptor: every group's A pointer is x itself
+    w.ptr_a[e] = const_cast<T*>(static_cast<const T*>(a) + (a_gathered ? 0 : begin * kd));
     w.ptr_b[e] = const_cast<T*>(static_cast<const T*>(b) + e * n * kd);
     w.ptr_d[e] = static_cast<T*>(c) + begin * n;
     static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(kd);
@@ -342,8 +371,10 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
         rows_and_wgrad(TileLarge{}, TileLargeSolo{}),
         sm90_util::max_workspace_bytes<typename FwdGemm<T, TileSmall>::Gemm, typename DgradGemm<T, TileSmall>::Gemm>(
             num_experts, sms));
-    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
       bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}));
+      bytes = std::max(bytes, sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm>(num_experts, sms));
+    }
     return bytes;
   };
   const size_t cut = std::max(of(cutlass::bfloat16_t{}), of(cutlass::half_t{}));
@@ -395,6 +426,40 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   });
 }
 
+bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n) {
+  using namespace sm90;
+  if (!x.present || !x.is_cuda() || x.dtype != DType::kBF16 || layout != WeightLayout::kNK) return false;
+  constexpr int64_t kMaxInt = 2147483647;
+  return x.ndim == 2 && x.shape[0] < kMaxInt && grouped_gemm_sm90_supported(x, b, layout, n);
+}
+
+void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                                const TensorView& offsets, const TensorView& c, void* workspace, size_t workspace_bytes,
+                                void* stream) {
+  using namespace sm90;
+  const char* what = "grouped_gemm_gathered_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = c.shape[0], kd = x.shape[1], n = c.shape[1];
+  MOE8_CHECK(x.dtype == DType::kBF16 && c.dtype == DType::kBF16, what, ": expected bfloat16 x and c");
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(c.data) % 16 == 0, what, ": c must be 16-byte aligned");
+  const Checked ck = check_call(what, x, groups, workspace, workspace_bytes);
+  cudaStream_t s = as_stream(stream);
+  using G = GatheredFwdGemm<cutlass::bfloat16_t>;
+  prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
+      offsets.ptr<int32_t>(), groups, rows, n, kd, kd, x.data, b.data, c.data, ck.w, true);
+  check_launch("grouped_gemm_gathered_sm90: prep_rows_kernel");
+  if (groups == 0 || rows == 0) return;
+  GatherSource src;
+  src.x = x.data;
+  src.tokens = x.shape[0];
+  src.kd = kd;
+  src.row_to_slot = row_to_slot.ptr<int32_t>();
+  src.offsets = offsets.ptr<int32_t>();
+  src.rows = rows;
+  src.top_k = top_k;
+  run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, &src);
+}
+
 bool grouped_gemm_sm90_routing_balanced(const TensorView& offsets, void* stream) {
   MOE8_CHECK(offsets.dtype == DType::kI32 && offsets.ndim == 1 && offsets.shape[0] >= 1 && offsets.is_cuda(),
              "grouped_gemm_sm90_routing_balanced: expected offsets int32 [E + 1] on a CUDA device");
@@ -441,6 +506,13 @@ size_t grouped_gemm_sm90_workspace_bytes(int, int64_t, int64_t, int64_t) { retur
 bool grouped_gemm_sm90_routing_balanced(const TensorView&, void*) { return false; }
 
 bool grouped_gemm_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
+
+bool grouped_gemm_gathered_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
+
+void grouped_gemm_gathered_sm90(const TensorView&, const TensorView&, int, const TensorView&, const TensorView&,
+                                const TensorView&, void*, size_t, void*) {
+  fail("grouped_gemm_gathered_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS)");
+}
 
 void grouped_gemm_sm90(const TensorView&, const TensorView&, const TensorView&, WeightLayout, const TensorView&, void*,
                        size_t, void*) {

@@ -37,6 +37,17 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
 void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
                              void* workspace, size_t workspace_bytes, void* stream);
 
+// Whether grouped_gemm_gathered_sm90 can run: as grouped_gemm_sm90_supported for x as a, b [E, N, Kd] (kNK),
+// bfloat16, and x's rows within int32.
+bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n);
+
+// c[r] = x[row_to_slot[r] / top_k] · b[e]^T for offsets[e] <= r < offsets[e+1], the rows of x read in the GEMM's
+// operand load (no permuted copy); rows with row_to_slot < 0 and rows past offsets[E] are zeroed. x [T, Kd],
+// row_to_slot [R] int32, b [E, N, Kd], c [R, N], all bfloat16 but the indices; fp32 accumulation.
+void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                                const TensorView& offsets, const TensorView& c, void* workspace, size_t workspace_bytes,
+                                void* stream);
+
 // The routing-balance hint the weight gradient consults for many experts (grouped_gemm_sm90.cu): whether
 // the offsets of recent calls on this device had their largest group within 1.25x the mean. Hands these
 // offsets [E + 1] (int32, on the device) over as grouped_gemm_wgrad_sm90 does (an asynchronous copy, read

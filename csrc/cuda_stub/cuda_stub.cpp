@@ -110,6 +110,11 @@ void grouped_gemm_wgrad_sm90(const TensorView&, const TensorView&, const TensorV
   fail_without_cuda("grouped_gemm_wgrad_sm90");
 }
 bool grouped_gemm_sm90_routing_balanced(const TensorView&, void*) { return false; }
+bool grouped_gemm_gathered_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
+void grouped_gemm_gathered_sm90(const TensorView&, const TensorView&, int, const TensorView&, const TensorView&,
+                                const TensorView&, void*, size_t, void*) {
+  fail_without_cuda("grouped_gemm_gathered_sm90");
+}
 
 // cuda/grouped_gemm_fp8_sm90.h
 size_t grouped_gemm_fp8_sm90_workspace_bytes(int) { return 0; }

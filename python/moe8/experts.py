@@ -189,7 +189,8 @@ def experts_forward(
     Unsafe only in what it computes: unchecked ids out of range on a GPU join no expert (their slots add
     nothing), never a read or write outside a tensor. Ids on the CPU are always checked (no sync there).
     Every bad argument raises TypeError (dtype) or ValueError (shape, device, value) naming it.
-    config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, fused_lora_add, fp8, check_ids); default
+    config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, gather_in_gemm, fused_lora_add, fp8,
+    check_ids); default
     moe8.config.DEFAULT.
     """
     if check_ids is None:
@@ -205,7 +206,9 @@ def experts_forward(
     pad = max(prec.pad_multiple, prec_down.pad_multiple)
     x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
     if lora is None and not cfg.keep_permuted:  # the backward keeps x, not its [R, H] rows in expert order
-        h = fused.gathered_linear(x, gate_up, offsets, lay, gate_up_bias, row_to_slot, k, slot_to_row, prec)
+        h = fused.gathered_linear(
+            x, gate_up, offsets, lay, gate_up_bias, row_to_slot, k, slot_to_row, prec, cfg.gather_in_gemm
+        )
     else:  # the LoRA branch reads the rows too
         x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)
         xp = _permuted(x, x_rows, prec, (weights, gate_up, down, gate_up_bias, down_bias, lora))  # [R, H]

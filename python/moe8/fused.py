@@ -137,19 +137,21 @@ def _gathered_linear(
     row_to_slot: Tensor,
     k: int,
     slot_to_row: Tensor,
+    in_gemm: bool,
 ) -> Tensor:
-    prec, gathered = from_code(precision), (x, row_to_slot, k, slot_to_row)
-    a = x if prec.quantises_gathered else gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))  # [R, H]
-    return prec.forward(a, w, (w_q, w_scale, w_row_scale), offsets, layout, bias, gathered)
+    wq, rows = (w_q, w_scale, w_row_scale), (row_to_slot, k, slot_to_row)
+    return from_code(precision).gathered_forward(x, rows, w, wq, offsets, layout, bias, in_gemm)
 
 
 @_gathered_linear.register_fake
-def _(x, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, row_to_slot, k, slot_to_row):
+def _(
+    x, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, row_to_slot, k, slot_to_row, in_gemm
+):
     return x.new_empty(row_to_slot.shape[0], _out_cols(w_q, w, layout))
 
 
 def _gl_setup(ctx, inputs, output):
-    x, w, _, _, _, offsets, layout, bias, precision, row_to_slot, k, slot_to_row = inputs
+    x, w, _, _, _, offsets, layout, bias, precision, row_to_slot, k, slot_to_row, _ = inputs
     ctx.layout, ctx.precision, ctx.k = layout, precision, k
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(x, w, offsets, row_to_slot, slot_to_row)  # x, not its [R, H] rows
@@ -168,7 +170,7 @@ def _gl_bwd(ctx, g):
         dx = combine_rows(
             da, slot_to_row.view(-1, k), None
         )  # the gather's backward: each token's k rows summed
-    return (dx, dw, None, None, None, None, None, dbias) + (None,) * 4
+    return (dx, dw, None, None, None, None, None, dbias) + (None,) * 5
 
 
 _gathered_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -184,16 +186,28 @@ def gathered_linear(
     k: int,
     slot_to_row: Tensor,
     precision: Precision = BF16,
+    in_gemm: bool = True,
 ) -> Tensor:
     """expert_linear(ops.permute(x, row_to_slot, slot_to_row, k), w, ...) (the experts' up projection from the
     tokens) whose backward keeps x and the plan instead of the [R, H] rows: they are gathered again for the
-    weight gradient, and the input gradient is the dgrad's rows summed per token. x [T, H] -> [R, N]. The same
-    kernels on the same rows, so the same bits as the two calls; the FP8 blockwise recipe quantises the rows
-    straight from x (no [R, H] bf16 copy in the forward either)."""
+    weight gradient, and the input gradient is the dgrad's rows summed per token. x [T, H] -> [R, N].
+    in_gemm: the forward GEMM reads x's rows itself where a kernel does that (bf16 without bias on sm_90a:
+    moe8.ops.gathered_grouped_gemm), so no [R, H] copy of them is written; the FP8 blockwise recipe quantises
+    them straight from x. The same bits as the two calls either way."""
     wq, b = _weight_and_bias(precision, w, layout, bias)
     in_kernel = b if precision.bias_in_kernel else None
     c = _gathered_linear(
-        x.contiguous(), w, *wq, offsets, layout, in_kernel, precision.code, row_to_slot, int(k), slot_to_row
+        x.contiguous(),
+        w,
+        *wq,
+        offsets,
+        layout,
+        in_kernel,
+        precision.code,
+        row_to_slot,
+        int(k),
+        slot_to_row,
+        bool(in_gemm),
     )
     return c if precision.bias_in_kernel else add_bias(c, b, offsets)
 

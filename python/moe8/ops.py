@@ -228,6 +228,32 @@ def _(a, b, offsets, layout, bias):
     return a.new_empty(a.shape[0], b.shape[1] if layout == 0 else b.shape[2])
 
 
+@torch.library.custom_op("moe8::gathered_grouped_gemm", mutates_args=())
+def gathered_grouped_gemm(
+    x: Tensor, row_to_slot: Tensor, k: int, slot_to_row: Tensor, b: Tensor, offsets: Tensor, layout: int
+) -> Tensor:
+    """grouped_gemm(permute(x, row_to_slot, slot_to_row, k), b, offsets, layout, None) with the rows read from x
+    inside the GEMM where a kernel does that (the sm_90a bf16 forward layout; the CPU reference), else gathered
+    into an [R, K] buffer first: x [T, K] -> [R, N]. No autograd of its own (moe8.fused.gathered_linear's)."""
+    _c.tensor("x", x, 2, "[T, K]")
+    _c.tensor("b", b, 3, "[E, N, K] or [E, K, N]")
+    _layout(layout)
+    _c.one_device(("x", x), ("b", b), ("offsets", offsets), ("row_to_slot", row_to_slot))
+    n = b.shape[1] if layout == 0 else b.shape[2]
+    c = x.new_empty(row_to_slot.shape[0], n)
+    ws = sm90_workspace(x, b.shape[0])
+    if _C.gathered_grouped_gemm(x, row_to_slot, k, b, offsets, layout, c, _stream(x), False, ws):
+        return c
+    rows = gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
+    _C.grouped_gemm(rows, b, offsets, layout, None, c, _stream(x), False, ws)
+    return c
+
+
+@gathered_grouped_gemm.register_fake
+def _(x, row_to_slot, k, slot_to_row, b, offsets, layout):
+    return x.new_empty(row_to_slot.shape[0], b.shape[1] if layout == 0 else b.shape[2])
+
+
 @torch.library.custom_op("moe8::grouped_gemm_wgrad", mutates_args=())
 def grouped_gemm_wgrad(
     a: Tensor, dc: Tensor, offsets: Tensor, layout: int, num_experts: int, with_bias: bool

@@ -52,7 +52,6 @@ class Bf16Gemms:
     code = -1
     pad_multiple = 1  # row groups need no alignment
     bias_in_kernel = True  # the GEMM adds the bias (and its wgrad gives d bias)
-    quantises_gathered = False  # forward(gathered=...) reads a's rows from a, not from the gather's source
 
     def quantized(self, w: Tensor, layout: int) -> tuple:
         check_not_frozen("w", w)
@@ -62,6 +61,18 @@ class Bf16Gemms:
         """a [R, K] . op(w[e]) (+ bias[e]) per expert group -> [R, N]."""
         check_not_frozen("w", w)
         return ops.grouped_gemm(a, w.contiguous(), offsets, layout, bias)
+
+    def gathered_forward(self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True) -> Tensor:
+        """forward(permute(x, ...)) for rows = (row_to_slot, k, slot_to_row): with in_gemm and no bias the GEMM
+        reads x's rows itself where a kernel does that (moe8.ops.gathered_grouped_gemm), else they are gathered
+        into an [R, K] buffer first (freed on return)."""
+        check_not_frozen("w", w)
+        row_to_slot, k, slot_to_row = rows
+        if in_gemm and bias is None:
+            return ops.gathered_grouped_gemm(x, row_to_slot, k, slot_to_row, w.contiguous(), offsets, layout)
+        return self.forward(
+            ops.gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1)), w, wq, offsets, layout, bias
+        )
 
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
         """forward(activation(h, *act)), the activations freed on return."""
@@ -104,8 +115,6 @@ class Fp8Gemms:
         r = self.recipe
         self.name = r.name
         self.code = code_of(r, cache)
-        # forward(gathered=...) quantises the rows from the gather's source: a is read only for its dtype
-        self.quantises_gathered = r.name == "blockwise"
         # the FP8 weight gradient reads each expert's rows from a 16-byte aligned start: groups padded to 16
         self.pad_multiple = 16 if r.wgrad == "fp8" else 1
 
@@ -123,6 +132,18 @@ class Fp8Gemms:
     def forward(self, a, w, wq, offsets, layout: int, bias=None, gathered=None) -> Tensor:
         assert bias is None, "Fp8Gemms adds biases outside the GEMM (add_bias)"
         return _fp8_forward(a, Fp8Weight(*wq), offsets, self.recipe, gathered)
+
+    def gathered_forward(self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True) -> Tensor:
+        """forward(permute(x, ...)): the blockwise recipe quantises the rows straight from x (no [R, K] copy in
+        x's dtype), the others gather them first."""
+        row_to_slot, k, slot_to_row = rows
+        gathered = (x, row_to_slot, k, slot_to_row)
+        a = (
+            x
+            if self.recipe.name == "blockwise"
+            else ops.gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
+        )
+        return self.forward(a, w, wq, offsets, layout, bias, gathered)
 
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
         assert bias is None, "Fp8Gemms adds biases outside the GEMM (add_bias)"

@@ -81,6 +81,35 @@ TEST(GroupedGemm, MatchesReference) {
         }
 }
 
+// api::gathered_grouped_gemm reads each row from x[row_to_slot[r] / k] (0 for slot -1): the same bits as
+// grouped_gemm on those rows gathered into a buffer.
+TEST(GroupedGemm, GatheredRowsAreThePermutedRows) {
+  uint64_t seed = 70;
+  for (const GemmCase& gc : gemm_cases())
+    for (DType dt : kFloatTypes)
+      for (WeightLayout layout : kLayouts) {
+        SCOPED_TRACE(std::string(gc.name) + " " + name_of(dt) + " " + layout_name(layout));
+        Rng rng(++seed);
+        GemmInputs in = gemm_inputs(gc, dt, layout, rng);
+        const int k = 3;
+        const int64_t T = in.R / 2 + 1;
+        HostTensor x = random_tensor(dt, {T, gc.Kd}, rng);
+        std::vector<int> slots(static_cast<size_t>(in.R));
+        for (int64_t r = 0; r < in.R; ++r)  // every fifth row unmapped (a padding row)
+          slots[r] = r % 5 == 4 ? -1 : rng.randint(0, static_cast<int>(T * k));
+        HostTensor a(dt, {in.R, gc.Kd});
+        for (int64_t r = 0; r < in.R; ++r)
+          for (int64_t c = 0; c < gc.Kd; ++c)
+            a.set(r * gc.Kd + c, slots[r] < 0 ? 0.0 : x.get(slots[r] / k * gc.Kd + c));
+        in.a = a;
+        HostTensor c(dt, {in.R, gc.N});
+        c.poison();
+        HostTensor off = ints({in.E + 1}, in.offsets), r2s = ints({in.R}, slots);
+        EXPECT_TRUE(api::gathered_grouped_gemm(x.view(), r2s.view(), k, in.b.view(), off.view(), layout, c.view(), 0));
+        EXPECT_TRUE(c.bitwise_equal(run_gemm(in, layout, false, gc.N))) << "gathered rows differ from permuted rows";
+      }
+}
+
 // The two layouts are the same product: with b_kn[e] = b_nk[e]^T both give the same c (up to rounding).
 TEST(GroupedGemm, LayoutsAgree) {
   Rng rng(5);

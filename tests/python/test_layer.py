@@ -370,6 +370,67 @@ def test_experts_gathered_up_projection_matches_kept_rows(device, dtype, act, la
         assert torch.equal(a, b)
 
 
+def _gathered_problem(device, T, H, N, E, K, seed, dtype=torch.bfloat16, unmapped_every=0):
+    """x [T, H], w [E, N, H], the plan's offsets / row_to_slot / slot_to_row for random top-k ids (an expert with
+    no token), optionally every n-th row unmapped (slot -1, as a padding row)."""
+    torch.manual_seed(seed)
+    x = torch.randn(T, H, device=device).to(dtype)
+    w = (torch.randn(E, N, H, device=device) * H**-0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E - 1)[:K] for _ in range(T)]).int().to(device)
+    _, offsets, row_to_slot, slot_to_row = moe8.ops.plan(ids, E, 1, False)
+    if unmapped_every:
+        row_to_slot = row_to_slot.clone()
+        row_to_slot[unmapped_every - 1 :: unmapped_every] = -1
+    return x, w, offsets, row_to_slot, slot_to_row
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("T, H, N, E, K", [(37, 72, 136, 5, 2), (300, 128, 256, 8, 4), (1, 64, 64, 3, 1)])
+def test_gathered_grouped_gemm_is_the_gemm_of_the_permuted_rows(device, T, H, N, E, K):
+    """ops.gathered_grouped_gemm (x's rows read inside the GEMM: the sm_90a kernel on a Hopper GPU, the CPU
+    reference on the CPU) against grouped_gemm of the rows gathered first: the same bits on the CPU, within
+    bf16 rounding on a GPU (a kernel of another tile may run there), rows of slot -1 zero, every row written, and
+    the same bits in two calls."""
+    x, w, offsets, row_to_slot, slot_to_row = _gathered_problem(device, T, H, N, E, K, 3, unmapped_every=7)
+    slot_to_row = torch.full_like(slot_to_row, -1)  # the unmapped rows have no slot: no inverse through them
+    mapped = row_to_slot >= 0
+    slot_to_row[row_to_slot[mapped].long()] = torch.arange(row_to_slot.numel(), device=device)[mapped].int()
+    got = moe8.ops.gathered_grouped_gemm(x, row_to_slot, K, slot_to_row, w, offsets, 0)
+    rows = moe8.ops.gather_rows(x, row_to_slot, K, None, None)
+    want = moe8.ops.grouped_gemm(rows, w, offsets, 0, None)
+    assert torch.equal(got, moe8.ops.gathered_grouped_gemm(x, row_to_slot, K, slot_to_row, w, offsets, 0))
+    assert not got.isnan().any()
+    assert torch.equal(got[~mapped], torch.zeros_like(got[~mapped]))
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    exact = torch.cat([(rows[offsets[e] : offsets[e + 1]].double() @ w[e].double().t()) for e in range(E)])
+    torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
+def test_gathered_up_projection_in_the_gemm_matches_on_cuda():
+    """Config.gather_in_gemm at a Qwen3-like width on a GPU (1024 rows per expert: the plain path takes the same
+    128x256 tile): output and every gradient the same bits as gathering the rows first, and deterministic."""
+    T, H, I, E, K = 2048, 1024, 384, 16, 8
+    x0, gu, offsets, _, _ = _gathered_problem("cuda", T, H, 2 * I, E, K, 5)
+    dn = (torch.randn(E, H, I, device="cuda") * I**-0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()
+    w0 = torch.rand(T, K, device="cuda")
+
+    def run(in_gemm):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ws = [gu.clone().requires_grad_(), dn.clone().requires_grad_()]
+        y = moe8.experts_forward(x, ids, w, *ws, config=moe8.Config(gather_in_gemm=in_gemm))
+        return [y, *torch.autograd.grad(y.float().square().sum(), [x, w, *ws])]
+
+    fused, again, plain = run(True), run(True), run(False)
+    for a, b, c in zip(fused, again, plain):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+
+
 def _saved_bytes(fn, inputs) -> int:
     """Bytes of the distinct tensors autograd saves for the backward while fn() runs, the inputs' own storage
     (held by the caller anyway) left out."""
