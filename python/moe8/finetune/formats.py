@@ -1,6 +1,7 @@
 """Reading training data for `moe8 finetune`: text files, JSONL natively, and through `datasets` (optional)
-local csv / parquet / arrow files, each optionally gzip, bz2, xz or zstd compressed (by its last suffix); then each record in one of the known dataset formats, detected
-per file or named by the `format` key, turned into a document: ("text", str) or ("chat", [{role, content}]).
+local csv / parquet / arrow files; text, JSONL and csv files also gzip, bz2, xz or zstd compressed (named by
+their last suffix); then each record in one of the known dataset formats, detected per file or named by the
+`format` key, turned into a document: ("text", str) or ("chat", [{role, content}]).
 
 | format   | a record                                                  | becomes                              |
 | text     | {"text": str}  (text_field)                               | a document, loss on every token      |

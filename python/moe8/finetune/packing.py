@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 IGNORE = -100
-PACKING = ("documents", "stream")  # the packing key's values
 
 
 def pack(
@@ -70,7 +69,7 @@ class PackStats:
     padding: int = 0  # padding tokens
 
     def describe(self) -> str:
-        """'3 cut to seq_len, 1 dropped (no loss token left), 12.0% padding', or ''."""
+        """'3 longer than seq_len cut, 1 dropped (no loss token within seq_len), 12.0% padding', or ''."""
         parts = [f"{self.cut} longer than seq_len cut"] if self.cut else []
         if self.dropped:
             parts.append(f"{self.dropped} dropped (no loss token within seq_len)")
@@ -130,9 +129,8 @@ def pack_documents(
     rows: list[list[int]] = []  # indices into kept
     free: list[list[int]] = [[] for _ in range(S + 1)]  # free[c]: rows with exactly c tokens of room
     mask = 0  # bit c set: free[c] is not empty
-    for k in sorted(
-        range(len(kept)), key=lambda k: -len(kept[k][0])
-    ):  # the longest first, ties in file order
+    order = sorted(range(len(kept)), key=lambda k: -len(kept[k][0]))  # the longest first, ties in file order
+    for k in order:
         n = len(kept[k][0])
         room = mask >> n
         if room:  # the row with the least room that holds the document
