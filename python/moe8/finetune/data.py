@@ -307,7 +307,8 @@ class Data:
         return out
 
     def describe_packing(self) -> str:
-        """'packed whole: 3 longer than seq_len cut, 12.0% padding' (or 'streamed'), for the log."""
+        """'documents kept whole: 3 longer than seq_len cut, 12.0% padding' (or 'documents streamed'), for the
+        log."""
         how = "documents kept whole" if self.packing_mode == "documents" else "documents streamed"
         what = self.packing.describe()
         return f"{how}{f': {what}' if what else ''}"
