@@ -40,7 +40,8 @@ class Config:
         to the backward and at the backward's peak, for one more gather pass; the same bits).
     gather_in_gemm: without keep_permuted, the up projection's GEMM reads x's rows in expert order inside its
         operand load where a kernel does that (bf16 without a bias on sm_90a), so the forward writes no [R, H]
-        copy of them; False gathers them into a buffer first (the same bits).
+        copy of them (the same bits); off by default until that kernel is faster than the gather and the GEMM
+        (docs/kernels.md).
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
         (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
@@ -93,7 +94,7 @@ class Config:
     routed_down: bool = field(default_factory=lambda: ENV["routed_down"])
     consume_gate_up: bool = True
     keep_permuted: bool = False
-    gather_in_gemm: bool = True
+    gather_in_gemm: bool = False
     fused_lora_add: bool = False
     check_ids: bool = False
     fuse_router: bool = True
