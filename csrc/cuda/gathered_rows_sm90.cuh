@@ -3,22 +3,19 @@
 // offsets[e] <= r < offsets[e + 1], so no permuted copy of x ([R, K]) is ever written.
 //
 // The mainloop is CUTLASS's TMA warp-specialised one (`Base`, a CollectiveMma) with its producer's load of A
-// replaced: every row of an A tile is one 2D TMA copy of a (1 x BLK_K) box of x, issued by the 32 lanes of
-// the producer warp into the row's place in the stage, onto the stage's barrier (the bytes sum to the
-// tile's, so the pipeline and the consumers are unchanged). Rows past the group's end and rows of no slot
-// (slot < 0) copy row T of x, which is out of bounds: TMA fills them with zeros.
-// NOTES: TMA applies the 128-byte swizzle from the shared-memory address bits, so a one-row box written at
-// row i of a 1024-byte aligned tile lands where the full tile's box puts that row.
+// replaced: the 32 lanes of the producer warp copy the tile's rows from x with cp.async, 16 bytes a lane (a
+// row's 128 bytes of a stage by 8 neighbouring lanes), into the stage's 128-byte swizzled layout, and each
+// lane's copies arrive on the stage's barrier; B still comes by TMA. The consumers are unchanged. Rows past
+// the group's end, rows of no slot (slot < 0) and columns past K are zero-filled.
+// NOTES: the swizzle is a function of the shared-memory address bits (16-byte chunk ^= address bits 7-9), as
+// TMA writes and wgmma reads it; one TMA copy per row (a 1 x 64 box) gave the same bits but ran at ~1/5 of
+// the GEMM's speed: TMA takes about 60 cycles per request, 128 requests per stage.
 // Build: included by grouped_gemm_sm90.cu only (CUTLASS headers, sm_90a).
 #pragma once
-#include <cuda.h>
-
 #include <cstdint>
 
-#include "cute/arch/copy_sm90_desc.hpp"
-#include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
-#include "cutlass/cuda_host_adapter.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 
 namespace moe8::cuda::sm90 {
@@ -34,21 +31,6 @@ struct GatherSource {
   int top_k = 1;
 };
 
-// The TMA descriptor of x for one-row boxes of `box_k` elements, 128-byte swizzled (bf16 / f16: box_k = 64).
-inline cute::TmaDescriptor gathered_rows_tensormap(const GatherSource& src, int box_k, CUtensorMapDataType dtype,
-                                                   int elem_bytes) {
-  cute::TmaDescriptor desc{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(src.kd), static_cast<cuuint64_t>(src.tokens)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(src.kd * elem_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_k), 1};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &desc, dtype, 2, const_cast<void*>(src.x), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) desc = cute::TmaDescriptor{};  // the caller checks gathered_rows_tensormap_ok
-  return desc;
-}
-
 template <class Base>
 struct GatheredRowsMainloop : Base {
   using typename Base::MainloopPipeline;
@@ -61,22 +43,28 @@ struct GatheredRowsMainloop : Base {
 
   static constexpr int kBlockM = cute::size<0>(TileShape{});
   static constexpr int kBlockK = cute::size<2>(TileShape{});
-  static constexpr int kRowsPerLane = kBlockM / 32;
-  static_assert(kBlockM % 32 == 0, "the producer warp's lanes take the tile's rows in turn");
+  static constexpr int kChunkElems = 16 / sizeof(ElementA);  // one cp.async: 16 bytes
+  static constexpr int kChunks = kBlockK / kChunkElems;      // 16-byte chunks of a row of a stage
+  static constexpr int kRowsPerCopy = 32 / kChunks;          // rows one warp-wide copy covers
+  static_assert(kBlockM % kRowsPerCopy == 0, "the producer warp copies whole rows");
   static_assert(kBlockK * sizeof(ElementA) == 128, "one row of a stage is one 128-byte swizzle row");
   static_assert(cute::size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1,
                 "gathered rows are not multicast: no cluster along N");
   static_assert(cute::cosize_v<SmemLayoutA> == kBlockM * kBlockK * Base::DispatchPolicy::Stages,
                 "the stages of A are their rows back to back");
 
+  static constexpr uint32_t kTmaBytesB =
+      cute::size<1>(TileShape{}) * kBlockK * static_cast<uint32_t>(sizeof(typename Base::ElementB));
+
   struct Arguments : Base::Arguments {
     GatherSource src;
   };
 
   struct Params : Base::Params {
-    cute::TmaDescriptor x_map;
+    const void* x;
     const int32_t* row_to_slot;
     const int32_t* offsets;
+    int64_t kd;
     int32_t tokens, rows, top_k, groups;
   };
 
@@ -84,9 +72,9 @@ struct GatheredRowsMainloop : Base {
   static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shapes, args, workspace);
-    constexpr CUtensorMapDataType dtype =
-        std::is_same_v<ElementA, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    p.x_map = gathered_rows_tensormap(args.src, kBlockK, dtype, sizeof(ElementA));
+    p.tma_transaction_bytes = kTmaBytesB;  // the pipeline's leader expects B's bytes; A's copies arrive themselves
+    p.x = args.src.x;
+    p.kd = args.src.kd;
     p.row_to_slot = args.src.row_to_slot;
     p.offsets = args.src.offsets;
     p.tokens = static_cast<int32_t>(args.src.tokens);
@@ -115,20 +103,13 @@ struct GatheredRowsMainloop : Base {
     using namespace cute;
     const int lane = static_cast<int>(threadIdx.x % 32);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-
-    // This lane's rows of the tile: the tokens they are read from (row `tokens` is out of bounds: zeros).
     const int g = group_ < params.groups ? group_ : params.groups - 1;
     int32_t begin = params.offsets[g], end = params.offsets[g + 1];
     begin = begin < 0 ? 0 : (begin > params.rows ? params.rows : begin);
     end = end < begin ? begin : (end > params.rows ? params.rows : end);
-    int32_t token[kRowsPerLane];
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kRowsPerLane; ++j) {
-      const int64_t r = begin + static_cast<int64_t>(m_coord) * kBlockM + lane + 32 * j;
-      const int32_t slot = r < end ? params.row_to_slot[r] : -1;
-      const int32_t t = slot >= 0 ? slot / params.top_k : params.tokens;
-      token[j] = t < params.tokens ? t : params.tokens;
-    }
+    const int64_t tile_row0 = begin + static_cast<int64_t>(m_coord) * kBlockM;
+    const int chunk = lane % kChunks;  // this lane's 16 bytes of each row it copies
+    const auto* x = static_cast<const ElementA*>(params.x);
 
     Tensor gB_nkl = get<1>(load_inputs);
     auto block_tma_b = params.tma_load_b.get_slice(0);
@@ -136,22 +117,33 @@ struct GatheredRowsMainloop : Base {
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
     Tensor tBgB = block_tma_b.partition_S(gB);  // (TMA,TMA_N,TMA_K,k)
     Tensor tBsB = block_tma_b.partition_D(sB);  // (TMA,TMA_N,TMA_K,PIPE)
-    auto* smem_a = reinterpret_cast<ElementA*>(shared_tensors.smem_A.data());
-    constexpr uint64_t kHint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    const uint32_t smem_a = cast_smem_ptr_to_uint(shared_tensors.smem_A.data());
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.producer_acquire(smem_pipe_write);  // every lane waits; lane 0 (the leader) expects the bytes
+      // Lane 0, the pipeline's leader, arrives expecting B's bytes; each lane's arrival on A's copies (which
+      // counts itself in) comes before B is issued, so the stage completes only once both have landed.
+      pipeline.producer_acquire(smem_pipe_write);
       __syncwarp();
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      const int32_t k0 = static_cast<int32_t>(*k_tile_iter) * kBlockK;
-      ElementA* stage_a = smem_a + static_cast<int64_t>(stage) * kBlockM * kBlockK;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kRowsPerLane; ++j)
-        SM90_TMA_LOAD_2D::copy(&params.x_map, reinterpret_cast<uint64_t*>(barrier), kHint,
-                               stage_a + (lane + 32 * j) * kBlockK, k0, token[j]);
+      const int64_t col = static_cast<int64_t>(*k_tile_iter) * kBlockK + chunk * kChunkElems;
+      const uint32_t stage_a = smem_a + static_cast<uint32_t>(stage * kBlockM * kBlockK * sizeof(ElementA));
+#pragma unroll 4
+      for (int i = 0; i < kBlockM / kRowsPerCopy; ++i) {  // kRowsPerCopy rows per warp-wide copy, 16 B a lane
+        const int row = i * kRowsPerCopy + lane / kChunks;
+        const int64_t r = tile_row0 + row;
+        const int32_t slot = r < end ? __ldg(params.row_to_slot + r) : -1;
+        const bool valid = slot >= 0 && slot / params.top_k < params.tokens && col < params.kd;
+        const ElementA* src = valid ? x + static_cast<int64_t>(slot / params.top_k) * params.kd + col : x;
+        // the 128-byte swizzle, from the shared-memory address bits as TMA and wgmma read it
+        const uint32_t dst = stage_a + row * (kBlockK * sizeof(ElementA)) + chunk * 16;
+        const uint32_t swizzled = dst ^ (((dst >> 7) & 7u) << 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(swizzled), "l"(src), "r"(valid ? 16 : 0));
+      }
+      cutlass::arch::cpasync_barrier_arrive(reinterpret_cast<uint64_t const*>(barrier));
+      __syncwarp();
       if (lane == 0)
         copy(params.tma_load_b.with(get<1>(input_tensormaps), *barrier, uint16_t(0)), tBgB(_, _, _, *k_tile_iter),
              tBsB(_, _, _, stage));
