@@ -167,9 +167,7 @@ def _gl_bwd(ctx, g):
         del a
     if ctx.needs_input_grad[0]:
         da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
-        dx = combine_rows(
-            da, slot_to_row.view(-1, k), None
-        )  # the gather's backward: each token's k rows summed
+        dx = combine_rows(da, slot_to_row.view(-1, k), None)  # the gather's backward: a token's k rows summed
     return (dx, dw, None, None, None, None, None, dbias) + (None,) * 5
 
 
