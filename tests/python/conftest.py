@@ -29,6 +29,18 @@ def devices():
 FUZZ_TABLES = pytest.StashKey[list]()  # test_fuzz's case counts per device, for the terminal summary
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its tables go to the controller's summary
+        workeroutput["moe8_fuzz_tables"] = session.config.stash.get(FUZZ_TABLES, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    tables = getattr(node, "workeroutput", {}).get("moe8_fuzz_tables", [])
+    node.config.stash.setdefault(FUZZ_TABLES, []).extend(tables)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tables = config.stash.get(FUZZ_TABLES, [])
     if tables:

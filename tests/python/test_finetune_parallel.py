@@ -24,7 +24,10 @@ from moe8 import finetune  # noqa: E402
 # the torchrun processes import the moe8 these tests import: the checkout's python/ when run from it (see
 # conftest.py), the installed package in CI (whose source tree has no built extension)
 ENV_PATH = str(Path(moe8.__file__).resolve().parents[1])
-BUDGET = [260.0]  # seconds all launches of this module may take together (each at most 60)
+# seconds all launches of this module may take together, each at most LAUNCH_S: room for a machine whose cores
+# are shared with other tests (pytest-xdist) or a build
+BUDGET = [480.0]
+LAUNCH_S = 120.0
 
 
 import test_finetune  # noqa: E402
@@ -98,14 +101,14 @@ def torchrun_env():
 
 
 def torchrun(tmp_path, *args):
-    """moe8 finetune under torchrun, 2 processes; the whole process group is killed on a timeout (60 s, or
+    """moe8 finetune under torchrun, 2 processes; the whole process group is killed on a timeout (LAUNCH_S, or
     what is left of BUDGET)."""
     p = subprocess.Popen(
         torchrun_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=torchrun_env(),
         cwd=tmp_path,
         start_new_session=True,
     )  # fmt: skip
-    limit, t0 = max(1.0, min(60.0, BUDGET[0])), time.monotonic()
+    limit, t0 = max(1.0, min(LAUNCH_S, BUDGET[0])), time.monotonic()
     try:
         out, _ = p.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
