@@ -20,13 +20,6 @@ $PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r req
 # CUTLASS headers for the sm_90a kernels (header-only; --no-deps skips its Python generator's dependencies)
 $PY -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
 
-echo "== format and lint"
-$PY -m ruff check python tests bench
-$PY -m ruff format --check python tests bench
-if command -v clang-format >/dev/null; then
-  find csrc tests/cpp -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format --dry-run --Werror
-fi
-
 CMAKE="$PY -m cmake"
 command -v cmake >/dev/null && CMAKE=cmake
 PYEXE=$($PY -c 'import sys; print(sys.executable)')
@@ -77,6 +70,13 @@ cuda_result() { # waits for the CUDA build, when one runs; fails when it failed
   tail -n 40 build/cuda.log >&2
   return 1
 }
+
+echo "== format and lint"
+$PY -m ruff check python tests bench
+$PY -m ruff format --check python tests bench
+if command -v clang-format >/dev/null; then
+  find csrc tests/cpp -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format --dry-run --Werror
+fi
 
 echo "== C++ core and Python package: one build (build/test), ctest"
 CUDA_OPT=OFF
