@@ -3,14 +3,14 @@
 // offsets[e] <= r < offsets[e + 1], so no permuted copy of x ([R, K]) is ever written.
 //
 // The mainloop is CUTLASS's TMA warp-specialised one (`Base`, a CollectiveMma) with its producer's load of A
-// replaced: the 32 lanes of the producer warp copy the tile's rows from x with cp.async, 16 bytes a lane (a
-// row's 128 bytes of a stage by 8 neighbouring lanes), into the stage's 128-byte swizzled layout, and each
-// lane's copies arrive on the stage's barrier; B still comes by TMA. The consumers are unchanged. Rows past
-// the group's end, rows of no slot (slot < 0) and columns past K are zero-filled.
-// NOTES: the swizzle is a function of the shared-memory address bits (16-byte chunk ^= address bits 7-9), as
-// TMA writes and wgmma reads it; one TMA copy per row (a 1 x 64 box) gave the same bits but ran at ~1/5 of
-// the GEMM's speed: TMA takes about 60 cycles per request, 128 requests per stage.
-// Build: included by grouped_gemm_sm90.cu only (CUTLASS headers, sm_90a).
+// replaced: the 32 lanes of the producer warp copy the tile's rows from x with cp.async, a pair of lanes a row
+// (alternate 16-byte chunks: whole 32-byte sectors per copy instruction), into the stage's 128-byte swizzled
+// layout, the rows' tokens looked up once per tile, and each lane's copies arrive on the stage's barrier; B
+// still comes by TMA. The consumers are unchanged. Rows
+// past the group's end, rows of no slot (slot < 0) and columns past K are zero-filled. NOTES: the swizzle is a function
+// of the shared-memory address bits (16-byte chunk ^= address bits 7-9), as TMA writes and wgmma reads it; one TMA copy
+// per row (a 1 x 64 box) gave the same bits but ran at ~1/5 of the GEMM's speed: TMA takes about 60 cycles per request,
+// 128 requests per stage. Build: included by grouped_gemm_sm90.cu only (CUTLASS headers, sm_90a).
 #pragma once
 #include <cstdint>
 
@@ -45,8 +45,8 @@ struct GatheredRowsMainloop : Base {
   static constexpr int kBlockK = cute::size<2>(TileShape{});
   static constexpr int kChunkElems = 16 / sizeof(ElementA);  // one cp.async: 16 bytes
   static constexpr int kChunks = kBlockK / kChunkElems;      // 16-byte chunks of a row of a stage
-  static constexpr int kRowsPerCopy = 32 / kChunks;          // rows one warp-wide copy covers
-  static_assert(kBlockM % kRowsPerCopy == 0, "the producer warp copies whole rows");
+  static constexpr int kRowsPerLane = kBlockM / 16;          // two lanes a row: rows lane / 2 + 16 j
+  static_assert(kBlockM % 16 == 0 && kChunks % 2 == 0, "the producer warp's lane pairs take the tile's rows");
   static_assert(kBlockK * sizeof(ElementA) == 128, "one row of a stage is one 128-byte swizzle row");
   static_assert(cute::size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1,
                 "gathered rows are not multicast: no cluster along N");
@@ -107,9 +107,18 @@ struct GatheredRowsMainloop : Base {
     int32_t begin = params.offsets[g], end = params.offsets[g + 1];
     begin = begin < 0 ? 0 : (begin > params.rows ? params.rows : begin);
     end = end < begin ? begin : (end > params.rows ? params.rows : end);
-    const int64_t tile_row0 = begin + static_cast<int64_t>(m_coord) * kBlockM;
-    const int chunk = lane % kChunks;  // this lane's 16 bytes of each row it copies
+    // This lane's rows of the tile, lane / 2 + 16 j, and their tokens (-1: none, zero-filled); the two lanes of a
+    // row take alternate 16-byte chunks, so each copy instruction reads 16 whole 32-byte sectors.
     const auto* x = static_cast<const ElementA*>(params.x);
+    const int half = lane % 2;
+    int32_t token[kRowsPerLane];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kRowsPerLane; ++j) {
+      const int64_t r = begin + static_cast<int64_t>(m_coord) * kBlockM + lane / 2 + 16 * j;
+      const int32_t slot = r < end ? params.row_to_slot[r] : -1;
+      const int32_t t = slot >= 0 ? slot / params.top_k : -1;
+      token[j] = t < params.tokens ? t : -1;
+    }
 
     Tensor gB_nkl = get<1>(load_inputs);
     auto block_tma_b = params.tma_load_b.get_slice(0);
@@ -128,19 +137,23 @@ struct GatheredRowsMainloop : Base {
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      const int64_t col = static_cast<int64_t>(*k_tile_iter) * kBlockK + chunk * kChunkElems;
+      const int64_t col0 = static_cast<int64_t>(*k_tile_iter) * kBlockK;
       const uint32_t stage_a = smem_a + static_cast<uint32_t>(stage * kBlockM * kBlockK * sizeof(ElementA));
-#pragma unroll 4
-      for (int i = 0; i < kBlockM / kRowsPerCopy; ++i) {  // kRowsPerCopy rows per warp-wide copy, 16 B a lane
-        const int row = i * kRowsPerCopy + lane / kChunks;
-        const int64_t r = tile_row0 + row;
-        const int32_t slot = r < end ? __ldg(params.row_to_slot + r) : -1;
-        const bool valid = slot >= 0 && slot / params.top_k < params.tokens && col < params.kd;
-        const ElementA* src = valid ? x + static_cast<int64_t>(slot / params.top_k) * params.kd + col : x;
-        // the 128-byte swizzle, from the shared-memory address bits as TMA and wgmma read it
-        const uint32_t dst = stage_a + row * (kBlockK * sizeof(ElementA)) + chunk * 16;
-        const uint32_t swizzled = dst ^ (((dst >> 7) & 7u) << 4);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(swizzled), "l"(src), "r"(valid ? 16 : 0));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kRowsPerLane; ++j) {
+        const uint32_t row_dst = stage_a + (lane / 2 + 16 * j) * (kBlockK * sizeof(ElementA));
+        CUTLASS_PRAGMA_UNROLL
+        for (int pair = 0; pair < kChunks / 2; ++pair) {
+          const int c = 2 * pair + half;
+          const int64_t col = col0 + c * kChunkElems;
+          const bool valid = token[j] >= 0 && col < params.kd;
+          const ElementA* src = valid ? x + static_cast<int64_t>(token[j]) * params.kd + col : x;
+          // the 128-byte swizzle, from the shared-memory address bits as TMA and wgmma read it
+          const uint32_t dst = row_dst + c * 16;
+          const uint32_t swizzled = dst ^ (((dst >> 7) & 7u) << 4);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(swizzled), "l"(src),
+                       "r"(valid ? 16 : 0));
+        }
       }
       cutlass::arch::cpasync_barrier_arrive(reinterpret_cast<uint64_t const*>(barrier));
       __syncwarp();
