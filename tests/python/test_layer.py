@@ -210,6 +210,11 @@ def test_opcheck():
             moe8.ops.grouped_lowrank_add,
             (torch.randn(24, 8), torch.randn(24, 2), torch.randn(4, 8, 2), offsets, 0),
         ),
+        (moe8.ops.gathered_grouped_gemm, (x, r2s, 2, s2r, b, offsets, 0)),
+        (
+            moe8.fused._gathered_linear,
+            (x, b, None, None, None, offsets, 0, None, -1, r2s, 2, s2r, True),
+        ),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
