@@ -545,3 +545,42 @@ def test_bench_loss_parity_nudge_is_one_ulp():
         # bit patterns one apart: neighbouring values (same sign), nothing representable between them
         assert set(step[nz].unique().tolist()) == {-1, 1} and bool((b[nz] != a[nz]).all())
         assert bool((torch.sign(b[nz]) == torch.sign(a[nz])).all())
+
+
+def _bench_module(name):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_bench_block_peers_pieces():
+    """bench_block_peers.py needs a GPU; its routing, its --moe8 rows and its peer's absence are checked here:
+    the skewed inputs give one expert several times the mean rows (same router for every row), the Config rows
+    parse or fail naming --moe8, a SonicMoE that is not importable is a recorded reason, not an exception, and
+    the script itself refuses to run without a GPU by name."""
+    import torch
+
+    b = _bench_module("bench_block_peers")
+    peers = _bench_module("peers")
+    block = b.hf_block(64, 32, 16, 2, device="cpu", dtype=torch.float32)
+    x, dy = b.block_inputs(block, 2048, "balanced")
+    most_balanced, mean = b.rows_per_expert(block, x, 2)
+    xs, _ = b.block_inputs(block, 2048, "skewed")
+    most_skewed, mean_skewed = b.rows_per_expert(block, xs, 2)
+    assert mean == mean_skewed == 2048 * 2 / 16
+    assert most_skewed > 2 * mean and most_skewed > most_balanced
+    assert xs.requires_grad and xs.grad_fn is None and dy.shape == x.shape
+    assert b.moe8_config("default") == ("moe8", moe8.Config())
+    label, cfg = b.moe8_config("keep_permuted=1+gather_in_gemm=1")
+    assert cfg.keep_permuted and cfg.gather_in_gemm and label == "moe8 (keep_permuted=1+gather_in_gemm=1)"
+    for bad in ("keep_permuted=yes", "no_such_field=1"):
+        with pytest.raises(SystemExit, match="--moe8"):
+            b.moe8_config(bad)
+    if importlib.util.find_spec("sonicmoe") is None:
+        why, info = peers.sonicmoe_version()
+        assert "sonicmoe is not importable" in why and info == {}
+    if not moe8.cuda_available():
+        p = run("bench/bench_block_peers.py", "--shapes", "qwen3")
+        assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
