@@ -1,8 +1,8 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
 bench_fp8_refresh.py --tiny, bench_step_profile.py --tiny, bench_loss_parity.py --tiny, finetune_compare.py;
-and the argument checks of scripts that cannot run here (ncu_gemm.py, bench_clocks.py, bench_hf_train.py,
-scripts/carry_prebuilt.sh)."""
+and the argument checks and pieces of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
+bench_hf_train.py, scripts/carry_prebuilt.sh, bench_block_peers.py)."""
 
 import importlib.util
 import json
