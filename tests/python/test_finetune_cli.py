@@ -252,3 +252,12 @@ def test_help_says_what_the_commands_do(capsys):
     text = capsys.readouterr().out
     assert "about a minute" not in text and "--recipe NAME" in text and "ORG/NAME" in text, text
     assert "one line per logged step" in text
+
+
+def test_progress_mfu_keeps_two_digits_below_one_percent():
+    """A tiny model's MFU on a large GPU (0.012%) is printed as such, not as 0.0%; unknown MFU prints nothing."""
+    from moe8.finetune.loggers import _mfu
+
+    assert _mfu({"mfu": 0.413}) == "  MFU 41.3%"
+    assert _mfu({"mfu": 0.00012}) == "  MFU 0.012%"
+    assert _mfu({"mfu": None}) == "" and _mfu({}) == ""

@@ -106,6 +106,15 @@ class Trackers:
             close()
 
 
+def _mfu(line: dict) -> str:
+    """ "  MFU 41.3%", two significant digits below 1% (a tiny model's 0.012% is not 0.0%); "" when not known."""
+    mfu = line.get("mfu")
+    if mfu is None:
+        return ""
+    pct = 100 * mfu
+    return f"  MFU {pct:.1f}%" if pct >= 1 or pct == 0 else f"  MFU {pct:.2g}%"
+
+
 class Progress:
     """The training's progress, on rank 0: on a terminal (stdout and stderr both) with progress on, a tqdm bar
     (when installed; else one carriage-return line); otherwise, for a log file or a pipe, and always with
@@ -134,9 +143,7 @@ class Progress:
         if not self.main:
             return
         if line is not None:
-            self.text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + (
-                f"  MFU {100 * line['mfu']:.1f}%" if line.get("mfu") is not None else ""
-            )
+            self.text = f"loss {line['loss']:.3f}  {line['tokens_per_s']:,.0f} tok/s" + _mfu(line)
         if self.bar is not None:
             if line is not None:
                 self.bar.set_postfix_str(self.text, refresh=False)
@@ -146,10 +153,9 @@ class Progress:
             sys.stderr.flush()
         elif line is not None:
             ev = f"  eval {line['eval_loss']:.3f}" if line.get("eval_loss") is not None else ""
-            mfu = f"  MFU {100 * line['mfu']:.1f}%" if line.get("mfu") is not None else ""
             print(
                 f"step {step}/{self.total}  loss {line['loss']:.3f}{ev}  lr {line['lr']:.3g}  "
-                f"{line['tokens_per_s']:,.0f} tok/s{mfu}  ETA {self.eta(step)}",
+                f"{line['tokens_per_s']:,.0f} tok/s{_mfu(line)}  ETA {self.eta(step)}",
                 flush=True,
             )
 
