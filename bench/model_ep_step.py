@@ -488,7 +488,7 @@ def print_report(r: dict) -> None:
     print("\nmeasured inputs (one H200):")
     for k, v in r["measured"].items():
         x = float(v["value"])
-        print(f"  {k:22s} {f'{x:,.0f}' if x.is_integer() else f'{x:,.4g}':>16s}   {v['source']}")
+        print(f"  {k:22s} {f'{x:,.0f}' if x.is_integer() or x >= 1e4 else f'{x:,.4g}':>16s}   {v['source']}")
     print("\nassumed (never measured):")
     for k, v in r["assumptions"].items():
         print(f"  {k}: {v}")
