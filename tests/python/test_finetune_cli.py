@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+import moe8
+
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
 import test_finetune as base  # noqa: E402
@@ -29,7 +31,10 @@ def test_recipes_ship_in_the_package_and_the_wheel(monkeypatch):
     """The recipes live in moe8/recipes; scikit-build-core's own file selection for the wheel (pyproject's
     wheel.packages, .gitignore) puts every recipe and model config into the wheel."""
     pathutil = pytest.importorskip("scikit_build_core.build._pathutil")
-    assert recipes.DIR == ROOT / "python" / "moe8" / "recipes" and len(recipes.names()) == 7
+    assert recipes.DIR == Path(moe8.__file__).resolve().parent / "recipes" and len(recipes.names()) == 7
+    assert sorted(p.name for p in (ROOT / "python" / "moe8" / "recipes").glob("*.toml")) == sorted(
+        f"{n}.toml" for n in recipes.names()
+    )
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]["wheel"][
         "packages"
     ]
