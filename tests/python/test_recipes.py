@@ -94,9 +94,7 @@ def test_bench_tiny_both_sides_train_alike(tmp_path):
         assert a["estimate_gib"] > 0 and r["estimate_gib"] == a["estimate_gib"], name
         # fp32 on the CPU: the first step's loss agrees to rounding (the aux loss is not in either recorded loss)
         assert a["losses"][0] == pytest.approx(t["losses"][0], rel=1e-5, abs=1e-5), name
-        # moe8 finetune leaves the padding of rows packed with whole documents out of the load-balancing loss,
-        # transformers' baseline counts it: the two agree to the padding's share
-        assert a["aux_losses"][0] == pytest.approx(t["aux_losses"][0], rel=1e-3), name
+        assert a["aux_losses"][0] == pytest.approx(t["aux_losses"][0], rel=1e-4), name
         # full fine-tuning stays equal to rounding; LoRA's A factors are drawn differently by moe8.lora and PEFT
         tol = 1e-4 if r["method"] == "full" else 1e-2
         assert a["losses"] == pytest.approx(t["losses"], abs=tol), name
