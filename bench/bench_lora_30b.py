@@ -22,7 +22,11 @@ bf16 base's tokens/s).
 Variants: peft (transformers grouped_mm + PEFT), moe8 (moe8.lora.apply_lora, bf16 base), moe8_fp8base (LoRA
 over FP8 base weights: the frozen q,k,v,o and expert weights held as FP8 blockwise codes with 128x128 fp32
 scales, the experts run with fp8="blockwise", the adapters in --adapter-dtype), moe8_fp8experts (the same with
-only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 dense GEMMs cost or save).
+only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 dense GEMMs cost or save);
+moe8_graphs and moe8_fp8base_graphs: moe8 and moe8_fp8base with each checkpointed layer's forward, and its
+recomputation with its backward, replayed as CUDA graphs (moe8.graphs.capture_layers; the first step per layer
+runs eagerly, the second captures). Per step the table's `issued` column is the host's time to issue the step
+(up to the loss read) and `reserved` torch.cuda.max_memory_reserved, which counts the graphs' memory pool.
 
 The FP8 base is quantised once, at load, a decoder layer at a time: the model is built on the meta device and
 its parameters materialised on the GPU in the order, and from the seeded generator, that build() fills them
@@ -54,7 +58,8 @@ import time
 import traceback
 from pathlib import Path
 
-VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts")
+VARIANTS = ("peft", "moe8", "moe8_fp8base", "moe8_fp8experts", "moe8_graphs", "moe8_fp8base_graphs")
+GRAPHS = "_graphs"  # a variant with this suffix: its base variant with moe8.graphs.capture_layers
 FP8_BASES = {"moe8_fp8base": True, "moe8_fp8experts": False}  # variant: attention in FP8 too
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # PEFT target_parameters
@@ -238,11 +243,13 @@ def add_moe8(model, args, fp8=None):
 def child(args):
     import torch
 
-    v = args.only
+    v = args.only.removesuffix(GRAPHS)  # the base variant; the name in results and logs stays args.only
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    res = dict(variant=v, device=str(device), dtype=str(dtype).removeprefix("torch."), step_s=[], losses=[])
+    res = dict(
+        variant=args.only, device=str(device), dtype=str(dtype).removeprefix("torch."), step_s=[], losses=[]
+    )
 
     def save():
         with open(args.result, "w") as f:
@@ -252,7 +259,7 @@ def child(args):
         return round(x / GiB, 2) if cuda else None
 
     def log(msg):
-        print(f"[{v}] {msg}", flush=True)
+        print(f"[{args.only}] {msg}", flush=True)
 
     try:
         from run_info import run_info  # bench/run_info.py (this folder is on sys.path)
@@ -325,6 +332,10 @@ def child(args):
             device=device,
             generator=torch.Generator(device).manual_seed(args.seed + 1),
         )
+        if args.only.endswith(GRAPHS):  # each checkpointed layer's forward and backward as CUDA graphs
+            import moe8.graphs
+
+            res["graphed_layers"] = moe8.graphs.capture_layers(model)
         opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
         chunked = v != "peft" and args.moe8_loss == "chunked"
         res["loss"] = "moe8.loss.chunked_cross_entropy" if chunked else "transformers (labels=)"
@@ -388,6 +399,11 @@ def child(args):
             )
             save()
         res["steady_gib"] = gib(torch.cuda.memory_allocated())  # weights + adapters + AdamW state
+        if "graphed_layers" in res:
+            import moe8.graphs
+
+            res["graphs"] = moe8.graphs.stats(model)
+            log(f"CUDA graphs: {res['graphs']}")
         if args.profile:
             from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
 
@@ -419,11 +435,11 @@ def child(args):
         if args.trace:  # a Chrome trace of one more step, and where its GPU idles
             from profiling import export_trace, gpu_gaps, print_gaps
 
-            path = Path(args.trace) / f"lora_30b_{v}.json"
+            path = Path(args.trace) / f"lora_30b_{args.only}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             export_trace(step, path)
             res["gaps"] = gpu_gaps(json.loads(path.read_text()))
-            print_gaps(f"[{v}] trace {path}", res["gaps"])
+            print_gaps(f"[{args.only}] trace {path}", res["gaps"])
             save()
     except torch.cuda.OutOfMemoryError as e:
         res["error"] = "out of memory: " + str(e).split("\n")[0][:300]
@@ -461,7 +477,7 @@ def run_variant(v, args, path):
 
 
 def summary(args, results):
-    peft, m8, f8, e8 = (results.get(v, {}) for v in VARIANTS)
+    peft, m8, f8, e8 = (results.get(v, {}) for v in VARIANTS[:4])
     meta = next((r["meta"] for r in results.values() if "meta" in r), {})
     out = dict(
         meta=dict(meta, date=time.strftime("%Y-%m-%d"), optimizer="AdamW (fused on CUDA), adapters only"),
@@ -515,6 +531,14 @@ def summary(args, results):
         out["fp8base_ratio_to_moe8"] = f8["tokens_per_s"] / m8["tokens_per_s"]
     if peft.get("tokens_per_s") and f8.get("tokens_per_s"):
         out["fp8base_ratio_to_peft"] = f8["tokens_per_s"] / peft["tokens_per_s"]
+    g8, gf8 = results.get("moe8_graphs", {}), results.get("moe8_fp8base_graphs", {})
+    if m8.get("tokens_per_s") and gf8.get("tokens_per_s"):
+        out["fp8base_graphs_ratio_to_moe8"] = gf8["tokens_per_s"] / m8["tokens_per_s"]
+    if g8.get("tokens_per_s") and gf8.get("tokens_per_s"):
+        out["fp8base_graphs_ratio_to_moe8_graphs"] = gf8["tokens_per_s"] / g8["tokens_per_s"]
+    for name, r in (("moe8_graphs", g8), ("moe8_fp8base_graphs", gf8)):
+        if peft.get("tokens_per_s") and r.get("tokens_per_s"):
+            out[f"{name}_ratio_to_peft"] = r["tokens_per_s"] / peft["tokens_per_s"]
     if m8.get("tokens_per_s") and e8.get("tokens_per_s"):
         out["fp8experts_ratio_to_moe8"] = e8["tokens_per_s"] / m8["tokens_per_s"]
     return out
@@ -540,8 +564,8 @@ def table(out):
         f"{s['steps']} after {s['warmup']}"
     )
     print(
-        f"{'variant':<15} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
-        f"{'load GiB':>8} {'weights':>8} {'steady':>7}  losses / error"
+        f"{'variant':<19} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
+        f"{'load GiB':>8} {'weights':>8} {'steady':>7} {'reserved':>8} {'issued':>6}  losses / error"
     )
     for v, r in res.items():
         timed = r["step_s"][s["warmup"] :]
@@ -552,16 +576,19 @@ def table(out):
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
             *(
                 f"{r[k]:.1f}" if r.get(k) is not None else "-"
-                for k in ("peak_gib", "load_peak_gib", "weights_gib", "steady_gib")
+                for k in ("peak_gib", "load_peak_gib", "weights_gib", "steady_gib", "reserved_gib")
             ),
+            f"{statistics.median(r['issue_s'][s['warmup'] :]):.3f}"
+            if r.get("issue_s", [])[s["warmup"] :]
+            else "-",
         ]
         shown = [f"{x:.4f}" for x in r["losses"]]
         if len(shown) > 8:
             shown = [*shown[:6], "...", shown[-1]]
         tail = ", ".join(shown) + (f"  ERROR {r['error']}" if "error" in r else "")
         print(
-            f"{v:<15} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
-            f"{cells[6]:>8} {cells[7]:>7}  {tail}"
+            f"{v:<19} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
+            f"{cells[6]:>8} {cells[7]:>7} {cells[8]:>8} {cells[9]:>6}  {tail}"
         )
     b = out["baseline_h200_md"]
     print(f"baseline in shared/data/baselines/h200.md: {b['tokens_per_s']:,} tokens/s, {b['peak_gib']} GiB")
@@ -595,12 +622,25 @@ def table(out):
     for v, key in (
         ("moe8_fp8base", "fp8base_ratio_to_moe8"),
         ("moe8_fp8experts", "fp8experts_ratio_to_moe8"),
+        ("moe8_fp8base_graphs", "fp8base_graphs_ratio_to_moe8"),
     ):
         if v in res:
             print(
                 _target(f"{v} / moe8 tokens/s", out.get(key), "x", ">=", t["fp8base_ratio_to_moe8"])
                 + "; "
                 + _target(f"{v} peak", res[v].get("peak_gib"), " GiB", "<=", t["fp8base_peak_gib"])
+            )
+
+
+def _graphs_rows(out):
+    for name in ("moe8_graphs", "moe8_fp8base_graphs"):
+        r = out["variants"].get(name)
+        if r and r.get("graphs"):
+            g = r["graphs"]
+            print(
+                f"{name}: {g['layers']} layers graphed, {g['captured']} graphs captured, {g['replayed']} calls "
+                f"replayed, {g['eager']} eager ({', '.join(f'{k}: {n}' for k, n in g['reasons'].items())}); "
+                + _target("tokens/s / peft", out.get(f"{name}_ratio_to_peft"), "x", ">=", 2.5)
             )
 
 
@@ -705,6 +745,7 @@ def main():
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=1)
     table(out)
+    _graphs_rows(out)
     return 1 if any("error" in r for r in results.values()) else 0
 
 
