@@ -89,7 +89,7 @@ class _Shared:
                 inputs = [torch.empty_like(t).requires_grad_(t.requires_grad) for t in tensors]
                 grad_in = [torch.empty_like(t) if t.requires_grad else None for t in tensors]
             out = torch.empty_like(tensors[0])
-            s = _Statics(inputs, [None] * len(tensors), out, torch.empty_like(out), grad_in)
+            s = _Statics(inputs, [None] * len(tensors), out, torch.zeros_like(out), grad_in)
             self.statics[key] = s
         return s
 
@@ -240,7 +240,10 @@ class LayerGraphs:
             hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(), *m._backward_hooks.values()]
             if not hooks:
                 continue
-            if any(getattr(h, "__module__", None) != _RECORDER for h in hooks):
+            if any(
+                getattr(h, "__module__", None) != _RECORDER and not getattr(h, "replay_safe", False)
+                for h in hooks
+            ):
                 return f"module hooks on {type(m).__name__}"
             if _recording():
                 return "transformers is recording outputs (router logits, hidden states or attentions)"
@@ -286,6 +289,7 @@ class LayerGraphs:
         self.shared.fill(s, tensors)
         try:
             g.forward = self._capture(run)
+            self._capture_backward(g)  # here, on the calling thread, rather than inside autograd's backward
         except Exception as e:  # noqa: BLE001 - any failure to capture means: run it eagerly
             self.failed[key] = _failure(e)
             torch.cuda.synchronize(self.shared.device)
@@ -320,32 +324,9 @@ class LayerGraphs:
         self.shared.fill(s, saved)
         with torch.no_grad():
             s.grad_out.copy_(grad)
-        if g.backward is None:
-            try:
-                self._capture_backward(g)
-            except Exception as e:  # noqa: BLE001
-                torch.cuda.synchronize(self.shared.device)
-                key = next(k for k, v in self.graphs.items() if v is g)
-                self.failed[key] = _failure(e)
-                del self.graphs[key]
-                self._say(self.failed[key])
-                return self._recompute_backward(g, saved, grad)
         g.backward.replay()
         grads = [None if d is None else d.clone() for d in s.grad_in]
         return grads + [d.clone() for d in g.grads]
-
-    def _recompute_backward(self, g: _Graphs, saved, grad) -> list:
-        """The backward without a graph: the forward recomputed from the saved inputs, as checkpointing does."""
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
-            out = g.call(inputs)
-            wants = [x for x in inputs if x.requires_grad]
-            grads = list(torch.autograd.grad(out, [*wants, *g.train], grad, allow_unused=True))
-        it = iter(grads[: len(wants)])
-        head = [next(it) if t.requires_grad else None for t in saved]
-        return head + [
-            torch.zeros_like(p) if gr is None else gr for p, gr in zip(g.train, grads[len(wants) :])
-        ]
 
 
 def _recording() -> bool:

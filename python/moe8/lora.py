@@ -106,6 +106,9 @@ def _needs_moe8(experts: nn.Module, args) -> None:
         )
 
 
+_needs_moe8.replay_safe = True  # a check without effects: moe8.graphs may replay the layer without it
+
+
 def _attach_experts(experts: nn.Module, r: int, alpha: float, dropout: float) -> None:
     # GPT-OSS: gate_up [E, H, 2I], down [E, I, H] ("kn"); the others gate_up [E, 2I, H], down [E, H, I]
     kn = experts.is_transposed

@@ -31,7 +31,10 @@ def make(fp8_base=False, dropout=0.0, router_logits=False, seed=0):
         max_position_embeddings=256,
         output_router_logits=router_logits,
     ).to("cuda", torch.bfloat16)
-    lora.apply_lora(model, r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"), dropout=dropout)
+    model.set_attn_implementation("sdpa")  # as training runs it (the tiny config's default is eager)
+    lora.apply_lora(
+        model, r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"), dropout=dropout
+    )
     if fp8_base:
         hf.accelerate(model, fp8="blockwise")
         lora.freeze_base_fp8(model)
