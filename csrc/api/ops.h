@@ -153,6 +153,20 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
                       const TensorView& offsets, const TensorView& c, intptr_t stream, bool check_indices = true,
                       const TensorView& workspace = TensorView{});
 
+// Bytes of uint8 scratch quantize_grouped_gemm_fp8 needs for `rows` rows of `cols`: their 1x128 codes and scales.
+int64_t quantize_grouped_gemm_fp8_scratch_bytes(int64_t rows, int64_t cols);
+
+// quantize_rows_1x128 then grouped_gemm_fp8 in one call (an FP8 linear layer's forward: x [M,K], offsets
+// [0, M]; the experts' GEMMs on their rows, gathered from the tokens with row_to_slot): the same kernels, the same
+// bits. x [T,K] float, row_to_slot [R] int32 / top_k / slot_to_row [T*top_k] (optional, as in quantize_rows_1x128;
+// without them R = T), b [E,N,K] fp8, b_scale [E, ceil(N/128), ceil(K/128)], offsets [E+1] -> c [R,N] float.
+// scratch: uint8, quantize_grouped_gemm_fp8_scratch_bytes(R, K) long at least, 16-byte aligned, on x's device
+// (the quantised rows live there between the two kernels); workspace: as for grouped_gemm_fp8.
+void quantize_grouped_gemm_fp8(const TensorView& x, const TensorView& row_to_slot, int top_k,
+                               const TensorView& slot_to_row, const TensorView& b, const TensorView& b_scale,
+                               const TensorView& offsets, const TensorView& scratch, const TensorView& c,
+                               intptr_t stream, bool check_indices = true, const TensorView& workspace = TensorView{});
+
 // Bytes of uint8 workspace that lets grouped_gemm_fp8_wgrad take the Hopper (CUTLASS sm_90a) path; 0 where
 // that path is not available.
 int64_t grouped_gemm_fp8_wgrad_workspace_bytes(int num_experts, bool on_cuda);

@@ -1,5 +1,6 @@
 // api/quant.cpp — validation and backend choice for the FP8 ops (quantisation recipes, dequantisation, the
 // blockwise-scaled grouped GEMM). Nothing reaches a backend unchecked.
+#include <cstdint>
 #include <initializer_list>
 
 #include "api/common.h"
@@ -37,12 +38,12 @@ void check_scale(const char* name, const TensorView& s, const char* ref_name, co
   check_shape(name, s, shape);
 }
 
-}  // namespace
-
-void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
-                         const TensorView& scale, intptr_t stream, bool check_indices, const TensorView& slot_to_row) {
+// x [T,K] of a 1x128 row quantisation, with row_to_slot [R] (optional: rows gathered from x, -1 none) and its
+// inverse slot_to_row [T*k] (optional); returns R, the rows quantised (T without row_to_slot).
+int64_t check_rows_input(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& slot_to_row,
+                         intptr_t stream, bool check_indices) {
   check_input("x", x, 2);
-  const int64_t T = x.size(0), K = x.size(1);
+  const int64_t T = x.size(0);
   int64_t R = T;
   if (row_to_slot.present) {
     MOE8_CHECK(k >= 1, "k: expected >= 1, got ", k);
@@ -51,11 +52,75 @@ void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int
     check_ndim("row_to_slot", row_to_slot, 1);
     R = row_to_slot.size(0);
   }
-  check_q("q", q, "x", x, {R, K});
-  check_scale("scale", scale, "x", x, {R, quant_blocks(K)});
   const bool check = checks_values(check_indices, x);
   if (row_to_slot.present && check) check_range("row_to_slot", row_to_slot, -1, T * k, stream);
   check_slot_to_row(slot_to_row, row_to_slot, "x", x, T, k, R, stream, check);
+  return R;
+}
+
+// The weight, offsets and output of a blockwise FP8 grouped GEMM of R rows of K (its rows on ref's device,
+// named ref_name): b [E,N,K] fp8, b_scale [E, ceil(N/128), ceil(K/128)] f32, offsets [E+1] int32 (values
+// checked when check_indices, always on the CPU), c [R,N] float.
+void check_fp8_gemm_operands(const char* ref_name, const TensorView& ref, int64_t R, int64_t K, const TensorView& b,
+                             const TensorView& b_scale, const TensorView& offsets, const TensorView& c, intptr_t stream,
+                             bool check_indices) {
+  check_tensor("b", b, ref_name, ref);
+  check_fp8("b", b);
+  check_ndim("b", b, 3);
+  const int64_t E = b.size(0), N = b.size(1);
+  check_shape("b", b, {E, N, K});
+  MOE8_CHECK(E >= 1, "b: expected at least one expert (dim 0), got shape ", b.shape_str());
+  check_scale("b_scale", b_scale, ref_name, ref, {E, quant_blocks(N), quant_blocks(K)});
+  check_tensor("offsets", offsets, ref_name, ref);
+  check_dtype("offsets", offsets, {DType::kI32});
+  check_shape("offsets", offsets, {E + 1});
+  check_tensor("c", c, ref_name, ref);
+  check_float("c", c);
+  check_shape("c", c, {R, N});
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
+}
+
+// The GEMM of grouped_gemm_fp8 on checked operands: the sm_90a kernel where `workspace` is given and the shapes
+// allow, else the portable kernel (CUDA), or the CPU reference.
+void run_grouped_gemm_fp8(const char* ref_name, const TensorView& a, const TensorView& a_scale, const TensorView& b,
+                          const TensorView& b_scale, const TensorView& offsets, const TensorView& c,
+                          const TensorView& workspace, intptr_t stream) {
+  if (!on_cuda(a, "grouped_gemm_fp8")) {
+    cpu::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c);
+    return;
+  }
+  bool fast = false;
+  if (workspace.present) {
+    check_tensor("workspace", workspace, ref_name, a);
+    check_dtype("workspace", workspace, {DType::kU8});
+    const int64_t need = grouped_gemm_fp8_workspace_bytes(static_cast<int>(b.size(0)), true);
+    MOE8_CHECK(workspace.numel() >= need, "workspace: expected at least ", need, " bytes, got ", workspace.numel());
+    fast = need > 0 && cuda::grouped_gemm_fp8_sm90_supported(a, b, c);
+  }
+  if (fast)
+    cuda::grouped_gemm_fp8_sm90(a, a_scale, b, b_scale, offsets, c, workspace.data,
+                                static_cast<size_t>(workspace.numel()), as_ptr(stream));
+  else
+    cuda::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, as_ptr(stream));
+}
+
+// Where quantize_grouped_gemm_fp8 keeps a's codes and scales in its scratch: the scales [R, KB] f32 first, the
+// codes [R, K] from the next 256-byte boundary (TMA reads them: 16-byte aligned).
+constexpr int64_t kScratchAlign = 256;
+
+int64_t align_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+int64_t scratch_codes_offset(int64_t rows, int64_t cols) {
+  return align_up(rows * quant_blocks(cols) * static_cast<int64_t>(sizeof(float)), kScratchAlign);
+}
+
+}  // namespace
+
+void quantize_rows_1x128(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& q,
+                         const TensorView& scale, intptr_t stream, bool check_indices, const TensorView& slot_to_row) {
+  const int64_t R = check_rows_input(x, row_to_slot, k, slot_to_row, stream, check_indices);
+  check_q("q", q, "x", x, {R, x.size(1)});
+  check_scale("scale", scale, "x", x, {R, quant_blocks(x.size(1))});
   if (on_cuda(x, "quantize_rows_1x128")) {
     cuda::quantize_rows_1x128(x, row_to_slot, slot_to_row, k, q, scale, as_ptr(stream));
   } else {
@@ -221,36 +286,40 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   check_contiguous("a", a);
   const int64_t R = a.size(0), K = a.size(1);
   check_scale("a_scale", a_scale, "a", a, {R, quant_blocks(K)});
-  check_tensor("b", b, "a", a);
-  check_fp8("b", b);
-  check_ndim("b", b, 3);
-  const int64_t E = b.size(0), N = b.size(1);
-  check_shape("b", b, {E, N, K});
-  MOE8_CHECK(E >= 1, "b: expected at least one expert (dim 0), got shape ", b.shape_str());
-  check_scale("b_scale", b_scale, "a", a, {E, quant_blocks(N), quant_blocks(K)});
-  check_tensor("offsets", offsets, "a", a);
-  check_dtype("offsets", offsets, {DType::kI32});
-  check_shape("offsets", offsets, {E + 1});
-  check_tensor("c", c, "a", a);
-  check_float("c", c);
-  check_shape("c", c, {R, N});
-  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
-  if (on_cuda(a, "grouped_gemm_fp8")) {
-    bool fast = false;
-    if (workspace.present) {
-      check_tensor("workspace", workspace, "a", a);
-      check_dtype("workspace", workspace, {DType::kU8});
-      const int64_t need = grouped_gemm_fp8_workspace_bytes(static_cast<int>(E), true);
-      MOE8_CHECK(workspace.numel() >= need, "workspace: expected at least ", need, " bytes, got ", workspace.numel());
-      fast = need > 0 && cuda::grouped_gemm_fp8_sm90_supported(a, b, c);
-    }
-    if (fast)
-      cuda::grouped_gemm_fp8_sm90(a, a_scale, b, b_scale, offsets, c, workspace.data,
-                                  static_cast<size_t>(workspace.numel()), as_ptr(stream));
-    else
-      cuda::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c, as_ptr(stream));
+  check_fp8_gemm_operands("a", a, R, K, b, b_scale, offsets, c, stream, check_indices);
+  run_grouped_gemm_fp8("a", a, a_scale, b, b_scale, offsets, c, workspace, stream);
+}
+
+int64_t quantize_grouped_gemm_fp8_scratch_bytes(int64_t rows, int64_t cols) {
+  MOE8_CHECK(rows >= 0 && cols >= 0, "rows, cols: expected >= 0, got ", rows, ", ", cols);
+  return rows == 0 || cols == 0 ? 0 : scratch_codes_offset(rows, cols) + rows * cols;
+}
+
+void quantize_grouped_gemm_fp8(const TensorView& x, const TensorView& row_to_slot, int top_k,
+                               const TensorView& slot_to_row, const TensorView& b, const TensorView& b_scale,
+                               const TensorView& offsets, const TensorView& scratch, const TensorView& c,
+                               intptr_t stream, bool check_indices, const TensorView& workspace) {
+  const int64_t R = check_rows_input(x, row_to_slot, top_k, slot_to_row, stream, check_indices);
+  const int64_t K = x.size(1);
+  check_fp8_gemm_operands("x", x, R, K, b, b_scale, offsets, c, stream, check_indices);
+  const int64_t need = quantize_grouped_gemm_fp8_scratch_bytes(R, K);
+  check_tensor("scratch", scratch, "x", x);
+  check_dtype("scratch", scratch, {DType::kU8});
+  check_contiguous("scratch", scratch);
+  MOE8_CHECK(scratch.numel() >= need, "scratch: expected at least ", need,
+             " bytes (quantize_grouped_gemm_fp8_scratch_bytes), got ", scratch.numel());
+  MOE8_CHECK(need == 0 || reinterpret_cast<uintptr_t>(scratch.data) % 16 == 0,
+             "scratch: expected a 16-byte aligned start, got address ", scratch.data);
+  // a's 1x128 codes [R, K] and scales [R, KB] inside the scratch (the scales first)
+  uint8_t* base = static_cast<uint8_t*>(scratch.data);
+  TensorView a_scale = make_view(base, DType::kF32, {R, quant_blocks(K)}, x.device);
+  TensorView a = make_view(need ? base + scratch_codes_offset(R, K) : base, DType::kU8, {R, K}, x.device);
+  a.device_index = a_scale.device_index = x.device_index;
+  if (on_cuda(x, "quantize_grouped_gemm_fp8")) {
+    cuda::quantize_rows_1x128(x, row_to_slot, slot_to_row, top_k, a, a_scale, as_ptr(stream));
+    run_grouped_gemm_fp8("x", a, a_scale, b, b_scale, offsets, c, workspace, stream);
   } else {
-    cpu::grouped_gemm_fp8(a, a_scale, b, b_scale, offsets, c);
+    cpu::quantize_grouped_gemm_fp8(x, row_to_slot, top_k, b, b_scale, offsets, a, a_scale, c);
   }
 }
 

@@ -284,6 +284,18 @@ NB_MODULE(_C, m) {
       },
       nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"), nb::arg("offsets"), nb::arg("c"),
       nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def("quantize_grouped_gemm_fp8_scratch_bytes", &moe8::api::quantize_grouped_gemm_fp8_scratch_bytes, nb::arg("rows"),
+        nb::arg("cols"));
+  m.def(
+      "quantize_grouped_gemm_fp8",
+      [](Array x, OptArray row_to_slot, int top_k, OptArray slot_to_row, Array b, Array b_scale, Array offsets,
+         Array scratch, Array c, intptr_t stream, bool check_indices, OptArray workspace) {
+        moe8::api::quantize_grouped_gemm_fp8(V(x), V(row_to_slot), top_k, V(slot_to_row), V(b), V(b_scale), V(offsets),
+                                             V(scratch), V(c), stream, check_indices, V(workspace));
+      },
+      nb::arg("x"), nb::arg("row_to_slot").none(), nb::arg("top_k"), nb::arg("slot_to_row").none(), nb::arg("b"),
+      nb::arg("b_scale"), nb::arg("offsets"), nb::arg("scratch"), nb::arg("c"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def("grouped_gemm_fp8_wgrad_workspace_bytes", &moe8::api::grouped_gemm_fp8_wgrad_workspace_bytes,
         nb::arg("num_experts"), nb::arg("on_cuda"));
   m.def(

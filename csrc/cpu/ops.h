@@ -137,6 +137,12 @@ void dequantize(const TensorView& q, const TensorView& scale, int64_t block_rows
 void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const TensorView& b, const TensorView& b_scale,
                       const TensorView& offsets, const TensorView& c);
 
+// grouped_gemm_fp8 of x's rows quantised 1x128 (quantize_rows_1x128(x, row_to_slot, k) into q [R,K] and
+// scale [R,KB], the caller's scratch), into c [R,N]: the two references back to back, the same bits.
+void quantize_grouped_gemm_fp8(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& b,
+                               const TensorView& b_scale, const TensorView& offsets, const TensorView& q,
+                               const TensorView& scale, const TensorView& c);
+
 // FP8 weight gradient from the transposed quantisations quantize_cols_1x128 writes: for each expert e,
 // db[e, n, k] = sum over e's 128-row blocks j of dc_scale[j, n] * a_scale[j, k] * sum_{r in j} dc_t[n, r] *
 // a_t[k, r]. dc_t [N,R] u8, dc_scale [NBLK,N], a_t [K,R] u8, a_scale [NBLK,K], db [E,N,K] float; blocks

@@ -210,6 +210,13 @@ void grouped_gemm_fp8(const TensorView& a, const TensorView& a_scale, const Tens
   });
 }
 
+void quantize_grouped_gemm_fp8(const TensorView& x, const TensorView& row_to_slot, int k, const TensorView& b,
+                               const TensorView& b_scale, const TensorView& offsets, const TensorView& q,
+                               const TensorView& scale, const TensorView& c) {
+  quantize_rows_1x128(x, row_to_slot, k, q, scale);
+  grouped_gemm_fp8(q, scale, b, b_scale, offsets, c);
+}
+
 void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
                             const TensorView& a_scale, const TensorView& offsets, const TensorView& db) {
   const int64_t N = dc_t.size(0), R = dc_t.size(1), K = a_t.size(0), E = offsets.size(0) - 1;

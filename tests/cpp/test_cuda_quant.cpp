@@ -540,6 +540,55 @@ TEST_F(Sm90Fp8Test, ApiPicksTheHopperPath) {
   }
 }
 
+// quantize_grouped_gemm_fp8 on the GPU: the two calls it replaces on the GPU (quantize_rows_1x128, then
+// grouped_gemm_fp8), bit for bit, through the sm90 kernel (a workspace given, where this GPU has the path) and
+// the portable one (none); rows as given and gathered from tokens with padding rows; c and the scratch poisoned.
+TEST_F(CudaTest, QuantizeGroupedGemmIsTheTwoCallsBitExact) {
+  struct QCase {
+    const char* name;
+    std::vector<int> counts;
+    int64_t tail, N, K;
+  };
+  const QCase cases[] = {
+      {"ragged_sm90_shapes", {0, 40, 200, 3}, 2, 256, 384},
+      {"k_not_multiple_of_16", {7, 9}, 1, 24, 200},
+      {"one_group", {1}, 0, 64, 128},
+  };
+  Rng rng(900);
+  for (const QCase& qc : cases)
+    for (bool gathered : {false, true}) {
+      const std::vector<int> off = offsets_of(qc.counts);
+      const int64_t R = off.back() + qc.tail, E = static_cast<int64_t>(qc.counts.size());
+      const int k = 2;
+      const int64_t T = (R + 1) / 2;
+      HostTensor x = spread(DType::kBF16, {gathered ? T : R, qc.K}, rng);
+      std::vector<int> r2s(R);
+      for (int64_t r = 0; r < R; ++r) r2s[r] = r % 5 == 3 ? -1 : static_cast<int>((r * 7) % (T * k));
+      HostTensor rows = ints({R}, r2s), offs = ints({E + 1}, off);
+      HostTensor w = spread(DType::kBF16, {E, qc.N, qc.K}, rng);
+      HostTensor b = u8({E, qc.N, qc.K}), sb = f32({E, kb(qc.N), kb(qc.K)});
+      api::quantize_weight_128x128(w.view(), b.view(), sb.view(), 0);
+      const int64_t ws = api::grouped_gemm_fp8_workspace_bytes(static_cast<int>(E), true);
+      HostTensor wsh(DType::kU8, {std::max<int64_t>(ws, 1)});
+      for (bool with_ws : {true, false}) {
+        if (with_ws && ws == 0) continue;  // no sm90 path on this GPU or build
+        SCOPED_TRACE(std::string(qc.name) + (gathered ? " gathered" : "") + (with_ws ? " sm90" : " portable"));
+        HostTensor a = u8({R, qc.K}), sa = f32({R, kb(qc.K)}), want(DType::kBF16, {R, qc.N});
+        HostTensor got(DType::kBF16, {R, qc.N}), scratch = u8({api::quantize_grouped_gemm_fp8_scratch_bytes(R, qc.K)});
+        Runner r(true);
+        const TensorView xv = r.in(x), r2sv = gathered ? r.in(rows) : absent(), bv = r.in(b), sbv = r.in(sb);
+        const TensorView offv = r.in(offs), wsv = with_ws ? r.in(wsh) : absent();
+        const TensorView av = r.out(a), sav = r.out(sa);
+        api::quantize_rows_1x128(xv, r2sv, k, av, sav, 0);
+        api::grouped_gemm_fp8(av, sav, bv, sbv, offv, r.out(want), 0, true, wsv);
+        api::quantize_grouped_gemm_fp8(xv, r2sv, k, absent(), bv, sbv, offv, r.out(scratch), r.out(got), 0, true, wsv);
+        r.finish();
+        EXPECT_TRUE(same(got, want, "fused against the two calls"));
+        for (int64_t i = 0; i < got.numel(); ++i) ASSERT_FALSE(std::isnan(got.get(i))) << "c[" << i << "] not written";
+      }
+    }
+}
+
 // The FP8 weight gradient: codes and scales as quantize_cols_1x128 lays them out (q_t [N, R], [K, R];
 // scale [NBLK, N], [NBLK, K], blocks expert by expert), the sm90 kernel (bf16) against the CPU reference
 // (float32 from a float64 sum): per element within bf16 rounding plus 2^-8 of the sum of |products| (FP8

@@ -505,6 +505,36 @@ TEST(Quant, BlockwiseRecipeErrorAgainstUnquantizedGemm) {
   EXPECT_GT(rel, 1e-2) << "suspiciously exact: are the operands really quantised?";
 }
 
+// quantize_grouped_gemm_fp8: the two calls it replaces (quantize_rows_1x128, grouped_gemm_fp8), bit for bit, with
+// the rows as given and gathered from tokens (padding rows of -1); c and the scratch poisoned first.
+TEST(Quant, QuantizeGroupedGemmIsTheTwoCalls) {
+  Rng rng(20);
+  for (const GemmCase& c : gemm_cases())
+    for (DType dt : kFloatTypes)
+      for (bool gathered : {false, true}) {
+        const std::vector<int> off = offsets_of(c.counts);
+        const int64_t R = off.back() + c.extra_rows, E = static_cast<int64_t>(c.counts.size());
+        const int k = 2, T = static_cast<int>((R + 1) / 2);
+        HostTensor x = fp8_input(dt, {gathered ? T : R, c.K}, rng);
+        std::vector<int> r2s(R);
+        for (int64_t r = 0; r < R; ++r) r2s[r] = r % 5 == 3 ? -1 : static_cast<int>((r * 7) % (T * k));
+        HostTensor rows = ints({R}, r2s), offs = ints({E + 1}, off);
+        HostTensor w = random_tensor(DType::kBF16, {E, c.N, c.K}, rng, -0.1, 0.1);
+        HostTensor b = u8({E, c.N, c.K}), sb = f32({E, kb(c.N), kb(c.K)});
+        api::quantize_weight_128x128(w.view(), b.view(), sb.view(), 0);
+        const TensorView r2s_view = gathered ? rows.view() : absent();
+        HostTensor a = u8({R, c.K}), sa = f32({R, kb(c.K)}), want(DType::kBF16, {R, c.N});
+        api::quantize_rows_1x128(x.view(), r2s_view, k, a.view(), sa.view(), 0);
+        api::grouped_gemm_fp8(a.view(), sa.view(), b.view(), sb.view(), offs.view(), want.view(), 0);
+        HostTensor got(DType::kBF16, {R, c.N}), scratch = u8({api::quantize_grouped_gemm_fp8_scratch_bytes(R, c.K)});
+        got.poison();
+        scratch.poison();
+        api::quantize_grouped_gemm_fp8(x.view(), r2s_view, k, absent(), b.view(), sb.view(), offs.view(),
+                                       scratch.view(), got.view(), 0);
+        EXPECT_TRUE(got.bitwise_equal(want)) << c.name << " " << name_of(dt) << (gathered ? " gathered" : "");
+      }
+}
+
 // --------------------------------------------------------------------------------------- validation
 
 TEST(Validation, Quant) {
@@ -563,6 +593,28 @@ TEST(Validation, Quant) {
   EXPECT_MOE8_ERROR("offsets",
                     api::grouped_gemm_fp8(q.view(), sc.view(), b.view(), bs.view(), offs.view(), c.view(), 0));
   EXPECT_MOE8_ERROR("c", api::grouped_gemm_fp8(q.view(), sc.view(), b.view(), bs.view(), offs_ok.view(), q.view(), 0));
+
+  // quantize_grouped_gemm_fp8: x as for quantize_rows_1x128, b .. c as for grouped_gemm_fp8, and the scratch
+  const int64_t need = api::quantize_grouped_gemm_fp8_scratch_bytes(4, 130);
+  EXPECT_EQ(need, 256 + 4 * 130);  // scales [4, 2] f32 first, codes from the next 256-byte boundary
+  HostTensor scratch = u8({need + 16}), small = u8({need - 1}), wide = f32({need});
+  const TensorView ok = scratch.view();
+  TensorView shifted = ok;
+  shifted.data = static_cast<uint8_t*>(ok.data) + 1;
+  shifted.shape[0] = need;
+  auto fused = [&](const TensorView& xv, const TensorView& r2sv, const TensorView& bsv, const TensorView& offsv,
+                   const TensorView& sv, const TensorView& cv) {
+    api::quantize_grouped_gemm_fp8(xv, r2sv, 2, absent(), b.view(), bsv, offsv, sv, cv, 0);
+  };
+  EXPECT_NO_THROW(fused(x.view(), absent(), bs.view(), offs_ok.view(), ok, c.view()));
+  EXPECT_MOE8_ERROR("scratch", fused(x.view(), absent(), bs.view(), offs_ok.view(), small.view(), c.view()));
+  EXPECT_MOE8_ERROR("scratch", fused(x.view(), absent(), bs.view(), offs_ok.view(), wide.view(), c.view()));
+  EXPECT_MOE8_ERROR("scratch", fused(x.view(), absent(), bs.view(), offs_ok.view(), shifted, c.view()));
+  EXPECT_MOE8_ERROR("x", fused(q.view(), absent(), bs.view(), offs_ok.view(), ok, c.view()));
+  EXPECT_MOE8_ERROR("row_to_slot", fused(x.view(), r2s.view(), bs.view(), offs_ok.view(), ok, c.view()));
+  EXPECT_MOE8_ERROR("b_scale", fused(x.view(), absent(), bs_bad.view(), offs_ok.view(), ok, c.view()));
+  EXPECT_MOE8_ERROR("offsets", fused(x.view(), absent(), bs.view(), offs.view(), ok, c.view()));
+  EXPECT_MOE8_ERROR("c", fused(x.view(), absent(), bs.view(), offs_ok.view(), ok, q.view()));
 }
 
 }  // namespace
