@@ -26,6 +26,13 @@ not a tensor or a plain value, dropout in the layer (the recomputation would dra
 module hooks other than transformers' idle output recorders, transformers recording outputs (router logits,
 hidden states, attentions), an output that is not one tensor shaped as the hidden states, more than
 `max_shapes` signatures, or a capture that fails (e.g. a kernel that synchronises with the host).
+
+A capture needs the previous step's autograd graph gone (no `outputs` or loss kept across steps with their
+graph: keep `loss.detach()` or `.item()`, as transformers' Trainer does): a parameter's gradient accumulator
+left alive from an eager step sits on the default stream, and the capture fails with "operation would make the
+legacy stream depend on a capturing blocking stream". A failed capture leaves torch's CUDA graph state (the
+graph pool's recording, the generator's offsets) unusable in that process, so captures fall back and later
+random draws on the GPU can fail: free the previous step's graph before the first captured step.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ needs_gpu = pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
 LAYERS = 3
 
 
-def make(fp8_base=False, dropout=0.0, router_logits=False, seed=0):
+def make(fp8_base=False, dropout=0.0, router_logits=False, seed=0, adapter_dtype=torch.bfloat16):
     from test_hf import build
 
     model = build(
@@ -43,6 +43,8 @@ def make(fp8_base=False, dropout=0.0, router_logits=False, seed=0):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=g)
+            if p.requires_grad and adapter_dtype is not None:
+                p.data = p.data.to(adapter_dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
@@ -61,13 +63,14 @@ def train(model, batches, steps):
     """Per step: (loss, aux loss or None, {name: gradient}) after its micro-batches, then an AdamW step."""
     opt = torch.optim.AdamW(trained(model).values(), lr=1e-3)
     out = []
-    for step in range(steps):
+    for _ in range(steps):
         losses, aux = [], []
         for ids in batches:
             o = model(input_ids=ids, labels=ids)
             o.loss.backward()
             losses.append(o.loss.item())
             aux.append(None if getattr(o, "aux_loss", None) is None else o.aux_loss.item())
+            del o  # no autograd graph of this step outlives it (see moe8.graphs: capture needs that)
         out.append((losses, aux, {n: p.grad.clone() for n, p in trained(model).items()}))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -149,18 +152,30 @@ def test_graphs_capture_again_when_storage_moves():
 @pytest.mark.filterwarnings("ignore:moe8.graphs")
 @pytest.mark.parametrize("case", ["dropout", "router_logits"])
 def test_graphs_fall_back_where_they_cannot_replay(case):
-    kw = dict(dropout=0.1) if case == "dropout" else dict(router_logits=True)
+    kw = dict(
+        dropout=dict(dropout=0.1), router_logits=dict(router_logits=True), fp32=dict(adapter_dtype=None)
+    )[case]
     model = make(**kw)
     graphs.capture_layers(model)
     batches = [ids_of(32)]
-    if case == "router_logits":  # the aux loss needs every layer's router logits, recorded by hooks
+    if case != "dropout":  # router logits: the aux loss needs every layer's, recorded by hooks
         assert_same_training(train(model, batches, 2), train(make(**kw), batches, 2))
     else:
         train(model, batches, 2)
     s = graphs.stats(model)
-    want = "dropout" if case == "dropout" else "recording outputs"
+    want = dict(dropout="dropout", router_logits="recording outputs")[case]
     assert s["captured"] == 0 and s["replayed"] == 0 and s["eager"] == 2 * LAYERS, s
     assert any(want in k for k in s["reasons"]), s
+
+
+@needs_gpu
+def test_graphs_fp32_adapters():
+    """apply_lora's default: fp32 adapters on a bf16 model (cast per use inside the graphs)."""
+    model, batches = make(adapter_dtype=None), [ids_of(32)]
+    graphs.capture_layers(model)
+    assert_same_training(train(model, batches, 2), train(make(adapter_dtype=None), batches, 2))
+    s = graphs.stats(model)
+    assert s["captured"] == 2 * LAYERS and s["replayed"] == LAYERS, s
 
 
 def test_capture_layers_refusals():
