@@ -1,5 +1,6 @@
 """moe8._core — the ground floor of the Python front: the extension handle (moe8._C), CUDA streams, GEMM
-workspaces and the direct-call path of moe8's torch.library ops. Every op module imports this one; it imports
+workspaces and what else depends only on shapes (one-group offsets, unit scales, row indices: small bounded
+caches), and the direct-call path of moe8's torch.library ops. Every op module imports this one; it imports
 nothing else of moe8 but the environment defaults (moe8._env).
 
 Direct calls. A torch.library custom op call goes twice through the dispatcher and through the custom-op
@@ -16,7 +17,9 @@ MOE8_EAGER_DIRECT=0 in the environment (read once, at import) keeps every call o
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -92,17 +95,128 @@ def gated(kind: int) -> bool:
     return kind in (0, 1)
 
 
+# ------------------------------------------------------------------------- what depends only on shapes
+class _Lru:
+    """Tensors by key, at most `size` of them and `max_bytes` in all: the least recently used go first, and a
+    tensor larger than max_bytes is not kept. Safe to share between threads (autograd's backward runs on a
+    thread of its own)."""
+
+    def __init__(self, size: int, max_bytes: int):
+        self.size, self.max_bytes, self.nbytes = size, max_bytes, 0
+        self._d = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key) -> Optional[Tensor]:
+        with self._lock:
+            value = self._d.get(key)
+            if value is not None:
+                self._d.move_to_end(key)
+            return value
+
+    def put(self, key, value: Tensor) -> None:
+        if value.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            old = self._d.pop(key, None)
+            self.nbytes += value.nbytes - (old.nbytes if old is not None else 0)
+            self._d[key] = value
+            while len(self._d) > self.size or self.nbytes > self.max_bytes:
+                self.nbytes -= self._d.popitem(last=False)[1].nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _uncached(t: Tensor) -> bool:
+    """Whether a call on t must get tensors of its own rather than cached ones: while t's GPU stream captures a
+    CUDA graph (a graph keeps what it reads alive only in its own memory pool, and a tensor made during
+    capture is written when the graph replays, not before), and while anything traces (torch.compile, a
+    dispatch mode, fake or functional tensors: what they make is no tensor to keep)."""
+    if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+        return True
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return t.is_cuda and _is_capturing is not None and _is_capturing()
+
+
+_constants = _Lru(64, 4 << 20)  # read-only tensors by (what, device, shape): offsets, indices, unit scales
+
+
+def _constant(key, like: Tensor, make) -> Tensor:
+    """_constants[key], made by make() on a miss; a new one where _uncached(like)."""
+    if _uncached(like):
+        return make()
+    t = _constants.get(key)
+    if t is None:
+        t = make()
+        _constants.put(key, t)
+    return t
+
+
+def one_group_offsets(rows: int, like: Tensor) -> Tensor:
+    """offsets [2] = [0, rows] int32 of a grouped GEMM with one group (a dense layer's GEMM), on like's device.
+    Made on the device (no host copy, no sync) once per (device, rows) and shared: nothing may write it."""
+    dev = like.device
+
+    def make():
+        if rows == 0:
+            return torch.zeros(2, dtype=torch.int32, device=dev)
+        return torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=dev)
+
+    return _constant(("one_group", dev, rows), like, make)
+
+
+def shared_arange(n: int, like: Tensor) -> Tensor:
+    """torch.arange(n) of like's dtype on like's device (row indices), made once per (device, dtype, n) and
+    shared: nothing may write it."""
+    dev, dtype = like.device, like.dtype
+    return _constant(("arange", dev, dtype, n), like, lambda: torch.arange(n, dtype=dtype, device=dev))
+
+
+def shared_ones(shape: tuple, like: Tensor) -> Tensor:
+    """torch.ones(shape) f32 on like's device (scales that are all ones), made once per (device, shape) and
+    shared: nothing may write it."""
+    shape, dev = tuple(shape), like.device
+    return _constant(("ones", dev, shape), like, lambda: torch.ones(shape, dtype=torch.float32, device=dev))
+
+
 # ------------------------------------------------------------------------------------------ workspaces
 _ws_bytes: dict = {}
+_workspaces = _Lru(32, 64 << 20)  # scratch(): GEMM and plan workspaces, KiBs to a few MiB each
 
 
 def sm90_workspace(
     a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes"
 ) -> Optional[Tensor]:
     """Scratch that lets a grouped GEMM take the Hopper (CUTLASS sm_90a) path (`query` names the _C function
-    giving its size); None where there is no such path. Sizes are cached per (device, experts, query)."""
+    giving its size); None where there is no such path. Sizes are cached per (device, experts, query); the
+    scratch (a prep kernel writes the groups' arguments into it, the GEMM reads them) is scratch()'s."""
     n = sm90_workspace_bytes(a, num_experts, query)
-    return torch.empty(n, dtype=torch.uint8, device=a.device) if n else None
+    return scratch(a, n) if n else None
+
+
+def scratch(like: Tensor, n: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """n elements of `dtype` on like's device for kernels that write them and read them back within one call
+    (a GEMM's or the plan's workspace). On a GPU one tensor per (device, stream, thread, n, dtype) serves every
+    call: the calls one thread issues on one stream run one after the other; two streams never share one, nor
+    two threads (whose launches on one stream could interleave). On the CPU (where no kernel keeps anything for
+    later) and where _uncached(like), a new tensor."""
+    if not like.is_cuda or _uncached(like):
+        return torch.empty(n, dtype=dtype, device=like.device)
+    key = (like.device.index, stream(like), threading.get_ident(), n, dtype)
+    t = _workspaces.get(key)
+    if t is None:
+        t = torch.empty(n, dtype=dtype, device=like.device)
+        _workspaces.put(key, t)
+    return t
 
 
 def sm90_workspace_bytes(a: Tensor, num_experts: int, query: str = "grouped_gemm_workspace_bytes") -> int:

@@ -12,7 +12,8 @@ saturating; quantised tensors are uint8 (view them as torch.float8_e4m3fn if you
 Raw ops (torch.library custom ops with fake implementations; CPU reference or CUDA kernels):
     quantize_rows_1x128 (optionally fused with the permutation into expert order), quantize_weight_128x128
     (and _pair: both layouts in one pass; _t: the other layout only), quantize_cols_1x128 (the transposed quantisation of the weight gradient), swiglu_quant,
-    quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad
+    quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad, and
+    quantize_grouped_gemm_fp8 (quantize_rows_1x128 and grouped_gemm_fp8 in one call: an FP8 layer's forward)
 Weights: quantize_weight, and Fp8WeightCache: default_cache (copies refreshed when a weight changes or an
 optimizer steps, not per micro-batch) or frozen_only_cache (what Config's default fp8_cache="frozen" names:
 trainable weights quantised at every use, nothing of them held; frozen ones cached).
@@ -22,6 +23,7 @@ fp8="blockwise" (or a Float8Recipe) to moe8.experts_forward, or set moe8.Config(
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -32,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _checks as _c
 from ._core import C as _C
-from ._core import make_direct, sm90_workspace
+from ._core import make_direct, shared_ones, sm90_workspace
 from ._core import stream as _stream
 
 RECIPES = {"blockwise": 0, "rowwise": 1, "tensorwise": 2}
@@ -79,11 +81,19 @@ AUTO = "auto"  # the recipe name of Float8Recipe("blockwise", dgrad="fp8", auto=
 def _recipe(recipe) -> Float8Recipe:
     if isinstance(recipe, Float8Recipe):
         return recipe
+    named = _NAMED.get(recipe) if isinstance(recipe, str) else None
+    if named is not None:  # a layer passes its recipe's name at every call: one frozen object per name
+        return named
     if recipe == AUTO:
         return Float8Recipe("blockwise", dgrad="fp8", auto=True)
     if str(recipe) not in RECIPES:
         raise ValueError(f"recipe: expected one of {sorted(RECIPES) + [AUTO]}, got {recipe!r}")
     return Float8Recipe(str(recipe))
+
+
+_NAMED = {name: Float8Recipe(name) for name in RECIPES} | {
+    AUTO: Float8Recipe("blockwise", dgrad="fp8", auto=True)
+}
 
 
 def _blocks(n: int) -> int:
@@ -292,6 +302,49 @@ def _(a, a_scale, b, b_scale, offsets, dtype):
     return a.new_empty(a.shape[0], b.shape[1], dtype=dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _scratch_bytes(rows: int, cols: int) -> int:
+    return _C.quantize_grouped_gemm_fp8_scratch_bytes(rows, cols)
+
+
+@torch.library.custom_op("moe8::quantize_grouped_gemm_fp8", mutates_args=())
+def quantize_grouped_gemm_fp8(
+    x: Tensor,
+    row_to_slot: Optional[Tensor],
+    k: int,
+    slot_to_row: Optional[Tensor],
+    b: Tensor,
+    b_scale: Tensor,
+    offsets: Tensor,
+    dtype: torch.dtype,
+) -> Tensor:
+    """grouped_gemm_fp8(*quantize_rows_1x128(x, row_to_slot, k, slot_to_row), b, b_scale, offsets, dtype) in one
+    call into the core (the same kernels, the same bits), the quantised rows in a scratch freed on return:
+    x [T, K] (or the rows of x that row_to_slot [R] gathers, as in quantize_rows_1x128) . b [E, N, K]^T
+    -> c [R, N] of `dtype`. An FP8 linear layer's forward is this with offsets [0, T] (one group). Two
+    allocations (c; the codes and scales of the rows, one scratch), one call into the core."""
+    _c.tensor("x", x, 2, "[T, K]")
+    _c.tensor("b", b, 3, "[E, N, K]")
+    if row_to_slot is not None:
+        _c.tensor("row_to_slot", row_to_slot, 1, "[R]")
+    if dtype not in _c.FLOATS:
+        raise TypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    c = torch.empty(rows, b.shape[1], dtype=dtype, device=x.device)
+    scratch = torch.empty(_scratch_bytes(rows, x.shape[1]), dtype=torch.uint8, device=x.device)
+    ws = _fp8_workspace(x, b.shape[0])
+    _C.quantize_grouped_gemm_fp8(
+        x, row_to_slot, k, slot_to_row, b, b_scale, offsets, scratch, c, _stream(x), False, ws
+    )
+    return c
+
+
+@quantize_grouped_gemm_fp8.register_fake
+def _(x, row_to_slot, k, slot_to_row, b, b_scale, offsets, dtype):
+    rows = x.shape[0] if row_to_slot is None else row_to_slot.shape[0]
+    return x.new_empty(rows, b.shape[1], dtype=dtype)
+
+
 @torch.library.custom_op("moe8::grouped_gemm_fp8_wgrad", mutates_args=())
 def grouped_gemm_fp8_wgrad(
     dc_t: Tensor,
@@ -349,7 +402,7 @@ def quantize_weight(w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
         return Fp8Weight(*quantize_weight_128x128(_nk(w, 0)), None)
     w = _nk(w, layout)
     E, N, K = w.shape
-    ones = torch.ones(E, _blocks(N), _blocks(K), dtype=torch.float32, device=w.device)
+    ones = shared_ones((E, _blocks(N), _blocks(K)), w)  # the GEMM's 128x128 scales, all 1 (read only)
     if recipe.name == "tensorwise":
         q, s = quantize_tensorwise(w)
         return Fp8Weight(q, ones * s, None)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._core import make_direct
+from ._core import make_direct, one_group_offsets
 from .fp8 import (
     Float8Recipe,
     Fp8Weight,
@@ -51,13 +51,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NO_COPY = (None, None, None)  # an FP8 weight copy's op arguments (q, scale, row_scale) when none is given
 
 
-def _one_group(rows: int, like: Tensor) -> Tensor:
-    """offsets [2] = [0, rows] of a grouped GEMM with one group, made on the device (no host copy, no sync)."""
-    if rows == 0:
-        return torch.zeros(2, dtype=torch.int32, device=like.device)
-    return torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=like.device)
-
-
 @functools.cache
 def _capability_of(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
@@ -65,6 +58,11 @@ def _capability_of(index: int) -> tuple:
 
 def _capability(x: Tensor) -> tuple:
     return _capability_of(x.device.index) if x.is_cuda else (0, 0)  # a tensor's device has its index
+
+
+@functools.cache  # (dgrad, wgrad): four frozen recipes
+def _blockwise(dgrad: str, wgrad: str) -> Float8Recipe:
+    return Float8Recipe("blockwise", dgrad=dgrad, wgrad=wgrad)
 
 
 def _weight(
@@ -87,7 +85,7 @@ def _weight(
 def _gemm(a: Tensor, wq: Fp8Weight, recipe: Float8Recipe, backend: str) -> Tensor:
     """a [M, K] . wq [1, N, K] -> [M, N] in a's dtype."""
     if backend != SCALED_MM or recipe.name == "blockwise":
-        c = _fp8_forward(a, Fp8Weight(wq.q, wq.scale, None), _one_group(a.shape[0], a), recipe)
+        c = _fp8_forward(a, Fp8Weight(wq.q, wq.scale, None), one_group_offsets(a.shape[0], a), recipe)
         if wq.row_scale is None:
             return c
         # one group: every row takes the weight's row scales [1, N] (what _fp8_forward's per-row gather of the
@@ -160,7 +158,7 @@ def _fp8_linear_backward(
     if need_dw:
         wgrad = None
         if recipe.wgrad == "fp8" and (not g.is_cuda or g.shape[0] % 16 == 0):
-            wgrad = _fp8_wgrad(x, g, _one_group(g.shape[0], g), 0, 1)  # [1, N, K] or None
+            wgrad = _fp8_wgrad(x, g, one_group_offsets(g.shape[0], g), 0, 1)  # [1, N, K] or None
         dw = (g.t() @ x if wgrad is None else wgrad[0]).to(w.dtype)
     return dx, dw
 
@@ -231,7 +229,7 @@ def fp8_linear(
     if frozen is not None:  # stored in FP8 only: its copy (layout 0); the dgrad from its blocks transposed
         if frozen.layout != 0:  # (FP8 dgrad) or dequantised (bf16 dgrad)
             raise ValueError("w: a dense weight stored in FP8 is frozen in layout 0 (freeze_fp8(w, 0))")
-        wq, recipe = frozen.value, Float8Recipe("blockwise", dgrad=recipe.dgrad, wgrad=recipe.wgrad)
+        wq, recipe = frozen.value, _blockwise(recipe.dgrad, recipe.wgrad)
     elif cache is not None and not torch.compiler.is_compiling():
         wq = cache.get(w, 0, recipe)
         if _dgrad_copy_cached(w, recipe, cache):

@@ -12,6 +12,7 @@ moe8.fused.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -22,12 +23,22 @@ from ._core import ACTIVATIONS, LAYOUTS, SCHEMES, sm90_workspace, sm90_workspace
 from ._core import C as _C
 from ._core import gated as _gated
 from ._core import make_direct as _make_direct
+from ._core import scratch as _scratch
 from ._core import stream as _stream
 from .rotary import apply_rotary_pos_emb, rope, rope_backward  # noqa: F401
 from .routing import route, route_backward  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------- plan
+@functools.lru_cache(maxsize=256)
+def _plan_sizes(slots: int, num_experts: int, pad_multiple: int, on_cuda: bool) -> tuple[int, int]:
+    """(rows of the plan, int32 elements of its GPU workspace): functions of the shapes only."""
+    return (
+        _C.plan_max_rows(slots, num_experts, pad_multiple),
+        _C.plan_workspace_elems(slots, num_experts, on_cuda),
+    )
+
+
 @torch.library.custom_op("moe8::plan", mutates_args=())
 def plan(
     ids: Tensor, num_experts: int, pad_multiple: int, check_ids: bool = True
@@ -41,13 +52,12 @@ def plan(
     slots = ids.numel()
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
-    rows = _C.plan_max_rows(slots, num_experts, pad_multiple)
+    rows, ws_elems = _plan_sizes(slots, num_experts, pad_multiple, ids.is_cuda)
     counts = torch.empty(num_experts, **i32)
     offsets = torch.empty(num_experts + 1, **i32)
     row_to_slot = torch.empty(rows, **i32)
     slot_to_row = torch.empty(slots, **i32)
-    ws_elems = _C.plan_workspace_elems(slots, num_experts, ids.is_cuda)
-    workspace = torch.empty(ws_elems, **i32) if ids.is_cuda else None
+    workspace = _scratch(ids, ws_elems, torch.int32) if ids.is_cuda else None
     _C.build_dispatch_plan(
         ids,
         num_experts,

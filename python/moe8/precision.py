@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._core import shared_arange
 from .fp8 import (
     RECIPES,
     Float8Recipe,
@@ -36,7 +37,7 @@ from .fp8 import (
     one_layout_cache,
     quantize_activation,
     quantize_cols_1x128,
-    quantize_rows_1x128,
+    quantize_grouped_gemm_fp8,
     quantize_weight,
     swiglu_quant,
 )
@@ -212,7 +213,7 @@ def from_code(code: int) -> Precision:
 # ------------------------------------------------------------------------------------ FP8 internals
 def _row_experts(offsets: Tensor, rows: int) -> Tensor:
     """[rows] expert of each row (E for rows past offsets[E]), without a host sync."""
-    r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    r = shared_arange(rows, offsets)  # [rows] of offsets' dtype, shared (read only)
     return torch.searchsorted(offsets, r, right=True) - 1
 
 
@@ -234,11 +235,12 @@ def _fp8_forward(a: Tensor, wq: Fp8Weight, offsets: Tensor, recipe: Float8Recipe
     gathered (ops.permute / gather_rows); the blockwise recipe then quantises them from src in that gather's
     pass (quantize_rows_1x128 with row_to_slot: the same bits, one [R, K] read fewer; slot_to_row: each token
     read and quantised once), and a is only read for its dtype."""
-    if gathered is not None and recipe.name == "blockwise":
-        aq, a_scale = quantize_rows_1x128(*gathered)
+    if recipe.name == "blockwise":  # quantisation and GEMM in one call into the core (the same kernels)
+        src, row_to_slot, k, slot_to_row = gathered if gathered is not None else (a, None, 1, None)
+        c = quantize_grouped_gemm_fp8(src, row_to_slot, k, slot_to_row, wq.q, wq.scale, offsets, a.dtype)
     else:
         aq, a_scale = quantize_activation(a, recipe)
-    c = grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
+        c = grouped_gemm_fp8(aq, a_scale, wq.q, wq.scale, offsets, a.dtype)
     if wq.row_scale is not None:
         c = (c.float() * _per_row(wq.row_scale, offsets, c.shape[0])).to(a.dtype)
     return c
