@@ -17,9 +17,9 @@ experts frozen as FP8 blockwise codes, build_fp8_base), on the CPU:
 
 For each variant, in a process of its own: calls into the extension (moe8._C functions, by name), torch.empty
 and the rest of its family called from Python (empty*, zeros*, ones*, full*, arange, Tensor.new_*), and the
-GEMM workspace requests (moe8._core.sm90_workspace: the scratch of the Hopper GEMMs, none on the CPU), per
-layer: the same step on a model of 2 decoder layers minus the one of 1 layer, so the embedding, LM head and
-loss cancel. Counted for a training step (forward, the forward again under checkpointing, backward) and for a
+workspace requests (moe8._core.sm90_workspace, the scratch of the Hopper GEMMs, and the dispatch plan's; the
+CPU makes none), per layer: the same step on a model of 2 decoder layers minus the one of 1 layer, so the
+embedding, LM head and loss cancel. Counted for a training step (forward, the forward again under checkpointing, backward) and for a
 forward under torch.no_grad, with the host's time per layer (wall time, the fastest of --repeats; on the CPU
 it includes the layer's arithmetic). Scaled to 48 layers: the 1-layer model's step plus 47 layers. Then the
 same counts and the time a call for one LoRA linear layer (q_proj) and the experts on 2 tokens, where the
@@ -81,8 +81,8 @@ ALLOC_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full")
 
 
 class Counter:
-    """Counts, while `on`, calls into moe8's extension, torch allocations made from Python and GEMM workspace
-    requests. install() patches them in this process (and is not undone): run it in a process of its own."""
+    """Counts, while `on`, calls into moe8's extension, torch allocations made from Python and workspace
+    requests (GEMMs, plans). install() patches them in this process (and is not undone): run it in a process of its own."""
 
     def __init__(self):
         self.on = False
@@ -128,6 +128,14 @@ class Counter:
         for mod in list(sys.modules.values()):  # every moe8 module that imported it by name
             if getattr(mod, "__name__", "").startswith("moe8") and getattr(mod, "sm90_workspace", None) is ws:
                 mod.sm90_workspace = workspace
+        plan = moe8.ops.plan  # on a GPU each plan asks for an int32 workspace too (none on the CPU)
+
+        def counted_plan(*args, **kwargs):
+            if self.on:
+                self.workspace += 1
+            return plan(*args, **kwargs)
+
+        moe8.ops.plan = counted_plan
 
     @contextlib.contextmanager
     def counting(self):
