@@ -82,12 +82,13 @@ ALLOC_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full")
 
 class Counter:
     """Counts, while `on`, calls into moe8's extension, torch allocations made from Python and workspace
-    requests (GEMMs, plans). install() patches them in this process (and is not undone): run it in a process of its own."""
+    requests (GEMMs, plans), and times the extension's calls while `timing`. install() patches them in this
+    process (and is not undone): run it in a process of its own."""
 
     def __init__(self):
-        self.on = False
+        self.on = self.timing = False
         self.ext, self.alloc = collections.Counter(), collections.Counter()
-        self.workspace = 0
+        self.workspace, self.ext_s = 0, 0.0
 
     def _count(self, table, name, fn):
         def counted(*args, **kwargs):
@@ -100,15 +101,27 @@ class Counter:
     def install(self) -> None:
         counter = self
 
+        def timed(fn):  # the time spent inside the extension, while `timing`
+            def call(*args):
+                if not counter.timing:
+                    return fn(*args)
+                t = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    counter.ext_s += time.perf_counter() - t
+
+            return call
+
         class CountingExt:  # what moe8._core.C reads its functions from
             def __init__(self, ext):
                 self._ext = ext
 
             def __getattr__(self, name):
                 fn = getattr(self._ext, name)
-                return (
-                    counter._count(counter.ext, name, fn) if callable(fn) and not isinstance(fn, type) else fn
-                )
+                if not callable(fn) or isinstance(fn, type):
+                    return fn
+                return counter._count(counter.ext, name, timed(fn))
 
         _core._ext = CountingExt(_core._ext)
         _core.C.__dict__.clear()  # the functions already bound: bound again, counted, at their next call
@@ -213,7 +226,9 @@ def _measure(model, ids, counter: Counter, repeats: int) -> dict:
 def _per_call(model, counter: Counter, repeats: int, calls: int = 300) -> dict:
     """Counts and host time (us a call over blocks of `calls`) of one LoRA linear layer (layer 0's
     q_proj) and of the experts module on 2 tokens, where the GEMMs take next to nothing: forward under no_grad,
-    and forward + backward. Times: the fastest of `repeats` blocks (the least disturbed by other work)."""
+    and forward + backward. Times: the fastest of `repeats` blocks (the least disturbed by other work), and of
+    that the part spent inside the extension's calls (its CPU kernels; timed in one more block) and the rest,
+    the host's own work (host_us)."""
     layer = model.model.layers[0]
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, layer.self_attn.q_proj.in_features, generator=gen).to(torch.bfloat16)
@@ -249,7 +264,12 @@ def _per_call(model, counter: Counter, repeats: int, calls: int = 300) -> dict:
             for _ in range(calls):
                 fn()
             blocks.append(1e6 * (time.perf_counter() - t) / calls)
-        out[name] = dict(counter.snapshot(), us=min(blocks))
+        counter.timing, counter.ext_s = True, 0.0  # then the time spent inside the extension's calls
+        for _ in range(calls):
+            fn()
+        counter.timing = False
+        ext_us = 1e6 * counter.ext_s / calls
+        out[name] = dict(counter.snapshot(), us=min(blocks), ext_us=ext_us, host_us=min(blocks) - ext_us)
     return out
 
 
@@ -311,11 +331,13 @@ def run_counts(args) -> int:
             )
     print(
         f"\n{'variant':<14} {'call (2 tokens)':<16} {'ext calls':>9} {'torch.empty':>11} {'allocs':>7} {'us':>8}"
+        f" {'in ext':>8} {'host':>8}"
     )
     for v, r in results.items():
         for name, c in r["per_call"].items():
             print(
                 f"{v:<14} {name:<16} {c['ext_calls']:>9} {c['torch_empty']:>11} {c['allocs']:>7} {c['us']:>8.1f}"
+                f" {c['ext_us']:>8.1f} {c['host_us']:>8.1f}"
             )
     if args.json:
         with open(args.json, "w") as f:
