@@ -26,7 +26,10 @@ only the expert weights in FP8 and q,k,v,o in bf16, 0.8 GiB more: what the FP8 d
 moe8_graphs and moe8_fp8base_graphs: moe8 and moe8_fp8base with each checkpointed layer's forward, and its
 recomputation with its backward, replayed as CUDA graphs (moe8.graphs.capture_layers; the first step per layer
 runs eagerly, the second captures). Per step the table's `issued` column is the host's time to issue the step
-(up to the loss read) and `reserved` torch.cuda.max_memory_reserved, which counts the graphs' memory pool.
+(up to the loss read) and `reserved` torch.cuda.max_memory_reserved, which counts the graphs' memory pool;
+`step res` is the reserved peak of one more step after torch.cuda.empty_cache(): what a training step holds
+from the device (with graphs, max_memory_allocated misses the memory a replay uses; the pool is reserved).
+Per step the JSON also has `step_peak_gib`, the allocated peak within that step.
 
 The FP8 base is quantised once, at load, a decoder layer at a time: the model is built on the meta device and
 its parameters materialised on the GPU in the order, and from the seeded generator, that build() fills them
@@ -93,6 +96,7 @@ TINY = dict(
     head_dim=16,
     vocab_size=512,
 )
+GIB_COLUMNS = ("peak_gib", "load_peak_gib", "weights_gib", "steady_gib", "reserved_gib")
 BASELINE = {"tokens_per_s": 5035, "peak_gib": 79.6}  # shared/data/baselines/h200.md (PEFT, q,k,v,o + experts)
 TARGET_RATIO, TARGET_PEAK_GIB = 2.0, 64.0
 FP8BASE_RATIO, FP8BASE_PEAK_GIB = 0.9, 40.0  # the FP8 base against the bf16 base's tokens/s; its peak
@@ -368,10 +372,13 @@ def child(args):
 
         res["allocator"] = []  # per step: [cudaMalloc calls, cudaFree calls, retries] during it
         res["issue_s"] = []  # per step: seconds until the host has issued it (step_s: until it is done)
+        res["step_peak_gib"] = []  # per step: torch.cuda.max_memory_allocated during it
         for i in range(args.warmup + args.steps):
             if cuda:
                 torch.cuda.synchronize()
                 before = allocator()
+                overall = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             loss = step()
             res["issue_s"].append(time.perf_counter() - t)  # the host's time to issue the step's work
@@ -382,8 +389,9 @@ def child(args):
             res["step_s"].append(time.perf_counter() - t)
             res["losses"].append(loss)
             if cuda:
-                res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
-                res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+                res["step_peak_gib"].append(gib(torch.cuda.max_memory_allocated()))
+                res["peak_gib"] = gib(max(overall, torch.cuda.max_memory_allocated()))
+                res["reserved_gib"] = max(res.get("reserved_gib", 0.0), gib(torch.cuda.max_memory_reserved()))
             timed = res["step_s"][args.warmup :]
             if timed:
                 res["tokens_per_s"] = args.batch * args.seq / statistics.median(timed)
@@ -404,6 +412,19 @@ def child(args):
 
             res["graphs"] = moe8.graphs.stats(model)
             log(f"CUDA graphs: {res['graphs']}")
+        # what a training step holds from the device once the cache has no leftovers of earlier steps
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            step().item()
+            res["step_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+            res["step_allocated_gib"] = gib(torch.cuda.max_memory_allocated())
+            log(
+                f"one more step after emptying the cache: {res['step_reserved_gib']} GiB reserved at most, "
+                f"{res['step_allocated_gib']} GiB allocated (graphs' pool: "
+                f"{res.get('graphs', {}).get('pool_reserved_gib', 0.0)} GiB reserved)"
+            )
+            save()
         if args.profile:
             from profiling import profile_step  # bench/profiling.py (this folder is on sys.path)
 
@@ -565,7 +586,7 @@ def table(out):
     )
     print(
         f"{'variant':<19} {'trainable':>10} {'build s':>8} {'step s':>7} {'tokens/s':>9} {'peak GiB':>9} "
-        f"{'load GiB':>8} {'weights':>8} {'steady':>7} {'reserved':>8} {'issued':>6}  losses / error"
+        f"{'load GiB':>8} {'weights':>8} {'steady':>7} {'reserved':>8} {'step res':>8} {'issued':>6}  losses / error"
     )
     for v, r in res.items():
         timed = r["step_s"][s["warmup"] :]
@@ -574,10 +595,7 @@ def table(out):
             f"{r['build_s']:.1f}" if "build_s" in r else "-",
             f"{statistics.median(timed):.3f}" if timed else "-",
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
-            *(
-                f"{r[k]:.1f}" if r.get(k) is not None else "-"
-                for k in ("peak_gib", "load_peak_gib", "weights_gib", "steady_gib", "reserved_gib")
-            ),
+            *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in (*GIB_COLUMNS, "step_reserved_gib")),
             f"{statistics.median(r['issue_s'][s['warmup'] :]):.3f}"
             if r.get("issue_s", [])[s["warmup"] :]
             else "-",
@@ -588,7 +606,7 @@ def table(out):
         tail = ", ".join(shown) + (f"  ERROR {r['error']}" if "error" in r else "")
         print(
             f"{v:<19} {cells[0]:>10} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>9} {cells[5]:>8} "
-            f"{cells[6]:>8} {cells[7]:>7} {cells[8]:>8} {cells[9]:>6}  {tail}"
+            f"{cells[6]:>8} {cells[7]:>7} {cells[8]:>8} {cells[9]:>8} {cells[10]:>6}  {tail}"
         )
     b = out["baseline_h200_md"]
     print(f"baseline in shared/data/baselines/h200.md: {b['tokens_per_s']:,} tokens/s, {b['peak_gib']} GiB")

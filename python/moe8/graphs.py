@@ -27,16 +27,20 @@ module hooks other than transformers' idle output recorders, transformers record
 hidden states, attentions), an output that is not one tensor shaped as the hidden states, more than
 `max_shapes` signatures, or a capture that fails (e.g. a kernel that synchronises with the host).
 
-A capture needs the previous step's autograd graph gone (no `outputs` or loss kept across steps with their
-graph: keep `loss.detach()` or `.item()`, as transformers' Trainer does): a parameter's gradient accumulator
-left alive from an eager step sits on the default stream, and the capture fails with "operation would make the
-legacy stream depend on a capturing blocking stream". A failed capture leaves torch's CUDA graph state (the
-graph pool's recording, the generator's offsets) unusable in that process, so captures fall back and later
-random draws on the GPU can fail: free the previous step's graph before the first captured step.
+The backward graph differentiates stand-ins for the trained parameters (new leaves on the same storage, put in
+the layer's modules while it is captured), so a capture does not depend on the previous step's autograd graph
+being gone: a training loop may keep last step's loss until the next one replaces it. A capture that fails for
+another reason leaves torch's CUDA graph state (the graph pool's recording, the generator's offsets) unusable in
+that process: captures fall back and later random draws on the GPU can fail.
+
+stats() also reports the graphs' memory pool (`pool_reserved_gib`, `pool_allocated_gib`): it holds one layer's
+transients, which the eager steps before the capture held in torch's ordinary cache, so what the process needs
+is the ordinary peak plus the pool (torch.cuda.max_memory_allocated does not see the memory a replay uses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import Counter
@@ -286,11 +290,11 @@ class LayerGraphs:
         s = self.shared.statics_for(key, tensors)
         g = _Graphs(s, call, train, tuple(p.data_ptr() for p in params), self.shared.grad_buffers(train))
 
-        def run():
-            out = call(s.inputs)
-            if not isinstance(out, Tensor) or out.shape != s.out.shape or out.dtype != s.out.dtype:
-                raise _NotCapturable("its output is not one tensor shaped as the hidden states")
+        def run():  # without autograd: the backward graph recomputes what the backward needs
             with torch.no_grad():
+                out = call(s.inputs)
+                if not isinstance(out, Tensor) or out.shape != s.out.shape or out.dtype != s.out.dtype:
+                    raise _NotCapturable("its output is not one tensor shaped as the hidden states")
                 s.out.copy_(out)
 
         self.shared.fill(s, tensors)
@@ -308,16 +312,21 @@ class LayerGraphs:
         s = g.statics
         wants = [x for x in s.inputs if x.requires_grad]
 
-        def run():
+        def run(aliases):
             out = g.call(s.inputs)
-            grads = torch.autograd.grad(out, [*wants, *g.train], s.grad_out, allow_unused=True)
+            grads = torch.autograd.grad(out, [*wants, *aliases], s.grad_out, allow_unused=True)
+            if any(gr is None for gr in grads[len(wants) :]):
+                raise _NotCapturable("a trained parameter gets no gradient through the layer's modules")
             with torch.no_grad():
                 dsts = [d for d in s.grad_in if d is not None] + g.grads
                 for dst, gr in zip(dsts, grads):
                     dst.zero_() if gr is None else dst.copy_(gr)
 
-        with torch.enable_grad():
-            g.backward = self._capture(run)
+        # The graph differentiates new leaves that share the trained parameters' storage, put in their place in
+        # the layer's modules while it is captured: a parameter's own gradient accumulator may belong to an
+        # autograd graph of an earlier step still alive on the default stream, which a capture cannot wait on.
+        with torch.enable_grad(), _aliased(self.modules, g.train) as aliases:
+            g.backward = self._capture(functools.partial(run, aliases))
 
     # ------------------------------------------------------------------------------------------ replay
 
@@ -334,6 +343,26 @@ class LayerGraphs:
         g.backward.replay()
         grads = [None if d is None else d.clone() for d in s.grad_in]
         return grads + [d.clone() for d in g.grads]
+
+
+@contextlib.contextmanager
+def _aliased(modules: list, train: list):
+    """Each of `train` replaced, in every module of `modules` that holds it, by a new leaf parameter on the
+    same storage (same data_ptr and version counter); yields the new leaves, in `train`'s order."""
+    aliases = [nn.Parameter(p.detach(), requires_grad=True) for p in train]
+    by_id = {id(p): a for p, a in zip(train, aliases)}
+    swapped = []
+    for m in modules:
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in by_id:
+                swapped.append((m, name, p))
+    try:
+        for m, name, p in swapped:
+            m._parameters[name] = by_id[id(p)]
+        yield aliases
+    finally:
+        for m, name, p in swapped:
+            m._parameters[name] = p
 
 
 def _recording() -> bool:
@@ -415,15 +444,33 @@ def release_layers(model: nn.Module) -> int:
 
 
 def stats(model: nn.Module) -> dict:
-    """Counts over the model's graphed layers: captured graphs, replayed and eager calls, eager reasons."""
+    """Counts over the model's graphed layers: captured graphs, replayed and eager calls, eager reasons, and the
+    graphs' memory pool in GiB (reserved; allocated: held by tensors that outlived a capture, 0 unless one
+    leaks)."""
     graphed = _graphed(model)
     if not graphed:
-        return dict(layers=0, captured=0, replayed=0, eager=0, reasons={})
+        empty = dict(layers=0, captured=0, replayed=0, eager=0, pool_reserved_gib=0.0, pool_allocated_gib=0.0)
+        return dict(empty, reasons={})
     shared = graphed[0].shared
     return dict(
         layers=len(graphed),
         **{k: shared.counts[k] for k in ("captured", "replayed", "eager")},
         reasons=dict(shared.reasons),
+        **_pool_gib(shared),
+    )
+
+
+def _pool_gib(shared: _Shared) -> dict:
+    """The graphs' memory pool on its device, reserved and allocated."""
+    pool = tuple(shared.pool)
+    segments = [
+        seg
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device") == shared.device.index and tuple(seg.get("segment_pool_id", ())) == pool
+    ]
+    return dict(
+        pool_reserved_gib=round(sum(seg["total_size"] for seg in segments) / 2**30, 3),
+        pool_allocated_gib=round(sum(seg["allocated_size"] for seg in segments) / 2**30, 3),
     )
 
 

@@ -59,10 +59,11 @@ def trained(model):
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def train(model, batches, steps):
-    """Per step: (loss, aux loss or None, {name: gradient}) after its micro-batches, then an AdamW step."""
+def train(model, batches, steps, keep_last=False):
+    """Per step: (loss, aux loss or None, {name: gradient}) after its micro-batches, then an AdamW step.
+    keep_last: each micro-batch's outputs, with their autograd graph, stay alive until the next forward."""
     opt = torch.optim.AdamW(trained(model).values(), lr=1e-3)
-    out = []
+    out, alive = [], []
     for _ in range(steps):
         losses, aux = [], []
         for ids in batches:
@@ -70,7 +71,8 @@ def train(model, batches, steps):
             o.loss.backward()
             losses.append(o.loss.item())
             aux.append(None if getattr(o, "aux_loss", None) is None else o.aux_loss.item())
-            del o  # no autograd graph of this step outlives it (see moe8.graphs: capture needs that)
+            alive[:] = [o] if keep_last else []  # else no autograd graph of this step outlives it
+            del o
         out.append((losses, aux, {n: p.grad.clone() for n, p in trained(model).items()}))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -107,6 +109,22 @@ def test_graphs_train_as_eager(fp8_base):
     assert s["replayed"] == LAYERS * (steps - 1) and s["eager"] == LAYERS, s  # step 0 warms up
     assert_same_training(graphed, eager)
     assert graphs.release_layers(model) == LAYERS and graphs.stats(model)["layers"] == 0
+
+
+@needs_gpu
+def test_graphs_capture_with_last_step_alive():
+    """A loop that keeps the previous step's outputs (and so its autograd graph and the parameters' gradient
+    accumulators) alive into the next forward still captures; the pool holds memory and no tensor outlives it."""
+    steps, batches = 3, [ids_of(64)]
+    eager = train(make(), batches, steps, keep_last=True)
+    model = make()
+    graphs.capture_layers(model)
+    graphed = train(model, batches, steps, keep_last=True)
+    s = graphs.stats(model)
+    assert s["captured"] == 2 * LAYERS and s["replayed"] == LAYERS * (steps - 1), s
+    assert not any("capture failed" in why for why in s["reasons"]), s
+    assert s["pool_reserved_gib"] > 0 and s["pool_allocated_gib"] < 1e-3, s
+    assert_same_training(graphed, eager)
 
 
 @needs_gpu
