@@ -1,8 +1,8 @@
 """The benchmark scripts run end to end in their CPU smoke modes, so a broken script is found here and not
 in scarce GPU time: bench_gemm.py --tiny, bench_lowrank.py --tiny, bench_lora_30b.py --tiny,
-bench_fp8_refresh.py --tiny, bench_step_profile.py --tiny, bench_loss_parity.py --tiny, finetune_compare.py;
-and the argument checks and pieces of scripts that cannot run here (ncu_gemm.py, bench_clocks.py,
-bench_hf_train.py, scripts/carry_prebuilt.sh, bench_block_peers.py)."""
+bench_fp8_refresh.py --tiny, bench_step_profile.py --tiny, bench_loss_parity.py --tiny, bench_block_peers.py
+--tiny, finetune_compare.py; and the argument checks and pieces of scripts that cannot run here (ncu_gemm.py,
+bench_clocks.py, bench_hf_train.py, scripts/carry_prebuilt.sh, bench_block_peers.py at its real shapes)."""
 
 import importlib.util
 import json
@@ -581,6 +581,62 @@ def test_bench_block_peers_pieces():
     if importlib.util.find_spec("sonicmoe") is None:
         why, info = peers.sonicmoe_version()
         assert "sonicmoe is not importable" in why and info == {}
+    assert b.fp8_recipe("auto") == "auto"
+    assert b.fp8_recipe("blockwise+dgrad") == moe8.fp8.Float8Recipe("blockwise", dgrad="fp8")
+    for bad in ("blockwise+nope", "nope"):
+        with pytest.raises(SystemExit, match="--fp8"):
+            b.fp8_recipe(bad)
+    assert b.peer_list("none") == b.peer_list("") == []
+    assert b.peer_list("sonicmoe,transformers") == [peers.SONICMOE, "transformers"]
+    with pytest.raises(SystemExit, match="--peers: unknown"):
+        b.peer_list("transformers,liger")
+    help_text = " ".join(run("bench/bench_block_peers.py", "--help").stdout.split())
+    assert all(
+        flag in help_text for flag in ("--fp8", "--peers", "--tiny", "--md", "'none': moe8's rows only")
+    )
     if not moe8.cuda_available():
         p = run("bench/bench_block_peers.py", "--shapes", "qwen3")
         assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
+        p = run("bench/bench_block_peers.py", "--tiny", "--back-to-back", "2")
+        assert p.returncode != 0 and "need a CUDA GPU" in p.stderr
+
+
+def test_bench_block_peers_tiny(tmp_path):
+    """--tiny runs the block bench end to end (on the CPU here). --peers none: moe8's bf16 row, then one FP8 row
+    per recipe, its weights trained and quantised in the step (fp8_cache "frozen"), its speed-up over the bf16
+    row and its output's and input gradient's error against it: nonzero (the FP8 GEMMs ran) and below e4m3's
+    order (~6e-2 here), the same output with and without FP8 dgrad but a different input gradient; the same in
+    the markdown. With the peers: transformers' row is the reference of every row's speed-up and difference, and
+    a SonicMoE that is not importable is a row that says why."""
+    out, md = tmp_path / "block.json", tmp_path / "block.md"
+    fp8 = ("blockwise", "blockwise+dgrad")
+    p = run(*"bench/bench_block_peers.py --tiny --routing skewed --peers none --fp8".split(), ",".join(fp8),
+            "--json", out, "--md", md)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    (block,) = json.loads(out.read_text())["blocks"]
+    rows = {r["impl"]: r for r in block["rows"]}
+    assert list(rows) == ["moe8", *(f"moe8 FP8 {s}" for s in fp8)]
+    bf16, table = rows["moe8"], md.read_text()
+    assert "speedup_vs_bf16" not in bf16 and "speedup_vs_transformers" not in bf16
+    for spec in fp8:
+        r = rows[f"moe8 FP8 {spec}"]
+        assert r["fp8"] == spec and r["fp8_cache"] == "frozen" and r["bf16_row"] == "moe8"
+        assert r["speedup_vs_bf16"] == pytest.approx(bf16["ms"] / r["ms"])
+        assert 1e-3 < r["output_rel_error_vs_bf16"] < 0.15 and 1e-3 < r["grad_x_rel_error_vs_bf16"] < 0.15
+        line = next(x for x in table.splitlines() if f"| moe8 FP8 {spec} |" in x)
+        assert f"| {r['speedup_vs_bf16']:.2f}x |" in line and f"{r['grad_x_rel_error_vs_bf16']:.2e} |" in line
+    plain, dgrad = (rows[f"moe8 FP8 {s}"] for s in fp8)
+    assert plain["output_rel_error_vs_bf16"] == pytest.approx(dgrad["output_rel_error_vs_bf16"], rel=1e-6)
+    assert plain["grad_x_rel_error_vs_bf16"] != pytest.approx(dgrad["grad_x_rel_error_vs_bf16"], rel=1e-3)
+    header = next(x for x in p.stdout.splitlines() if x.startswith("shape "))  # the table, printed last
+    assert "vs bf16" in header and "out err" in header and "dx err" in header
+
+    p = run(*"bench/bench_block_peers.py --tiny --routing balanced --fp8 blockwise --json".split(), out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (block,) = json.loads(out.read_text())["blocks"]
+    rows = {r["impl"]: r for r in block["rows"]}
+    assert list(rows)[:3] == ["transformers (grouped_mm)", "moe8", "moe8 FP8 blockwise"]
+    assert all(rows[k]["speedup_vs_transformers"] > 0 for k in list(rows)[:3])
+    assert rows["moe8"]["output_rel_diff"] < 1e-2 and rows["moe8"]["dx_rel_diff"] < 1e-2
+    if importlib.util.find_spec("sonicmoe") is None:
+        assert "sonicmoe is not importable" in rows[_bench_module("peers").SONICMOE]["skipped"]
