@@ -4,7 +4,8 @@
 // Design. Memory-bound: one read of h, one write of out (a grouped GEMM would write t·b[e] [R, N] and an
 // add read it back). The rank (16 for LoRA) is small. [E, N, rank] weights with rank <= 32 (the expert
 // LoRA's B as HF stores it): lowrank_add_nk_reg_kernel keeps b's columns in registers along a warp's run of
-// rows. Otherwise (and for rows without 16-byte packs) each row's t is staged in shared memory and b[e]
+// rows, or, for 16-bit values and rank <= 16, lowrank_add_nk_mma_kernel runs the sum on the tensor cores.
+// Otherwise (and for rows without 16-byte packs) each row's t is staged in shared memory and b[e]
 // is read through L1, shared by the block's rows; each thread computes V consecutive outputs of one row.
 // The sum over the rank is formed first and added to h, in the CPU reference's order.
 //
@@ -14,8 +15,10 @@
 // run of rows sharing a group (a wrong bound reloads b earlier, never reads past it). Bad offsets give wrong
 // sums, as the grouped GEMM's clamped reads do; the CPU reference clamps them into [previous, rows].
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/common.cuh"
+#include "cuda/grouped_gemm_mma.cuh"
 #include "cuda/ops.h"
 #include "cuda/rowwise.cuh"
 
@@ -171,6 +174,125 @@ __global__ void __launch_bounds__(32 * kRegWarps, 4)
   }
 }
 
+// kNK, 16-bit, rank <= 32: t · b[e]^T on the tensor cores (mma.sync m16n8k16, kK steps of 16 along the rank,
+// padded with zeros), so the kernel is bound by its bytes, not by the fp32 FMAs and shared-memory broadcasts of
+// the kernel above (1.4-1.5 TB/s at the Qwen3-30B expert LoRA shapes). A warp owns a strip of kMmaCols columns
+// over a run of kMmaWarpRows rows, 16 rows at a time. The mma's 8 columns of subtile j are mapped onto the
+// strip's columns so that a thread's accumulators are runs of 8 adjacent columns: logical column c of subtile
+// j is column (j / 4) * 32 + (c / 2) * 8 + 2 * (j % 4) + c % 2, so lane l holds columns q * 32 + (l % 4) * 8
+// .. + 7 (q < kMmaRuns) of rows l / 4 and l / 4 + 8, and h is read and out written in 16-byte packs, four
+// lanes covering 64 contiguous bytes of a row. b[e]'s fragments (8 kK registers per run, packed pairs) are
+// reloaded only when the expert changes along the run. A tile across a group boundary takes one mma pass per
+// group, the other groups' rows of t read as zeros; rows in no group get h. The sum over the rank is the
+// mma's (fp32), then added to h once, as in the kernels above.
+constexpr int kMmaWarpRows = 128, kMmaRuns = 2, kMmaCols = 32 * kMmaRuns, kMmaTiles = 4 * kMmaRuns;
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(const T* p, bool lo_ok, bool hi_ok) {
+  const T zero = from_float<T>(0.f);
+  const T v[2] = {lo_ok ? p[0] : zero, hi_ok ? p[1] : zero};
+  uint32_t u;
+  memcpy(&u, v, sizeof(u));
+  return u;
+}
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(32 * kRegWarps)
+    lowrank_add_nk_mma_kernel(const T* __restrict__ h, const T* __restrict__ t, const T* __restrict__ b,
+                              const int32_t* __restrict__ offsets, int E, int64_t rows, int64_t N, int rank,
+                              T* __restrict__ out) {
+  using P = Pack<T, 8>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, tig = lane % 4;
+  const int64_t r_begin = (static_cast<int64_t>(blockIdx.x) * kRegWarps + warp) * kMmaWarpRows;
+  if (r_begin >= rows) return;
+  const int64_t r_end = min(rows, r_begin + kMmaWarpRows);
+  const int64_t strip = static_cast<int64_t>(blockIdx.y) * kMmaCols;
+  int64_t col[kMmaRuns];  // the first of this lane's 8 columns in each run
+  bool ok[kMmaRuns];      // N % 8 == 0: a run is wholly inside or outside
+#pragma unroll
+  for (int q = 0; q < kMmaRuns; ++q) {
+    col[q] = strip + q * 32 + tig * 8;
+    ok[q] = col[q] < N;
+  }
+  uint32_t bf[kMmaTiles]
+             [2 * kK];  // b[e]'s fragment of each subtile and step: k = 16 s + 2 tig, +1 and 16 s + 2 tig + 8, +9
+  int loaded = -1;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += 16) {
+    P hv[2][kMmaRuns];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int q = 0; q < kMmaRuns; ++q) {
+        const int64_t row = r0 + g + 8 * half;
+        if (row < r_end && ok[q]) hv[half][q] = *reinterpret_cast<const P*>(h + row * N + col[q]);
+      }
+    float d[kMmaTiles][4] = {};
+    const int64_t tile_end = min(r0 + 16, r_end);
+    for (int64_t r = r0; r < tile_end;) {  // warp-uniform: each group's rows of the tile
+      const int e = group_of_row(offsets, E, r);
+      int64_t end = e >= 0 ? offsets[e + 1] : (r < offsets[0] ? offsets[0] : tile_end);
+      end = min(max(end, r + 1), tile_end);  // a step of at least one row, whatever the offsets
+      if (e >= 0) {
+        if (e != loaded) {
+          const T* be = b + static_cast<int64_t>(e) * N * rank;
+#pragma unroll
+          for (int j = 0; j < kMmaTiles; ++j) {
+            const int64_t n = strip + (j / 4) * 32 + (g / 2) * 8 + 2 * (j % 4) + g % 2;
+#pragma unroll
+            for (int kk = 0; kk < 2 * kK; ++kk) {
+              const int k = 2 * tig + 8 * kk;
+              bf[j][kk] =
+                  pack_pair(be + (n < N ? n : 0) * rank + (k < rank ? k : 0), n < N && k < rank, n < N && k + 1 < rank);
+            }
+          }
+          loaded = e;
+        }
+#pragma unroll
+        for (int step = 0; step < kK; ++step) {
+          uint32_t a[4];  // t's rows g and g + 8 of the tile, k = 16 step + 2 tig, +1 (a0, a1) and + 8, +9 (a2, a3)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t row = r0 + g + 8 * (i % 2);
+            const int k = 16 * step + 2 * tig + 8 * (i / 2);
+            const bool in = row >= r && row < end;
+            a[i] = pack_pair(t + (in ? row : 0) * rank + (k < rank ? k : 0), in && k < rank, in && k + 1 < rank);
+          }
+#pragma unroll
+          for (int j = 0; j < kMmaTiles; ++j) {
+            const uint32_t bj[2] = {bf[j][2 * step], bf[j][2 * step + 1]};
+            gg::mma_16816<T>(d[j], a, bj);
+          }
+        }
+      }
+      r = end;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int q = 0; q < kMmaRuns; ++q) {
+        const int64_t row = r0 + g + 8 * half;
+        if (row >= r_end || !ok[q]) continue;
+        P o;
+#pragma unroll
+        for (int v = 0; v < 8; ++v)
+          o.v[v] = from_float<T>(to_float(hv[half][q].v[v]) + d[4 * q + v / 2][2 * half + v % 2]);
+        *reinterpret_cast<P*>(out + row * N + col[q]) = o;
+      }
+  }
+}
+
+template <typename T, int kK>
+void launch_nk_mma(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets, int64_t N,
+                   int rank, const TensorView& out, cudaStream_t s) {
+  const int64_t rows = h.shape[0];
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, int64_t{kRegWarps} * kMmaWarpRows)),
+                  static_cast<unsigned>(ceil_div(N, int64_t{kMmaCols})));
+  lowrank_add_nk_mma_kernel<T, kK><<<grid, 32 * kRegWarps, 0, s>>>(h.ptr<T>(), t.ptr<T>(), b.ptr<T>(),
+                                                                   offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]),
+                                                                   rows, N, rank, out.ptr<T>());
+  check_launch("lowrank_add_nk_mma_kernel");
+}
+
 template <typename T, int kRank>
 void launch_nk_reg(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets, int64_t N,
                    int rank, const TensorView& out, cudaStream_t s) {
@@ -217,6 +339,10 @@ void grouped_lowrank_add(const TensorView& h, const TensorView& t, const TensorV
     } else if (kn) {
       launch<T, V, true, false>(h, t, b, offsets, N, rank, out, s);
     } else if (rank <= kRegMaxRank) {
+      if constexpr (sizeof(T) == 2) {
+        if (rank <= 16) return launch_nk_mma<T, 1>(h, t, b, offsets, N, rank, out, s);
+        return launch_nk_mma<T, 2>(h, t, b, offsets, N, rank, out, s);
+      }
       if (rank <= 16)
         launch_nk_reg<T, 16>(h, t, b, offsets, N, rank, out, s);
       else
