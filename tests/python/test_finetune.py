@@ -3,6 +3,7 @@ the data formats (chat masking included), a full fine-tuning run whose output tr
 report, resume after a kill reaching the uninterrupted run's weights, LoRA adapters PEFT loads, every bad input
 (clear message, non-zero exit, no output directory) and the Trainer callback."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -21,7 +22,7 @@ from moe8 import cuda_available as moe8_cuda  # noqa: E402
 from moe8 import finetune  # noqa: E402
 from moe8.finetune import report, routing  # noqa: E402
 from moe8.finetune.chat import tokenize_chat  # noqa: E402
-from moe8.finetune.config import KEYS, Config, FinetuneError, make_config  # noqa: E402
+from moe8.finetune.config import KEYS, Config, FinetuneError, make_config, validate  # noqa: E402
 from moe8.finetune.data import IGNORE, Data, byte_tokenizer, shared  # noqa: E402
 from moe8.finetune.train import lr_factor, run  # noqa: E402
 
@@ -129,6 +130,94 @@ def test_help_and_docs_document_every_key():
         assert f"--{name}" in text and f"| `{name}` |" in docs
 
 
+def test_cuda_graphs_key_and_flag(tmp_path, capsys):
+    """cuda_graphs is true, false or "auto" in a file and as a flag (false by default, in every recipe too),
+    printed back as TOML; any other value is refused naming the key, before anything is written."""
+    from moe8.finetune import recipes
+    from moe8.finetune.config import load_toml
+
+    assert Config().cuda_graphs is False and make_config().cuda_graphs is False
+    for name in recipes.names():
+        assert load_toml(str(recipes.path(name))).get("cuda_graphs", False) is False, name
+    p = tmp_path / "c.toml"
+    for toml, want in (("true", True), ("false", False), ('"auto"', "auto")):
+        p.write_text(f"cuda_graphs = {toml}\n")
+        got = make_config(str(p)).cuda_graphs
+        assert got == want and type(got) is type(want), toml
+    for flag, want, line in (
+        (["--cuda_graphs", "auto"], "auto", 'cuda_graphs = "auto"'),
+        (["--cuda-graphs", "true"], True, "cuda_graphs = true"),
+        (["--cuda_graphs=false"], False, "cuda_graphs = false"),
+        (["--cuda_graphs", "True"], True, "cuda_graphs = true"),
+    ):
+        rc, out = finetune_rc(
+            capsys, [str(p), *flag, "--print_config"]
+        )  # the flag overrides the file's "auto"
+        assert rc == 0 and line in out.splitlines(), (flag, out)
+        again = tmp_path / "again.toml"
+        again.write_text(out)
+        got = make_config(str(again)).cuda_graphs
+        assert got == want and type(got) is type(want), flag
+    for value in ("maybe", "1", "on", "AUTO"):
+        out_dir = tmp_path / "out"
+        rc, text = finetune_rc(capsys, ["--cuda_graphs", value, "--output_dir", str(out_dir)])
+        assert rc == 2 and f"cuda_graphs = {value!r}: expected true, false or 'auto'" in text, text
+        assert not out_dir.exists()
+    with pytest.raises(FinetuneError, match=r"cuda_graphs = 'yes': expected true, false or 'auto'"):
+        validate(Config(cuda_graphs="yes"))
+
+
+def test_cuda_graphs_decision():
+    """true: capture or refuse, naming why; auto: capture where true would, else off with one log line; false:
+    off, silently."""
+    from moe8.finetune.cuda_graphs import unavailable, wanted
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")  # devices as names: nothing runs on them
+    on = dict(activation_checkpointing=True)
+    assert unavailable(Config(**on), gpu) is None
+    for cfg, dev, why in (
+        (Config(**on), cpu, "the model trains on cpu, and CUDA graphs need a CUDA device"),
+        (Config(), gpu, "activation_checkpointing is off"),
+        (Config(ep=2, **on), gpu, "ep = 2: the expert dispatch reads its token counts on the host"),
+        (Config(fsdp=True, **on), gpu, "fsdp: FSDP2's hooks"),
+    ):
+        assert why in unavailable(cfg, dev)
+        with pytest.raises(FinetuneError, match=re.escape(f"cuda_graphs = true: {why}")):
+            wanted(dataclasses.replace(cfg, cuda_graphs=True), dev, print)
+        logged = []
+        assert wanted(dataclasses.replace(cfg, cuda_graphs="auto"), dev, logged.append) is False
+        assert len(logged) == 1 and logged[0].startswith("cuda_graphs = 'auto': off, ") and why in logged[0]
+        assert wanted(cfg, dev, logged.append) is False and len(logged) == 1  # false: nothing said
+    for value, want in ((True, True), ("auto", True), (False, False)):
+        logged = []
+        assert wanted(Config(cuda_graphs=value, **on), gpu, logged.append) is want and not logged
+
+
+def test_cuda_graphs_auto_on_cpu_trains_without_them(tmp_path, text_file, capsys):
+    out = tmp_path / "auto"
+    argv = flags(out, text_file, "--cuda_graphs", "auto", "--activation_checkpointing", "--steps", "2")
+    rc, text = finetune_rc(capsys, argv)
+    assert rc == 0 and (out / "model.safetensors").exists(), text
+    assert (
+        text.count("cuda_graphs = 'auto': off, the model trains on cpu, and CUDA graphs need a CUDA device")
+        == 1
+    )
+    assert "cuda graphs:" not in text and "cuda graphs" not in (out / "report.html").read_text()
+    assert 'cuda_graphs = "auto"' in (out / "finetune.toml").read_text().splitlines()
+
+
+def test_cuda_graphs_true_on_cpu_is_refused_before_anything(tmp_path, text_file, capsys):
+    out = tmp_path / "true"
+    for extra, why in (
+        (["--activation_checkpointing"], "the model trains on cpu, and CUDA graphs need a CUDA device"),
+        ([], "the model trains on cpu"),  # the device is named first
+    ):
+        rc, text = finetune_rc(capsys, flags(out, text_file, "--cuda_graphs", "true", *extra))
+        assert rc == 2 and f"moe8 finetune: error: cuda_graphs = true: {why}" in text, text
+        assert "set cuda_graphs = 'auto' or false" in text
+        assert not out.exists() and "moe8 finetune: tiny" not in text  # before the model was built
+
+
 @pytest.mark.parametrize(
     "toml, message",
     [
@@ -138,6 +227,8 @@ def test_help_and_docs_document_every_key():
         ('method = "qlora"\n', "method = 'qlora': expected one of ['full', 'lora']"),
         ("[lora]\nr = 4\n", "tables ['lora'] are not supported"),
         ("steps = = 3\n", "not valid TOML"),
+        ('cuda_graphs = "yes"\n', "cuda_graphs = 'yes': expected true, false or 'auto'"),
+        ("cuda_graphs = 1\n", "cuda_graphs = 1: expected true, false or 'auto'"),
     ],
 )
 def test_bad_config(tmp_path, capsys, toml, message):
@@ -497,6 +588,58 @@ def test_routing_stats_count_each_token_once(checkpointing):
     assert stats.take() == {}  # take() starts a new window
 
 
+def test_routing_stats_count_reruns_once_as_graphs_replay_them():
+    """moe8.graphs runs a layer again on the same tokens (its capture's warm-up, its backward graph's
+    recomputation, also after the forward) and replays what the hooks queued without calling them: the hooks
+    say they replay, a layer run twice in a forward is counted once, and a run after a forward (of another
+    token count) is not counted in the next one."""
+    model = tiny_model()
+    stats = routing.RoutingStats(model)
+    layers = [m for _, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+    hooks = [
+        h
+        for layer in layers
+        for m in layer.modules()
+        for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+        if getattr(h, "__module__", None) != "transformers.utils.output_capturing"  # idle recorders
+    ]
+    assert len(hooks) == len(layers) == 2 and all(getattr(h, "replay_safe", False) for h in hooks)
+    seen = {}
+
+    def record(name):  # a router returns (logits [T, E], weights [T, K], ids [T, K])
+        return lambda mod, args, out: seen.setdefault(name, []).append(out[2])
+
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_hook(record(name.removesuffix(".gate")))
+    experts = dict(routing.experts_modules(model))
+    first = next(iter(experts))
+
+    def twice(mod, args, kwargs, out):  # the layer's experts run again on the same tokens
+        if not getattr(mod, "again", False):
+            mod.again = True
+            mod(*args, **kwargs)
+            mod.again = False
+
+    model.train()
+    rerun = experts[first].register_forward_hook(twice, with_kwargs=True)
+    model(input_ids=torch.randint(0, 256, (3, 17))).logits.sum().backward()
+    rerun.remove()
+    H = model.config.hidden_size
+    with torch.no_grad():  # after the forward: a run of 5 tokens (a replayed recomputation of that shape)
+        experts[first](torch.randn(5, H), torch.zeros(5, 2, dtype=torch.long), torch.full((5, 2), 0.5))
+    model(input_ids=torch.randint(0, 256, (2, 9))).logits.sum().backward()
+    got = stats.take()
+    assert sorted(got) == sorted(seen) and all(len(ids) == 2 for ids in seen.values())
+    for name, ids in seen.items():
+        counts = sum(torch.bincount(i.flatten(), minlength=8) for i in ids).double()
+        assert got[name] == pytest.approx((counts / counts.sum()).tolist(), abs=1e-6), name
+    assert stats.take() == {}
+    stats.remove()  # its hooks gone: nothing counted
+    model(input_ids=torch.randint(0, 256, (2, 9)))
+    assert stats.take() == {} and all(c.sum() == 0 for c in stats.counts.values())
+
+
 def test_health_and_report_heatmap(tmp_path):
     hist = [dict(step=0, eval_loss=3.0)]
     line = dict(lr=1e-3, tokens_per_s=100.0, mfu=None, memory_gib=1.0, grad_norm=1.0)
@@ -565,6 +708,56 @@ def test_cuda_bf16_run(tmp_path, text_file, capsys, method):
     for x in lines[1:]:
         assert x["mfu"] is not None and x["mfu"] > 0 and x["memory_gib"] > 0
     assert "bfloat16" in text
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and moe8_cuda()), reason="needs a CUDA GPU and moe8 CUDA")
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_cuda_graphs_run(tmp_path, text_file, method):
+    """cuda_graphs = true on the GPU (the router losses off: recorded router logits run eagerly): the
+    checkpointed layers replay, the stats are logged and in the report, every step's routing is counted, the
+    losses follow the run without graphs, and the model is back on transformers' checkpointing after."""
+    from moe8 import graphs
+
+    def train(out, cuda_graphs):
+        logged = []
+        cfg = make_config(
+            None,
+            dict(
+                output_dir=str(out),
+                data=str(text_file),
+                progress=False,
+                steps=6,
+                micro_batch=2,
+                seq_len=32,
+                log_every=1,
+                eval_every=3,
+                eval_batches=2,
+                save_every=3,
+                device="cuda",
+                method=method,
+                activation_checkpointing=True,
+                aux_loss_coef=0.0,
+                cuda_graphs=cuda_graphs,
+            ),
+        )
+        trainer = run(cfg, log=logged.append)
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return trainer, "\n".join(map(str, logged)), lines
+
+    trainer, text, lines = train(tmp_path / "graphs", True)
+    s = trainer.graph_stats
+    assert s["layers"] == 2 and s["captured"] >= 4 and s["replayed"] > 0, s
+    assert f"cuda graphs: 2 layers, {s['captured']} graphs captured, {s['replayed']} calls replayed" in text
+    assert "cuda graphs" in (tmp_path / "graphs" / "report.html").read_text()
+    assert graphs.stats(trainer.model)["layers"] == 0  # released
+    for x in lines[1:]:
+        for fractions in x["routing"].values():
+            assert abs(sum(fractions) - 1) < 1e-4, x["step"]
+    _, _, eager = train(tmp_path / "eager", False)
+    for a, b in zip(lines, eager):
+        for k in ("loss", "eval_loss"):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=2e-2), (k, a["step"])
 
 
 def test_lora_without_moe8_runs_peft(tmp_path, text_file, capsys):

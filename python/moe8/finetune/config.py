@@ -11,7 +11,7 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 class FinetuneError(Exception):
@@ -133,6 +133,13 @@ class Config:
         0.0, "weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 per layer (0: off)"
     )
     activation_checkpointing: bool = _key(False, "recompute activations in the backward (less memory)")
+    cuda_graphs: Union[bool, str] = _key(
+        False,
+        "replay each checkpointed decoder layer's forward, and its recomputation with its backward, as CUDA "
+        "graphs (moe8.graphs: the host no longer issues their kernels one by one): true (refused where graphs "
+        "cannot run: no CUDA device, activation_checkpointing off, ep > 1 or fsdp), auto (on where they can, "
+        "else off and the log says why) or false",
+    )
     dtype: str = _key("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
     device: str = _key("auto", "auto (cuda when available), cuda or cpu")
     seed: int = _key(0, "seed of the initialisation, the data order and dropout")
@@ -199,24 +206,25 @@ class Config:
 
 
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
+BOOL_OR_AUTO = Union[bool, str]  # the type of a key that is true, false or "auto"
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
 # keys a resumed run may change: how long it runs, where it writes, how it logs, evaluates and saves, and
-# activation checkpointing and fused attention (the same gradients to rounding, less memory); every other key
-# decides the model, the data,
+# activation checkpointing, CUDA graphs and fused attention (the same gradients to rounding, less memory or
+# time); every other key decides the model, the data,
 # the optimizer or its schedule, so --resume refuses a value other than the checkpoint's
 RESUME_MAY_CHANGE = frozenset(
     (
         "steps epochs run_steps output_dir resume overwrite save_every log_every eval_every eval_batches "
-        "dead_window peak_tflops progress report_to memory_check activation_checkpointing fuse_attention "
-        "keep_checkpoints allow_data_change"
+        "dead_window peak_tflops progress report_to memory_check activation_checkpointing cuda_graphs "
+        "fuse_attention keep_checkpoints allow_data_change"
     ).split()
 )
 
 
 def _base_type(name: str):
     t = _TYPES[name]
-    if typing.get_origin(t) is typing.Union:  # Optional[X]
+    if typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t):  # Optional[X]
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return list if typing.get_origin(t) in (list, List) else t
 
@@ -229,9 +237,10 @@ def _check_type(name: str, value, where: str):
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
         str: isinstance(value, str),
         list: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        BOOL_OR_AUTO: isinstance(value, (bool, str)),  # a word other than "auto": validate() names it
     }[t]
     if not ok:
-        want = {list: "a list of strings"}.get(t, t.__name__)
+        want = {list: "a list of strings", BOOL_OR_AUTO: "true, false or 'auto'"}.get(t) or t.__name__
         raise FinetuneError(f"{where}: {name} = {value!r}: expected {want}")
     return float(value) if t is float else value
 
@@ -357,6 +366,10 @@ def validate(cfg: Config) -> None:
         need(
             getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
         )
+    need(
+        isinstance(cfg.cuda_graphs, bool) or cfg.cuda_graphs == "auto",
+        f"cuda_graphs = {cfg.cuda_graphs!r}: expected true, false or 'auto'",
+    )
     for name in (
         "ep",
         "steps",
@@ -444,12 +457,20 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         kw = dict(dest=name, default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
         if t is bool:
             ap.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif t == BOOL_OR_AUTO:
+            ap.add_argument(*names, type=_bool_or_auto, metavar="auto|true|false", **kw)
         elif t is list:
             ap.add_argument(
                 *names, type=lambda s: [x.strip() for x in s.split(",") if x.strip()], metavar="A,B", **kw
             )
         else:
             ap.add_argument(*names, type=t, metavar={int: "N", float: "X", str: "TEXT"}[t], **kw)
+
+
+def _bool_or_auto(word: str):
+    """A flag's value of a true / false / "auto" key: true and false as booleans, as TOML spells them; any
+    other word as given, for validate() to name."""
+    return {"true": True, "false": False}.get(word.strip().lower(), word)
 
 
 def snake_flags(argv: list[str]) -> list[str]:

@@ -240,7 +240,7 @@ def render(history: list[dict], info: dict, dead_window: int) -> str:
         "eval loss": " -> ".join(_fmt(e) for e in (evals[:1] + evals[-1:] if len(evals) > 1 else evals))
         or "-",
     }
-    for k in ("eval_data", "assistant turns", "aux_loss_coef", "z_loss_coef"):
+    for k in ("eval_data", "assistant turns", "aux_loss_coef", "z_loss_coef", "cuda_graphs"):
         if info.get(k) is not None:
             facts[k.replace("_", " ")] = info[k]
     if "memory_estimate_gib" in info:

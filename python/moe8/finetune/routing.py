@@ -22,14 +22,27 @@ def experts_modules(model) -> list[tuple[str, torch.nn.Module]]:
 class RoutingStats:
     """Counts (token, slot) pairs per expert in training forwards; `take()` returns each layer's per-expert
     token fraction since the last take. Eval forwards and the recomputation of activation checkpointing (which
-    runs inside the backward) are not counted. Counts stay on the model's device: no sync per layer."""
+    runs inside the backward) are not counted. Counts stay on the model's device: no sync per layer.
+
+    Replayable under moe8.graphs, where a graphed layer runs its Python hooks only while its graphs are
+    captured and each replay repeats the kernels they queued (the backward graph's recomputation too): the
+    experts' hook writes the histogram of the layer's latest run into a buffer per number of ids (a rerun on the
+    same tokens writes the same histogram), and hooks on the model, outside its layers, zero those buffers
+    before each training forward and add them to the counts after it."""
 
     def __init__(self, model):
-        self.counts, self.handles = {}, []
+        self.counts, self.runs, self.handles = {}, {}, []
+        self.counted = set()  # the layers with a training forward since the last take
         for name, m in experts_modules(model):
-            self.counts[name] = None
-            self.handles.append(m.register_forward_pre_hook(partial(self._hook, name), with_kwargs=True))
+            self.counts[name] = None  # [E] long, from the layer's first training forward
+            self.runs[name] = {}  # ids per call -> [E] long: the histogram of the latest call with that many
+            hook = partial(self._hook, name)
+            hook.replay_safe = True  # what it queues is right when replayed (moe8.graphs)
+            self.handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
         self.experts = {name: m.gate_up_proj.shape[0] for name, m in experts_modules(model)}
+        self.handles.append(model.register_forward_pre_hook(self._begin))
+        self.handles.append(model.register_forward_hook(self._end))
+        self.ones = {}  # device -> [1] long 1, expanded as the histograms' source
 
     def _hook(self, name, module, args, kwargs):
         if not module.training or torch._C._current_graph_task_id() != -1:  # eval, or a backward recompute
@@ -38,10 +51,34 @@ class RoutingStats:
         if ids is None:
             return
         ids = ids.detach().reshape(-1).long()
-        c = self.counts[name]
-        if c is None:
-            c = self.counts[name] = torch.zeros(self.experts[name], dtype=torch.long, device=ids.device)
-        c.scatter_add_(0, ids, torch.ones_like(ids))
+        n, dev = ids.numel(), ids.device
+        if n not in self.runs[name]:
+            self.runs[name][n] = torch.zeros(self.experts[name], dtype=torch.long, device=dev)
+        if dev not in self.ones:
+            self.ones[dev] = torch.ones(1, dtype=torch.long, device=dev)
+        run = self.runs[name][n]
+        run.zero_()
+        run.scatter_add_(0, ids, self.ones[dev].expand(n))
+
+    def _begin(self, model, args):
+        """Before a training forward: no histogram is left from an earlier call (a replayed recomputation
+        writes one after the forward's counts were added)."""
+        runs = [r for runs in self.runs.values() for r in runs.values()]
+        if model.training and runs:
+            torch._foreach_zero_(runs)
+
+    def _end(self, model, args, output):
+        if not model.training:
+            return
+        for name, runs in self.runs.items():
+            if not runs:
+                continue
+            c = self.counts[name]
+            if c is None:
+                c = self.counts[name] = torch.zeros_like(next(iter(runs.values())))
+            for run in runs.values():  # zeros for the sizes this forward did not have
+                c += run
+            self.counted.add(name)
 
     def take(self, reduce=None, device=None) -> dict[str, list[float]]:
         """reduce: an in-place sum over ranks (torch.distributed all_reduce), so the fractions are those of all
@@ -51,12 +88,14 @@ class RoutingStats:
                 if c is None:
                     c = torch.zeros(self.experts[name], dtype=torch.long, device=device)
                 self.counts[name] = reduce(c)
+                self.counted.add(name)
         out = {}
         for name, c in self.counts.items():
-            if c is not None:
-                c = c.cpu().double()
-                out[name] = [round(x, 6) for x in (c / c.sum().clamp_min(1)).tolist()]
-                self.counts[name] = None
+            if name in self.counted:
+                f = c.cpu().double()
+                out[name] = [round(x, 6) for x in (f / f.sum().clamp_min(1)).tolist()]
+                c.zero_()
+        self.counted.clear()
         return out
 
     def remove(self) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import hf
 from .._env import ENV
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
-from . import memory, output, report
+from . import cuda_graphs, memory, output, report
 from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
 from .data import IGNORE, Data, fingerprint_changes, load_tokenizer
 from .loggers import Progress, Trackers, check_installed, dumps
@@ -142,6 +142,8 @@ class Trainer:
         self.dist = Dist(self.device)
         world = self.dist.world
         self.log = log if self.dist.main else lambda *a, **k: None  # rank 0 logs
+        self.graphed = cuda_graphs.wanted(cfg, self.device, self.log)  # true on a CPU: refused here
+        self.graph_stats = None  # moe8.graphs.stats(model) at the end of training, when graphed
         check_installed(cfg)
         self.hf_config, self.model_path = config, path = model_config(cfg)
         self.tok = load_tokenizer(cfg, path)
@@ -173,6 +175,8 @@ class Trainer:
         self.mesh, self.expert_ids = None, set()
         if self.dist.on:
             self._parallelize()
+        if self.graphed:  # after checkpointing, LoRA and FP8 changed the layers, before the first step
+            self.graphed = cuda_graphs.capture(self.model, cfg, self.log)
         self.dist.barrier()  # every rank checked its input before rank 0 writes
         self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
         # 16-bit weights train through fp32 master copies: AdamW updates below bf16's resolution would be lost
@@ -317,6 +321,22 @@ class Trainer:
         if aux is not None and self.balance is not None:  # the load-balancing loss without the padding tokens
             aux = self.balance(out.router_logits, (~padding(y, pos)).long())
         return ce, aux, router_z_loss(getattr(out, "router_logits", None))
+
+    def forward_backward(self, x, y, pos, n_label: int) -> tuple:
+        """Forward and backward of one micro-batch of a step with n_label loss tokens (over all ranks); returns
+        its summed cross-entropy, aux loss and z-loss (None when off), detached: none of its autograd graph
+        outlives the call (moe8.graphs captures a layer only once the previous step's graph is gone)."""
+        cfg, accum = self.cfg, self.cfg.grad_accum
+        ce, aux, z = self.loss_sum(x, y, pos)
+        loss = ce * self.dist.world / max(n_label, 1)
+        aux = aux if self.aux_coef and aux is not None else None
+        z = z if cfg.router_z_loss_coef and z is not None else None
+        if aux is not None:
+            loss = loss + self.aux_coef * aux / accum
+        if z is not None:
+            loss = loss + cfg.router_z_loss_coef * z / accum
+        loss.backward()
+        return tuple(None if t is None else t.detach() for t in (ce, aux, z))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -512,6 +532,10 @@ class Trainer:
                 trackers.log(line)
 
         def write_report():
+            if self.graphed:
+                from .. import graphs
+
+                info["cuda_graphs"] = cuda_graphs.summary(graphs.stats(self.model))
             if d.main:
                 report.write(out / "report.html", history, info, cfg.dead_window)
 
@@ -546,16 +570,14 @@ class Trainer:
                         "label masked), so the step has nothing to learn from; check the data's loss masking"
                     )
                 for x, y, pos in batches:
-                    ce, aux, z = self.loss_sum(*(t.to(dev, non_blocking=True) for t in (x, y, pos)))
-                    loss = ce * W / max(n_label, 1)
-                    if self.aux_coef and aux is not None:
-                        loss = loss + self.aux_coef * aux / accum
-                        window["aux"] = window["aux"] + aux.detach() / accum
-                    if cfg.router_z_loss_coef and z is not None:
-                        loss = loss + cfg.router_z_loss_coef * z / accum
-                        window["z"] = window["z"] + z.detach() / accum
-                    loss.backward()
-                    window["loss"] += ce.detach()
+                    ce, aux, z = self.forward_backward(
+                        *(t.to(dev, non_blocking=True) for t in (x, y, pos)), n_label
+                    )
+                    if aux is not None:
+                        window["aux"] = window["aux"] + aux / accum
+                    if z is not None:
+                        window["z"] = window["z"] + z / accum
+                    window["loss"] += ce
                     window["flops"] += attention_flops(self.attention, pos) * W
                 if d.on and not cfg.fsdp:  # FSDP averages in its backward
                     from ..parallel.fsdp import average_grads
@@ -608,6 +630,13 @@ class Trainer:
             metrics.close()
             if trackers is not None:
                 trackers.close()
+            if self.graphed:  # the model back on transformers' checkpointing, the graphs' memory freed
+                from .. import graphs
+
+                self.graph_stats = graphs.stats(self.model)
+                graphs.release_layers(self.model)
+        if self.graph_stats is not None:
+            self.log(f"cuda graphs: {cuda_graphs.summary(self.graph_stats)}")
         last = next((h for h in reversed(history) if h.get("memory_gib_ranks")), None)
         if last is not None:
             per_rank = ", ".join(f"rank {r} {g:.2f}" for r, g in enumerate(last["memory_gib_ranks"]))
