@@ -193,6 +193,23 @@ def test_cuda_graphs_decision():
         assert wanted(Config(cuda_graphs=value, **on), gpu, logged.append) is want and not logged
 
 
+def test_cuda_graphs_stats_line_and_report_row(tmp_path):
+    from moe8.finetune.cuda_graphs import summary
+
+    stats = dict(layers=2, captured=4, replayed=20, eager=2, reasons={"warming up": 2})
+    stats.update(pool_reserved_gib=0.012, pool_allocated_gib=0.0)
+    line = "2 layers, 4 graphs captured, 20 calls replayed, 2 eager (warming up: 2); memory pool 0.012 GiB"
+    assert summary(stats) == line
+    assert summary(dict(stats, eager=0, reasons={})).startswith(
+        "2 layers, 4 graphs captured, 20 calls replayed, 0 eager;"
+    )
+    report.write(tmp_path / "r.html", [], dict(model="m", cuda_graphs=line))
+    assert (
+        f"<th style='text-align:left'>cuda graphs</th><td style='text-align:left'>{line}</td>"
+        in (tmp_path / "r.html").read_text()
+    )
+
+
 def test_cuda_graphs_auto_on_cpu_trains_without_them(tmp_path, text_file, capsys):
     out = tmp_path / "auto"
     argv = flags(out, text_file, "--cuda_graphs", "auto", "--activation_checkpointing", "--steps", "2")
@@ -748,7 +765,8 @@ def test_cuda_graphs_run(tmp_path, text_file, method):
     s = trainer.graph_stats
     assert s["layers"] == 2 and s["captured"] >= 4 and s["replayed"] > 0, s
     assert f"cuda graphs: 2 layers, {s['captured']} graphs captured, {s['replayed']} calls replayed" in text
-    assert "cuda graphs" in (tmp_path / "graphs" / "report.html").read_text()
+    assert "<th style='text-align:left'>cuda graphs</th>" in (tmp_path / "graphs" / "report.html").read_text()
+    assert s["pool_allocated_gib"] == 0  # the routing statistics' buffers are made before a capture
     assert graphs.stats(trainer.model)["layers"] == 0  # released
     for x in lines[1:]:
         for fractions in x["routing"].values():

@@ -56,9 +56,12 @@ def capture(model, cfg: Config, log) -> bool:
 
 
 def summary(stats: dict) -> str:
-    """moe8.graphs.stats(model) as one line: layers, graphs captured, calls replayed and eager (with why)."""
+    """moe8.graphs.stats(model) as one line: layers, graphs captured, calls replayed and eager (with why), the
+    graphs' memory pool."""
     why = "; ".join(f"{reason}: {n}" for reason, n in stats["reasons"].items())
     return (
         f"{stats['layers']} layers, {stats['captured']} graphs captured, {stats['replayed']} calls replayed, "
-        f"{stats['eager']} eager" + (f" ({why})" if why else "")
+        f"{stats['eager']} eager"
+        + (f" ({why})" if why else "")
+        + f"; memory pool {stats['pool_reserved_gib']:g} GiB"
     )

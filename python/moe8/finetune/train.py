@@ -325,7 +325,7 @@ class Trainer:
     def forward_backward(self, x, y, pos, n_label: int) -> tuple:
         """Forward and backward of one micro-batch of a step with n_label loss tokens (over all ranks); returns
         its summed cross-entropy, aux loss and z-loss (None when off), detached: none of its autograd graph
-        outlives the call (moe8.graphs captures a layer only once the previous step's graph is gone)."""
+        outlives the call."""
         cfg, accum = self.cfg, self.cfg.grad_accum
         ce, aux, z = self.loss_sum(x, y, pos)
         loss = ce * self.dist.world / max(n_label, 1)
