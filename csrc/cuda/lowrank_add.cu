@@ -181,8 +181,9 @@ __global__ void __launch_bounds__(32 * kRegWarps, 4)
 // strip's columns so that a thread's accumulators are runs of 8 adjacent columns: logical column c of subtile
 // j is column (j / 4) * 32 + (c / 2) * 8 + 2 * (j % 4) + c % 2, so lane l holds columns q * 32 + (l % 4) * 8
 // .. + 7 (q < kMmaRuns) of rows l / 4 and l / 4 + 8, and h is read and out written in 16-byte packs, four
-// lanes covering 64 contiguous bytes of a row. b[e]'s fragments (8 kK registers per run, packed pairs) are
-// reloaded only when the expert changes along the run. A tile across a group boundary takes one mma pass per
+// lanes covering 64 contiguous bytes of a row. The next tile's rows of h and t are loaded while a tile is
+// computed; the group is searched for again only where its rows end, and b[e]'s fragments (8 kK registers
+// per run, packed pairs) reloaded only when it changes. A tile across a group boundary takes one mma pass per
 // group, the other groups' rows of t read as zeros; rows in no group get h. The sum over the rank is the
 // mma's (fp32), then added to h once, as in the kernels above.
 constexpr int kMmaWarpRows = 128, kMmaRuns = 2, kMmaCols = 32 * kMmaRuns, kMmaTiles = 4 * kMmaRuns;
@@ -214,24 +215,45 @@ __global__ void __launch_bounds__(32 * kRegWarps)
     col[q] = strip + q * 32 + tig * 8;
     ok[q] = col[q] < N;
   }
-  uint32_t bf[kMmaTiles]
-             [2 * kK];  // b[e]'s fragment of each subtile and step: k = 16 s + 2 tig, +1 and 16 s + 2 tig + 8, +9
+  // b[e]'s fragment of each subtile and step s: k = 16 s + 2 tig, +1 and 16 s + 2 tig + 8, +9 of column g
+  uint32_t bf[kMmaTiles][2 * kK];
   int loaded = -1;
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += 16) {
-    P hv[2][kMmaRuns];
+  // A tile's rows of h, and of t in the mma's A layout (rows g and g + 8, k = 16 s + 2 tig, +1 in a0, a1 and
+  // + 8, +9 in a2, a3; zeros past the rank), loaded one tile ahead.
+  const auto load_rows = [&](P(&dst)[2][kMmaRuns], uint32_t(&ta)[kK][4], int64_t r0) {
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int q = 0; q < kMmaRuns; ++q) {
         const int64_t row = r0 + g + 8 * half;
-        if (row < r_end && ok[q]) hv[half][q] = *reinterpret_cast<const P*>(h + row * N + col[q]);
+        if (row < r_end && ok[q]) dst[half][q] = *reinterpret_cast<const P*>(h + row * N + col[q]);
       }
+#pragma unroll
+    for (int step = 0; step < kK; ++step)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = r0 + g + 8 * (i % 2);
+        const int k = 16 * step + 2 * tig + 8 * (i / 2);
+        const bool in = row < r_end;
+        ta[step][i] = pack_pair(t + (in ? row : 0) * rank + (k < rank ? k : 0), in && k < rank, in && k + 1 < rank);
+      }
+  };
+  int e = -1;                 // the group of the rows up to run_end (warp-uniform, like every row bound here)
+  int64_t run_end = r_begin;  // the first row past those e is known for: searched again only there
+  P hv[2][kMmaRuns], hn[2][kMmaRuns];
+  uint32_t tv[kK][4], tn[kK][4];
+  load_rows(hv, tv, r_begin);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += 16) {
+    if (r0 + 16 < r_end) load_rows(hn, tn, r0 + 16);  // the next tile's rows in flight while this one is done
     float d[kMmaTiles][4] = {};
     const int64_t tile_end = min(r0 + 16, r_end);
-    for (int64_t r = r0; r < tile_end;) {  // warp-uniform: each group's rows of the tile
-      const int e = group_of_row(offsets, E, r);
-      int64_t end = e >= 0 ? offsets[e + 1] : (r < offsets[0] ? offsets[0] : tile_end);
-      end = min(max(end, r + 1), tile_end);  // a step of at least one row, whatever the offsets
+    for (int64_t r = r0; r < tile_end;) {  // each group's rows of the tile
+      if (r >= run_end) {
+        e = group_of_row(offsets, E, r);
+        run_end = e >= 0 ? offsets[e + 1] : (r < offsets[0] ? offsets[0] : r_end);
+        run_end = max(run_end, r + 1);  // a step of at least one row, whatever the offsets
+      }
+      const int64_t end = min(run_end, tile_end);
       if (e >= 0) {
         if (e != loaded) {
           const T* be = b + static_cast<int64_t>(e) * N * rank;
@@ -249,13 +271,11 @@ __global__ void __launch_bounds__(32 * kRegWarps)
         }
 #pragma unroll
         for (int step = 0; step < kK; ++step) {
-          uint32_t a[4];  // t's rows g and g + 8 of the tile, k = 16 step + 2 tig, +1 (a0, a1) and + 8, +9 (a2, a3)
+          uint32_t a[4];  // t's rows of this group only
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int64_t row = r0 + g + 8 * (i % 2);
-            const int k = 16 * step + 2 * tig + 8 * (i / 2);
-            const bool in = row >= r && row < end;
-            a[i] = pack_pair(t + (in ? row : 0) * rank + (k < rank ? k : 0), in && k < rank, in && k + 1 < rank);
+            a[i] = row >= r && row < end ? tv[step][i] : 0u;
           }
 #pragma unroll
           for (int j = 0; j < kMmaTiles; ++j) {
@@ -278,6 +298,14 @@ __global__ void __launch_bounds__(32 * kRegWarps)
           o.v[v] = from_float<T>(to_float(hv[half][q].v[v]) + d[4 * q + v / 2][2 * half + v % 2]);
         *reinterpret_cast<P*>(out + row * N + col[q]) = o;
       }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int q = 0; q < kMmaRuns; ++q) hv[half][q] = hn[half][q];
+#pragma unroll
+    for (int step = 0; step < kK; ++step)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) tv[step][i] = tn[step][i];
   }
 }
 

@@ -287,7 +287,7 @@ class LayerGraphs:
         return graph
 
     def _capture_forward(self, call, key, tensors, params, train) -> Optional[_Graphs]:
-        s = self.shared.statics_for(key, tensors)
+        s = self.shared.statics_for(key[0], tensors)  # keyed by the inputs alone: shared by every layer
         g = _Graphs(s, call, train, tuple(p.data_ptr() for p in params), self.shared.grad_buffers(train))
 
         def run():  # without autograd: the backward graph recomputes what the backward needs

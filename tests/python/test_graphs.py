@@ -107,6 +107,7 @@ def test_graphs_train_as_eager(fp8_base):
     s = graphs.stats(model)
     assert s["layers"] == LAYERS and s["captured"] == 2 * LAYERS, s  # a forward and a backward graph each
     assert s["replayed"] == LAYERS * (steps - 1) and s["eager"] == LAYERS, s  # step 0 warms up
+    assert len(graphs._graphed(model)[0].shared.statics) == 1  # every layer's graphs read the same buffers
     assert_same_training(graphed, eager)
     assert graphs.release_layers(model) == LAYERS and graphs.stats(model)["layers"] == 0
 
