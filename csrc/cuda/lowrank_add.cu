@@ -204,10 +204,13 @@ __global__ void __launch_bounds__(32 * kRegWarps)
                               T* __restrict__ out) {
   using P = Pack<T, 8>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, tig = lane % 4;
-  const int64_t r_begin = (static_cast<int64_t>(blockIdx.x) * kRegWarps + warp) * kMmaWarpRows;
+  // Blocks in a row take the strips of the same rows: what runs at once reads whole rows of h, not a strip of
+  // every row (64 of a row's 2-4 KB at a time, a third of the bandwidth).
+  const int64_t strips = (N + kMmaCols - 1) / kMmaCols, block = blockIdx.x;
+  const int64_t r_begin = ((block / strips) * kRegWarps + warp) * kMmaWarpRows;
   if (r_begin >= rows) return;
   const int64_t r_end = min(rows, r_begin + kMmaWarpRows);
-  const int64_t strip = static_cast<int64_t>(blockIdx.y) * kMmaCols;
+  const int64_t strip = (block % strips) * kMmaCols;
   int64_t col[kMmaRuns];  // the first of this lane's 8 columns in each run
   bool ok[kMmaRuns];      // N % 8 == 0: a run is wholly inside or outside
 #pragma unroll
@@ -313,8 +316,8 @@ template <typename T, int kK>
 void launch_nk_mma(const TensorView& h, const TensorView& t, const TensorView& b, const TensorView& offsets, int64_t N,
                    int rank, const TensorView& out, cudaStream_t s) {
   const int64_t rows = h.shape[0];
-  const dim3 grid(static_cast<unsigned>(ceil_div(rows, int64_t{kRegWarps} * kMmaWarpRows)),
-                  static_cast<unsigned>(ceil_div(N, int64_t{kMmaCols})));
+  const int64_t blocks = ceil_div(rows, int64_t{kRegWarps} * kMmaWarpRows) * ceil_div(N, int64_t{kMmaCols});
+  const dim3 grid(static_cast<unsigned>(blocks));
   lowrank_add_nk_mma_kernel<T, kK><<<grid, 32 * kRegWarps, 0, s>>>(h.ptr<T>(), t.ptr<T>(), b.ptr<T>(),
                                                                    offsets.ptr<int32_t>(), static_cast<int>(b.shape[0]),
                                                                    rows, N, rank, out.ptr<T>());
