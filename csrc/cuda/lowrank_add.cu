@@ -175,8 +175,9 @@ __global__ void __launch_bounds__(32 * kRegWarps, 4)
 }
 
 // kNK, 16-bit, rank <= 32: t · b[e]^T on the tensor cores (mma.sync m16n8k16, kK steps of 16 along the rank,
-// padded with zeros), so the kernel is bound by its bytes, not by the fp32 FMAs and shared-memory broadcasts of
-// the kernel above (1.4-1.5 TB/s at the Qwen3-30B expert LoRA shapes). A warp owns a strip of kMmaCols columns
+// padded with zeros) instead of the fp32 FMAs and shared-memory broadcasts of the kernel above: as fast at rank
+// 16, 1.5-1.7x faster at rank 32 (Qwen3-30B expert LoRA shapes, bench/results/lowrank_h200.md). Both move
+// 1.2-1.5 TB/s: a warp keeps one tile's rows in flight, too few bytes per SM. A warp owns a strip of kMmaCols columns
 // over a run of kMmaWarpRows rows, 16 rows at a time. The mma's 8 columns of subtile j are mapped onto the
 // strip's columns so that a thread's accumulators are runs of 8 adjacent columns: logical column c of subtile
 // j is column (j / 4) * 32 + (c / 2) * 8 + 2 * (j % 4) + c % 2, so lane l holds columns q * 32 + (l % 4) * 8
