@@ -43,7 +43,8 @@ class Config:
         copy of them (the same bits); off by default until that kernel is faster than the gather and the GEMM
         (docs/kernels.md).
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
-        (ops.grouped_lowrank_add); off by default (faster at rank 16, slower at rank 32 on the H200).
+        (ops.grouped_lowrank_add); off by default (level with the unfused pair at ranks 16 and 32 on the H200,
+        bench/results/lowrank_h200.md).
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
         Off, ids out of range on a GPU join no expert (the kernels skip them: wrong numbers, never a read or
