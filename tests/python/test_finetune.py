@@ -577,12 +577,8 @@ def tiny_model(**over):
     return model
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_routing_stats_count_each_token_once(checkpointing):
-    """Counts equal the routers' own top-k, once per training forward: not in eval, not in the recompute of
-    activation checkpointing."""
-    model = tiny_model(activation_checkpointing=checkpointing)
-    stats = routing.RoutingStats(model)
+def record_router_ids(model) -> dict:
+    """{experts' layer name: [ids [T, K] of each router call]}, filled by hooks on the routers."""
     seen = {}
 
     def record(name):  # a router returns (logits [T, E], weights [T, K], ids [T, K])
@@ -591,6 +587,16 @@ def test_routing_stats_count_each_token_once(checkpointing):
     for name, m in model.named_modules():
         if name.endswith("mlp.gate"):
             m.register_forward_hook(record(name.removesuffix(".gate")))
+    return seen
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_routing_stats_count_each_token_once(checkpointing):
+    """Counts equal the routers' own top-k, once per training forward: not in eval, not in the recompute of
+    activation checkpointing."""
+    model = tiny_model(activation_checkpointing=checkpointing)
+    stats = routing.RoutingStats(model)
+    seen = record_router_ids(model)
     x = torch.randint(0, 256, (3, 17))
     model.train()
     model(input_ids=x).logits.sum().backward()
@@ -621,14 +627,7 @@ def test_routing_stats_count_reruns_once_as_graphs_replay_them():
         if getattr(h, "__module__", None) != "transformers.utils.output_capturing"  # idle recorders
     ]
     assert len(hooks) == len(layers) == 2 and all(getattr(h, "replay_safe", False) for h in hooks)
-    seen = {}
-
-    def record(name):  # a router returns (logits [T, E], weights [T, K], ids [T, K])
-        return lambda mod, args, out: seen.setdefault(name, []).append(out[2])
-
-    for name, m in model.named_modules():
-        if name.endswith("mlp.gate"):
-            m.register_forward_hook(record(name.removesuffix(".gate")))
+    seen = record_router_ids(model)
     experts = dict(routing.experts_modules(model))
     first = next(iter(experts))
 
