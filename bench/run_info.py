@@ -4,7 +4,7 @@
     meta = {**run_info(device), "tokens": 16384}
 
 A fact that cannot be read here (no git checkout, no nvidia-smi, a library not installed) is written as
-"not recorded", never guessed."""
+"not recorded", never guessed. MOE8_COMMIT, when set, is the commit recorded (see commit())."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ def _run(*cmd: str) -> str | None:
 
 
 def commit() -> str:
-    """The checkout's commit, with "+changes" when tracked files differ from it."""
+    """The checkout's commit, with "+changes" when tracked files differ from it; $MOE8_COMMIT instead when set
+    (a tree copied to a GPU machine without its history, or with a stale one: the commit it was copied from)."""
+    if os.environ.get("MOE8_COMMIT"):
+        return os.environ["MOE8_COMMIT"]
     head = _run("git", "rev-parse", "--short", "HEAD")
     if head is None:
         return NOT_RECORDED

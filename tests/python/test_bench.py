@@ -640,3 +640,15 @@ def test_bench_block_peers_tiny(tmp_path):
     assert rows["moe8"]["output_rel_diff"] < 1e-2 and rows["moe8"]["dx_rel_diff"] < 1e-2
     if importlib.util.find_spec("sonicmoe") is None:
         assert "sonicmoe is not importable" in rows[_bench_module("peers").SONICMOE]["skipped"]
+
+
+def test_run_info_records_moe8_commit_when_set(monkeypatch):
+    """A tree copied to a GPU machine records the commit it was copied from (MOE8_COMMIT), not the machine's
+    git state; unset, the checkout's own commit."""
+    spec = importlib.util.spec_from_file_location("run_info", ROOT / "bench" / "run_info.py")
+    run_info = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_info)
+    monkeypatch.setenv("MOE8_COMMIT", "0123abc+changes")
+    assert run_info.commit() == "0123abc+changes"
+    monkeypatch.delenv("MOE8_COMMIT")
+    assert run_info.commit() != "0123abc+changes"
