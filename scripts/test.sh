@@ -87,6 +87,11 @@ CMAKE_BUILD_PARALLEL_LEVEL=$JOBS moe8_pip_build build/test.log $PY -m pip instal
 ctest --test-dir build/test --output-on-failure -j "$JOBS"
 
 echo "== pytest (installed package)"
+# The installed package does not look beside the checkout for the shared corpus and tokenizer: point it there.
+if [ -z "${MOE8_SHARED_DATA:-}" ] && [ -d ../shared/data ]; then
+  export MOE8_SHARED_DATA="$(cd ../shared/data && pwd)"
+  echo "shared data: $MOE8_SHARED_DATA"
+fi
 rc=0
 # A worker per build job, each with one intra-op thread of torch (moe8's own CPU ops still use every core);
 # run from tests/ so that the tests import the installed package, not the source tree.
