@@ -239,15 +239,8 @@ class LayerGraphs:
         if _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks:
             return "global module hooks"
         for m in self.modules:
-            if not m.training:
-                continue
-            if isinstance(m, nn.Dropout) and m.p > 0:
+            if m.training and _dropout(m):
                 return "dropout in the layer (the recomputation would draw other random numbers)"
-            for attr in ("attention_dropout", "lora_dropout"):
-                v = getattr(m, attr, 0.0)
-                if isinstance(v, float) and v > 0:
-                    return "dropout in the layer (the recomputation would draw other random numbers)"
-        for m in self.modules:
             hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(), *m._backward_hooks.values()]
             if not hooks:
                 continue
@@ -363,6 +356,14 @@ def _aliased(modules: list, train: list):
     finally:
         for m, name, p in swapped:
             m._parameters[name] = p
+
+
+def _dropout(m: nn.Module) -> bool:
+    """Whether m draws random numbers in training: an nn.Dropout, or an attention or LoRA dropout rate > 0."""
+    if isinstance(m, nn.Dropout) and m.p > 0:
+        return True
+    rates = (getattr(m, attr, 0.0) for attr in ("attention_dropout", "lora_dropout"))
+    return any(isinstance(v, float) and v > 0 for v in rates)
 
 
 def _recording() -> bool:

@@ -211,3 +211,17 @@ def test_capture_layers_refusals():
         with pytest.raises(RuntimeError, match="CUDA"):
             graphs.capture_layers(model)
     assert graphs.stats(model)["layers"] == 0 and graphs.release_layers(model) == 0
+
+
+def test_dropout_is_found_in_any_of_its_forms():
+    """What makes a layer's recomputation draw other random numbers: an nn.Dropout with p > 0, or a module's
+    float attention / LoRA dropout rate > 0 (transformers' attention modules hold theirs as a float)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self, rate):
+            super().__init__()
+            self.attention_dropout = rate
+
+    assert graphs._dropout(torch.nn.Dropout(0.1)) and not graphs._dropout(torch.nn.Dropout(0.0))
+    assert graphs._dropout(Attention(0.1)) and not graphs._dropout(Attention(0.0))
+    assert not graphs._dropout(torch.nn.Linear(2, 2))
