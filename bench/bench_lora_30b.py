@@ -262,6 +262,12 @@ def child(args):
     def gib(x):
         return round(x / GiB, 2) if cuda else None
 
+    def fold_peaks(res: dict) -> None:
+        """peak_gib / reserved_gib: the largest max_memory_allocated / _reserved so far, over every span between
+        two reset_peak_memory_stats (called before each reset and at the end)."""
+        res["peak_gib"] = max(res.get("peak_gib", 0.0), gib(torch.cuda.max_memory_allocated()))
+        res["reserved_gib"] = max(res.get("reserved_gib", 0.0), gib(torch.cuda.max_memory_reserved()))
+
     def log(msg):
         print(f"[{args.only}] {msg}", flush=True)
 
@@ -377,7 +383,7 @@ def child(args):
             if cuda:
                 torch.cuda.synchronize()
                 before = allocator()
-                overall = torch.cuda.max_memory_allocated()
+                fold_peaks(res)
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             loss = step()
@@ -390,8 +396,7 @@ def child(args):
             res["losses"].append(loss)
             if cuda:
                 res["step_peak_gib"].append(gib(torch.cuda.max_memory_allocated()))
-                res["peak_gib"] = gib(max(overall, torch.cuda.max_memory_allocated()))
-                res["reserved_gib"] = max(res.get("reserved_gib", 0.0), gib(torch.cuda.max_memory_reserved()))
+                fold_peaks(res)
             timed = res["step_s"][args.warmup :]
             if timed:
                 res["tokens_per_s"] = args.batch * args.seq / statistics.median(timed)
@@ -414,6 +419,7 @@ def child(args):
             log(f"CUDA graphs: {res['graphs']}")
         # what a training step holds from the device once the cache has no leftovers of earlier steps
         if cuda:
+            fold_peaks(res)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             step().item()
@@ -471,8 +477,7 @@ def child(args):
         log(res["error"])
     finally:
         if cuda:
-            res["peak_gib"] = gib(torch.cuda.max_memory_allocated())
-            res["reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+            fold_peaks(res)
         save()
 
 
