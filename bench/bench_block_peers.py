@@ -33,6 +33,7 @@ import argparse
 import json
 import re
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,21 @@ def peak_and_held(forward, params, dy) -> tuple[float, float]:
     return peak / 2**30, held / 2**30
 
 
+def host_issue_ms(step, device, iters: int) -> float:
+    """Median milliseconds the host takes to issue one step (from an idle GPU to the step's last call returning,
+    before the GPU finishes): where it is close to the step's time, the GPU waits for the host."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def _cell(v, fmt: str, width: int = 0, unit: str = "") -> str:
     """v formatted (with unit after it), right-aligned to width; "-" where v is None."""
     return f"{f'{v:{fmt}}{unit}' if v is not None else '-':>{width}}"
@@ -121,6 +137,7 @@ def measure(label, forward, params, dy, flops, opts) -> dict:
     ms = median_ms(step, x.device, opts["warmup"], opts["iters"])
     peak, held = peak_and_held(forward, params, dy) if x.is_cuda else (None, None)
     row = {"impl": label, "ms": ms, "first_call_s": first_s, "peak_extra_gib": peak, "held_gib": held}
+    row["host_issue_ms"] = host_issue_ms(step, x.device, opts["iters"])
     row["expert_tflops"] = flops / (ms * 1e-3) / 1e12
     row["pct_of_bf16_ceiling"] = 100 * row["expert_tflops"] * 1e12 / BF16_CEILING
     y = forward()
@@ -147,7 +164,7 @@ def measure(label, forward, params, dy, flops, opts) -> dict:
         row["back_to_back_ms"] = back_to_back_ms(step, opts["back_to_back"])
     print(
         f"  {label:<28} {ms:8.3f} ms {row['expert_tflops']:6.0f} TF/s  peak {_cell(peak, '.2f', 6)} GiB  held "
-        f"{_cell(held, '.2f', 5)} GiB  (first call {first_s:.1f} s)",
+        f"{_cell(held, '.2f', 5)} GiB  host issues a step in {row['host_issue_ms']:.2f} ms  (first call {first_s:.1f} s)",
         flush=True,
     )
     return row
@@ -332,6 +349,8 @@ def markdown(meta: dict, results: list) -> str:
         f"with the gradients None first{queued} |",
         "| memory | peak above what was allocated before the step, every gradient None first (the weight gradients "
         "count); held: what the forward leaves for its backward, its output included |",
+        "| host issue | median time for the host to issue one step from an idle GPU (its last call returned, the GPU "
+        "not yet done) |",
         "| FP8 rows | the bf16 row's Config with fp8 set (`moe8.Config(fp8=...)`); the expert weights train and are "
         'quantised inside every step (`fp8_cache="frozen"`); vs bf16: its bf16 row\'s ms / its ms; errors: '
         "relative Frobenius, output and input gradient vs the bf16 row's |",
@@ -343,8 +362,8 @@ def markdown(meta: dict, results: list) -> str:
     out += [
         "",
         "| shape | routing | rows per expert max / mean | row | ms | vs transformers | vs bf16 (queued) | TFLOP/s "
-        "| peak GiB | held GiB | queued ms | FP8 error vs bf16: output / input gradient |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| peak GiB | held GiB | queued ms | host issue ms | FP8 error vs bf16: output / input gradient |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in results:
         lead = (
@@ -354,7 +373,7 @@ def markdown(meta: dict, results: list) -> str:
         for r in b["rows"]:
             if "ms" not in r:
                 why = (r.get("skipped") or r.get("error")).replace("|", "/")[:160]
-                out.append(f"{lead}{r['impl']} | not run: {why} |" + " |" * 7)
+                out.append(f"{lead}{r['impl']} | not run: {why} |" + " |" * 8)
                 continue
             vs_bf16 = "" if "speedup_vs_bf16" not in r else f"{r['speedup_vs_bf16']:.2f}x"
             if "queued_speedup_vs_bf16" in r:
@@ -371,6 +390,7 @@ def markdown(meta: dict, results: list) -> str:
                 _cell(r["peak_extra_gib"], ".2f"),
                 _cell(r["held_gib"], ".2f"),
                 _cell(r.get("back_to_back_ms"), ".3f"),
+                _cell(r.get("host_issue_ms"), ".2f"),
                 err,
             ]
             out.append(lead + " | ".join(cells) + " |")
