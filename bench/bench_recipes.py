@@ -38,6 +38,7 @@ the figures are the resident set's growth, which the allocator's reuse of the fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -391,13 +392,25 @@ def recipe_config(name: str, args, tmp: str):
     return cfg
 
 
+@contextlib.contextmanager
+def _output_dir(keep, name: str):
+    """The trainer's output directory for a recipe: keep/NAME (kept: its log and report stay) or a temporary one."""
+    if keep:
+        path = Path(keep) / name
+        path.mkdir(parents=True, exist_ok=True)
+        yield str(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+
+
 def run_recipe(name: str, args, device) -> dict:
     from moe8.finetune.data import Data, load_tokenizer
     from moe8.finetune.memory import MemoryCheckError
     from moe8.finetune.train import device_and_dtype
 
     result = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with _output_dir(args.keep, name) as tmp:
         cfg = recipe_config(name, args, tmp)
         _, dtype = device_and_dtype(cfg)
         tok = load_tokenizer(cfg, None)  # as the trainer does for a model_config model
@@ -489,6 +502,12 @@ def _setting(ap, item: str) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for recipes.json")
+    ap.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="keep the moe8 side's trainer output (its log, report.html) in DIR/RECIPE instead of a temporary folder",
+    )
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     ap.add_argument(
         "--steps",
