@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const float rs = live ? rstd[r] : 0.f;
     const int64_t at = r * cols;
     float dot = 0.f;  // sum of g * xhat, g = dy * w, xhat = x * rstd
-    P xc[kCached ? kCache : 1], dc[kCached ? kCache : 1];
+    P xc[kCached ? kCache : 1] = {}, dc[kCached ? kCache : 1] = {};
     if constexpr (kCached) {
 #pragma unroll
       for (int c = 0; c < kCache; ++c) {
