@@ -102,6 +102,20 @@ void cross_entropy_rows(const TensorView& logits, const TensorView& target, int6
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
           intptr_t stream);
 
+// ---- RMSNorm (api/rmsnorm.cpp; semantics: cpu/ops.h, torch.nn.functional.rms_norm over the last dim) ----------
+// x [R,H] contiguous float, weight [H] of x's dtype, eps finite >= 0 -> y [R,H] (x's dtype), rstd [R] float32.
+void rms_norm_forward(const TensorView& x, const TensorView& weight, double eps, const TensorView& y,
+                      const TensorView& rstd, intptr_t stream);
+
+// float32 elements of the workspace rms_norm_backward needs for x [rows, cols] on a GPU (0 on the CPU): a
+// function of the shape alone.
+int64_t rms_norm_workspace_elems(int64_t rows, int64_t cols, bool on_cuda);
+
+// dy, x [R,H], weight [H], rstd [R] float32 (rms_norm_forward's) -> dx [R,H], dweight [H] (weight's dtype; the
+// same bits on every run). workspace: float32, rms_norm_workspace_elems long, on x's device (GPU only).
+void rms_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                       const TensorView& dx, const TensorView& dweight, const TensorView& workspace, intptr_t stream);
+
 // ---- FP8 e4m3 (api/quant.cpp). Quantised tensors are uint8 or float8_e4m3fn; scales float32. Semantics
 // and layouts: cpu/ops.h; conversion and NaN policy: core/fp8.h. CPU and CUDA results are bit-identical
 // (swiglu_quant: within one e4m3 step, see cuda/ops.h). -----------------------------------------------

@@ -225,6 +225,21 @@ NB_MODULE(_C, m) {
         moe8::api::rope(V(x), V(cos), V(sin), V(out), backward, stream);
       },
       nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("backward") = false, nb::arg("stream") = 0);
+  m.def(
+      "rms_norm_forward",
+      [](Array x, Array weight, double eps, Array y, Array rstd, intptr_t stream) {
+        moe8::api::rms_norm_forward(V(x), V(weight), eps, V(y), V(rstd), stream);
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("y"), nb::arg("rstd"), nb::arg("stream") = 0);
+  m.def("rms_norm_workspace_elems", &moe8::api::rms_norm_workspace_elems, nb::arg("rows"), nb::arg("cols"),
+        nb::arg("on_cuda"));
+  m.def(
+      "rms_norm_backward",
+      [](Array dy, Array x, Array weight, Array rstd, Array dx, Array dweight, OptArray workspace, intptr_t stream) {
+        moe8::api::rms_norm_backward(V(dy), V(x), V(weight), V(rstd), V(dx), V(dweight), V(workspace), stream);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("rstd"), nb::arg("dx"), nb::arg("dweight"),
+      nb::arg("workspace").none(), nb::arg("stream") = 0);
   // ---- FP8 e4m3: quantised tensors as uint8 or float8_e4m3fn, scales float32 (api/ops.h)
   m.def(
       "quantize_rows_1x128",

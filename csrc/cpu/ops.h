@@ -90,6 +90,18 @@ void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, con
 void cross_entropy_rows(const TensorView& logits, const TensorView& target, int64_t ignore_index,
                         const TensorView& loss);
 
+// RMSNorm over the rows of x [R,H] (torch.nn.functional.rms_norm(x, (H,), weight, eps)): per row
+// rstd = 1 / sqrt(mean(x^2) + eps) in fp32 (the sum in double here), y = x * rstd * weight in fp32, rounded once.
+// weight [H] and y [R,H] of x's dtype, rstd [R] float32 (saved for the backward). An H of 0 gives NaN rstd.
+void rms_norm_forward(const TensorView& x, const TensorView& weight, float eps, const TensorView& y,
+                      const TensorView& rstd);
+
+// Its gradient from rstd: with g = dy * weight and xhat = x * rstd (fp32),
+// dx = rstd * (g - xhat * mean(g * xhat)) and dweight = the sum over rows of dy * xhat (double here), rounded to
+// weight's dtype (0 for R = 0). dy, dx [R,H] of x's dtype.
+void rms_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                       const TensorView& dx, const TensorView& dweight);
+
 // ---- FP8 e4m3 (stored as uint8; conversion, scale rule and NaN policy in core/fp8.h) ----------------
 // Every block gets scale = amax(|block|) / 448 (1 for an all-zero block) and q = e4m3(x * (1 / scale)), so that
 // x ~= e4m3_to_float(q) * scale. KB = ceil(K/128), NB = ceil(N/128).

@@ -81,6 +81,14 @@ void cross_entropy_rows(const TensorView& logits, const TensorView& target, int6
 void rope(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& out, bool backward,
           void* stream);
 
+// RMSNorm (rmsnorm.cu; semantics: cpu/ops.h): x, y [R,H], weight [H] of x's dtype, rstd [R] f32. The backward's
+// workspace: f32, at least rmsnorm_heuristics::workspace_rows(R) * H elements (its weight-gradient partials);
+// dweight is the same bits on every run.
+void rms_norm_forward(const TensorView& x, const TensorView& weight, float eps, const TensorView& y,
+                      const TensorView& rstd, void* stream);
+void rms_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                       const TensorView& dx, const TensorView& dweight, const TensorView& workspace, void* stream);
+
 // ---- the backend itself (util.cu; csrc/cuda_stub/ answers all of this header in a build without CUDA)
 // Whether this build has the CUDA backend: false only from the stub.
 bool backend_built();

@@ -61,6 +61,13 @@ void cross_entropy_rows(const TensorView&, const TensorView&, int64_t, const Ten
 void rope(const TensorView&, const TensorView&, const TensorView&, const TensorView&, bool, void*) {
   fail_without_cuda("rope");
 }
+void rms_norm_forward(const TensorView&, const TensorView&, float, const TensorView&, const TensorView&, void*) {
+  fail_without_cuda("rms_norm_forward");
+}
+void rms_norm_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                       const TensorView&, const TensorView&, void*) {
+  fail_without_cuda("rms_norm_backward");
+}
 bool backend_built() { return false; }
 int device_count() { return 0; }
 int current_device_or_none() { return -1; }

@@ -17,6 +17,7 @@ from .fp8 import Float8Recipe, _recipe, cache_named
 from .fp8_rules import dense_kinds
 
 TRANSPORTS = ("auto", "nccl", "ipc")
+NORM_KERNELS = ("torch", "moe8")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Config:
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
     fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).
+    norm_kernel: which kernel the fused RMSNorm runs: "torch" (torch.nn.functional.rms_norm, the default) or
+        "moe8" (moe8.ops.rms_norm: the same semantics, fp32 statistics and one rounding; its weight gradient is
+        summed in a fixed order, the same bits on every run).
     fuse_rope: rotary embeddings with one fused kernel per tensor (process-wide while on: transformers'
         attention looks the function up in its modeling module; moe8.disable() restores it).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
@@ -100,6 +104,7 @@ class Config:
     check_ids: bool = False
     fuse_router: bool = True
     fuse_norm: bool = True
+    norm_kernel: str = "torch"
     fuse_rope: bool = True
     fuse_attention: bool = True
     fuse_loss: bool = True
@@ -140,6 +145,8 @@ class Config:
             raise ValueError(f"ep_chunks: expected an integer >= 1, got {self.ep_chunks!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.norm_kernel not in NORM_KERNELS:
+            raise ValueError(f"norm_kernel: expected one of {list(NORM_KERNELS)}, got {self.norm_kernel!r}")
         self._check_fp8_dense()
 
     def _check_fp8_dense(self) -> None:

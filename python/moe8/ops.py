@@ -5,8 +5,9 @@ Raw ops (allocate their outputs, call moe8._C):
     plan, gather_rows, combine_rows, combine_weights_grad, grouped_gemm, grouped_gemm_wgrad,
     grouped_lowrank_add, activation, activation_backward, activation_consuming
 Differentiable ops (autograd registered): permute, combine, grouped_gemm, grouped_lowrank_add, activation.
-The router's top-k (route, route_backward, from moe8.routing) and RoPE (rope, apply_rotary_pos_emb, from
-moe8.rotary) are part of this namespace too. The experts' fused down projections, in bf16 or FP8, are in
+The router's top-k (route, route_backward, from moe8.routing), RoPE (rope, apply_rotary_pos_emb, from
+moe8.rotary) and RMSNorm (rms_norm, rms_norm_forward, rms_norm_backward, from moe8.norm) are part of this
+namespace too. The experts' fused down projections, in bf16 or FP8, are in
 moe8.fused.
 """
 
@@ -25,6 +26,7 @@ from ._core import gated as _gated
 from ._core import make_direct as _make_direct
 from ._core import scratch as _scratch
 from ._core import stream as _stream
+from .norm import rms_norm, rms_norm_backward, rms_norm_forward  # noqa: F401
 from .rotary import apply_rotary_pos_emb, rope, rope_backward  # noqa: F401
 from .routing import route, route_backward  # noqa: F401
 

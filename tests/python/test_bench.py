@@ -97,6 +97,29 @@ def test_bench_lowrank_tiny(tmp_path):
     assert bad.returncode != 0 and "--ranks: expected comma-separated integers" in bad.stderr
 
 
+def test_bench_rmsnorm_tiny(tmp_path):
+    out = tmp_path / "rmsnorm.json"
+    p = run("bench/bench_rmsnorm.py", "--tiny", "--dtype", "float32", "--iters", "1", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = json.loads(out.read_text())
+    rows = got["results"]
+    assert got["env"]["dtype"] == "float32"
+    assert [(r["shape"], r["pass"]) for r in rows[:2]] == [
+        ("hidden [64, 256]", "forward"),
+        ("hidden [64, 256]", "backward"),
+    ]
+    assert len(rows) == 6 and all(r["torch_ms"] > 0 and r["moe8_ms"] > 0 and r["moe8_GBps"] > 0 for r in rows)
+    # y, dx, dw against torch's in float32, and dw the same bits on a second run
+    assert all(max(r["moe8_max_rel_err"]) < 1e-5 for r in rows[::2]), rows
+    assert all(r["moe8_dw_same_bits"] for r in rows[1::2])
+    assert p.stdout.strip().splitlines()[-7].split()[:4] == [
+        "shape",
+        "pass",
+        "torch",
+        "ms",
+    ]  # the table comes last
+
+
 @pytest.mark.slow
 def test_bench_lora_30b_tiny(tmp_path):
     pytest.importorskip("peft", minversion="0.17")

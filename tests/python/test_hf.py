@@ -277,12 +277,24 @@ def norms_of(model):
     return [m for m in model.modules() if type(m).__name__ == hf.NORMS[model.config.model_type]]
 
 
+@pytest.mark.parametrize("norm_kernel", ["torch", "moe8"])
 @pytest.mark.parametrize("family", hf.FAMILIES)
-def test_fused_norm_matches_transformers(family, calls):
-    """fuse_norm=True: every RMSNorm of the model runs as one fused kernel (F.rms_norm); outputs and every
-    gradient still match transformers, and disable() gives the norms their own forward back."""
+def test_fused_norm_matches_transformers(family, norm_kernel, calls, monkeypatch):
+    """fuse_norm=True: every RMSNorm of the model runs as one fused kernel (F.rms_norm, or moe8.ops.rms_norm with
+    norm_kernel="moe8": every norm calls it); outputs and every gradient still match transformers, and disable()
+    gives the norms their own forward back."""
+    from moe8 import ops
+
+    moe8_norms = {"n": 0}
+    inner = ops.rms_norm
+
+    def counted(*args):
+        moe8_norms["n"] += 1
+        return inner(*args)
+
+    monkeypatch.setattr(ops, "rms_norm", counted)
     ref = build(family)
-    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_norm"))
+    acc = hf.accelerate(twin(ref, accelerate=False), **only("fuse_norm"), norm_kernel=norm_kernel)
     norms = norms_of(acc)
     assert len(norms) >= 2 * len(experts_modules(acc)) > 0
     assert all(type(m).forward is hf.norm_forward and hasattr(m, "_moe8_config") for m in norms)
@@ -290,6 +302,7 @@ def test_fused_norm_matches_transformers(family, calls):
     ids = tokens()
     out_r, grads_r = run(ref, ids)
     assert_same(out_r, grads_r, *run(acc, ids))
+    assert moe8_norms["n"] == (len(norms) if norm_kernel == "moe8" else 0)
     hf.disable()
     assert not any(hasattr(m, "_moe8_config") or type(m).forward is hf.norm_forward for m in norms)
     assert_same(out_r, grads_r, *run(acc, ids))

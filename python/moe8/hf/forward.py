@@ -98,11 +98,16 @@ def router_forward(self, hidden_states):
 
 def norm_forward(self, hidden_states):
     """The forward of a family's RMSNorm class while norms are fused (Config.fuse_norm): one fused kernel
-    (torch.nn.functional.rms_norm: fp32 statistics, the weight applied in fp32, one rounding) instead of
-    transformers' chain of elementwise passes, forward and backward. Norms of other models, and inputs whose
-    dtype is not the weight's, run their own forward."""
+    (fp32 statistics, the weight applied in fp32, one rounding) instead of transformers' chain of elementwise
+    passes, forward and backward: torch.nn.functional.rms_norm, or moe8.ops.rms_norm with the module's
+    Config(norm_kernel="moe8"). Norms of other models, and inputs whose dtype is not the weight's, run their own
+    forward."""
     if not _is_moe8(self) or hidden_states.dtype != self.weight.dtype:
         return type(self)._moe8_forward(self, hidden_states)
+    if module_config(self).norm_kernel == "moe8":
+        from moe8 import ops
+
+        return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
 

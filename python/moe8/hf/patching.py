@@ -117,17 +117,18 @@ def _fuse_loss(model) -> None:
 
 
 def _apply(model, cfg: Config) -> None:
-    """Attach cfg to the model's experts and turn on the fusions it asks for."""
-    for m in model.modules():
-        if is_experts_module(m):
-            m._moe8 = cfg  # a plain attribute, as _moe8_config
-            registry.configured.add(m)
+    """Turn on the fusions cfg asks for and attach cfg to the model's experts and fused modules (whose forwards
+    read it: module_config)."""
     if cfg.fuse_router:
         _fuse(model, ROUTERS, router_forward)
     if cfg.fuse_norm:
         _fuse(model, NORMS, norm_forward)
     if cfg.fuse_mlp:
         _fuse(model, MLPS, mlp_forward)
+    for m in model.modules():
+        if is_experts_module(m) or m in registry.fused:
+            m._moe8 = cfg  # a plain attribute, as _moe8_config
+            registry.configured.add(m)
     if cfg.fuse_rope:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_attention:

@@ -23,7 +23,7 @@ class _Registry:
         self.post_init = None  # (transformers' post_init, moe8's wrapper)
         self.switched = {}  # id(config) -> (weakref to the config, experts implementation to restore)
         self.fused = weakref.WeakSet()  # routers and norms running moe8's forward (they carry `_moe8_config`)
-        self.configured = weakref.WeakSet()  # experts modules carrying a moe8.Config (`_moe8`)
+        self.configured = weakref.WeakSet()  # experts and fused modules carrying a moe8.Config (`_moe8`)
         self.loss_fused = weakref.WeakSet()  # causal LMs whose training loss moe8.loss computes
         self.patched_classes = (
             set()
