@@ -20,7 +20,7 @@ Both sides train the same way, and each records what it used (`settings`) so tha
   (moe8 finetune's data, per-document position_ids), in the same order;
 - the recipe's optimizer: its peak lr (--lr to override), linear warmup and cosine decay (moe8 finetune's
   schedule), AdamW with weight decay on matrices only, gradient clipping at max_grad_norm, bf16 weights with
-  fp32 master copies;
+  fp32 master copies (LoRA adapters in an explicit lora_dtype train in it: PEFT's autocast_adapter_dtype=False);
 - the objective: next-token cross-entropy + aux_loss_coef x the router load-balancing loss (the model's
   router_aux_loss_coef; transformers adds it to its labels= loss, which the baseline trains on). The loss
   recorded on both sides is the cross-entropy alone, the aux loss beside it;
@@ -212,7 +212,14 @@ def settings(cfg, opt, model, aux: float, targets) -> dict:
     )
     if cfg.method == "lora":
         out.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_targets=sorted(targets))
+        # the dtypes the adapters and AdamW's tensors (fp32 master copies or the adapters) are in
+        out.update(adapter_dtype=dtypes(p for p in model.parameters() if p.requires_grad))
+        out.update(optimizer_dtype=dtypes(p for g in opt.param_groups for p in g["params"]))
     return out
+
+
+def dtypes(params) -> str:
+    return ",".join(sorted({str(p.dtype).replace("torch.", "") for p in params}))
 
 
 def timed(values: list[float]) -> float:
@@ -262,7 +269,7 @@ def run_transformers(cfg, data, tok, device, dtype, steps: int = 0) -> dict:
 
     from moe8 import hf
     from moe8.finetune.model import config_from, peft_lora
-    from moe8.finetune.train import lr_factor
+    from moe8.finetune.train import lr_factor, master_weights
 
     peaks = Peaks(device)
     config = config_from(cfg.model_config, cfg.num_layers)
@@ -289,7 +296,7 @@ def run_transformers(cfg, data, tok, device, dtype, steps: int = 0) -> dict:
         lc = model.peft_config["default"]
         targets = sorted(lc.target_modules) + (["experts"] if lc.target_parameters else [])
     params = [p for p in model.parameters() if p.requires_grad]
-    master = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
+    master = master_weights(params, cfg)  # moe8 finetune's rule (no masters for lora_dtype adapters)
     opt = torch.optim.AdamW(
         [
             {"params": [m for m in master if m.ndim >= 2], "weight_decay": cfg.weight_decay},

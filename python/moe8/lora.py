@@ -34,22 +34,34 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # where PEFT puts the transformers model in its keys
 
 
-def _lora_dtype(w: Tensor) -> torch.dtype:
-    """LoRA parameters stay in fp32 under a 16-bit model (as PEFT keeps them); they are cast per use."""
+def _lora_dtype(w: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The adapters' dtype: `dtype` when given, else fp32 under a 16-bit model (as PEFT keeps them by default)
+    and the weight's own otherwise. Adapters in another dtype than the model's are cast per use."""
+    if dtype is not None:
+        return dtype
     return torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and dtype not in _c.FLOATS:
+        names = ", ".join(str(d) for d in _c.FLOATS)
+        got = dtype if isinstance(dtype, torch.dtype) else f"{type(dtype).__name__} {dtype!r}"
+        raise TypeError(f"dtype: expected None or one of {names}, got {got}")
 
 
 class LoraLinear(nn.Linear):
     """An nn.Linear with a low-rank update. It shares the base layer's weight and bias, so their state_dict
     keys stay the same; adds lora_A [r, in] (kaiming-uniform) and lora_B [out, r] (zeros: no change yet).
     The base GEMM runs in FP8 when the base layer was a moe8 Float8Linear (its recipe) or its weight is stored
-    in FP8 only (freeze_base_fp8); the adapters stay in their own dtype."""
+    in FP8 only (freeze_base_fp8); the adapters stay in their own dtype (dtype: see _lora_dtype)."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+    def __init__(
+        self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None
+    ):
         super().__init__(base.in_features, base.out_features, bias=False, device="meta")
         self.weight, self.bias = base.weight, base.bias
         self.fp8_recipe = getattr(base, "fp8_recipe", None)
-        f = dict(dtype=_lora_dtype(base.weight), device=base.weight.device)
+        f = dict(dtype=_lora_dtype(base.weight, dtype), device=base.weight.device)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **f))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **f))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
@@ -109,13 +121,13 @@ def _needs_moe8(experts: nn.Module, args) -> None:
 _needs_moe8.replay_safe = True  # a check without effects: moe8.graphs may replay the layer without it
 
 
-def _attach_experts(experts: nn.Module, r: int, alpha: float, dropout: float) -> None:
+def _attach_experts(experts: nn.Module, r: int, alpha: float, dropout: float, dtype=None) -> None:
     # GPT-OSS: gate_up [E, H, 2I], down [E, I, H] ("kn"); the others gate_up [E, 2I, H], down [E, H, I]
     kn = experts.is_transposed
     for name in ("gate_up", "down"):
         w = getattr(experts, f"{name}_proj")
         E, n, kd = (w.shape[0], w.shape[2], w.shape[1]) if kn else tuple(w.shape)
-        f = dict(dtype=_lora_dtype(w), device=w.device)
+        f = dict(dtype=_lora_dtype(w, dtype), device=w.device)
         bound = kd**-0.5  # kaiming-uniform(a=sqrt(5)) of each expert's A, as nn.Linear / PEFT
         A = torch.empty((E, kd, r) if kn else (E, r, kd), **f).uniform_(-bound, bound)
         B = torch.zeros((E, r, n) if kn else (E, n, r), **f)
@@ -126,7 +138,12 @@ def _attach_experts(experts: nn.Module, r: int, alpha: float, dropout: float) ->
 
 
 def apply_lora(
-    model: nn.Module, r: int = 16, alpha: float = 32, targets=TARGETS, dropout: float = 0.0
+    model: nn.Module,
+    r: int = 16,
+    alpha: float = 32,
+    targets=TARGETS,
+    dropout: float = 0.0,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Freeze every parameter of a transformers model and add LoRA (rank r, scaling alpha / r); returns it.
 
@@ -134,8 +151,12 @@ def apply_lora(
         target_modules rule); "experts" adds expert LoRA to every experts module, which only moe8 runs: the
         model is accelerated here, and a model moe8 can't run raises ValueError.
     dropout: on the LoRA branches' input, in training mode.
+    dtype: of every adapter factor (torch.float32, bfloat16 or float16); None: fp32 under a bf16 / fp16 model
+        (PEFT's default), else the model's dtype. Factors in the model's 16-bit dtype run their GEMMs at the
+        base's speed and hold half the bytes (their gradients and optimizer states too).
     """
     r = _c.integer("r", r, 1)
+    _check_dtype(dtype)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise TypeError(f"alpha: expected a number, got {type(alpha).__name__}")
     if not 0.0 <= float(dropout) < 1.0:
@@ -163,10 +184,10 @@ def apply_lora(
         hit = next((t for t in linear if name == t or name.endswith("." + t)), None)
         if hit is not None and _plain_linear(m):
             parent, _, child = name.rpartition(".")
-            setattr(base.get_submodule(parent), child, LoraLinear(m, r, alpha, dropout))
+            setattr(base.get_submodule(parent), child, LoraLinear(m, r, alpha, dropout, dtype))
             matched.add(hit)
     for _, m in experts:
-        _attach_experts(m, r, alpha, dropout)
+        _attach_experts(m, r, alpha, dropout, dtype)
     if not matched and not experts:
         raise ValueError(
             f"moe8.lora.apply_lora: no nn.Linear and no experts module matches targets {targets}"
@@ -330,10 +351,13 @@ def save_adapter(model: nn.Module, out_dir) -> None:
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
 
 
-def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Module:
+def load_adapter(
+    model: nn.Module, path, dropout: float | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
     """Load a PEFT LoRA adapter (from save_adapter, or saved by PEFT with target_modules and, for the
     experts, target_parameters on both gate_up_proj and down_proj) into a transformers model; applies LoRA
-    first when the model has none. dropout: overrides the file's lora_dropout. Returns the model."""
+    first when the model has none. dropout: overrides the file's lora_dropout; dtype: the factors' dtype when
+    LoRA is applied here (apply_lora's; the file's values are cast to the factors' dtype). Returns the model."""
     from safetensors.torch import load_file
 
     base, path = _base(model), Path(path)
@@ -355,7 +379,8 @@ def load_adapter(model: nn.Module, path, dropout: float | None = None) -> nn.Mod
     r, alpha = config["r"], config["lora_alpha"]
     if not hasattr(base, "_moe8_lora"):
         targets = list(modules) + (["experts"] if config.get("target_parameters") else [])
-        apply_lora(base, r, alpha, targets, config.get("lora_dropout", 0.0) if dropout is None else dropout)
+        drop = config.get("lora_dropout", 0.0) if dropout is None else dropout
+        apply_lora(base, r, alpha, targets, drop, dtype)
     elif (base._moe8_lora["r"], base._moe8_lora["alpha"]) != (r, alpha):
         raise ValueError(
             f"moe8.lora.load_adapter: the adapter has r={r}, alpha={alpha}; the model's LoRA has "

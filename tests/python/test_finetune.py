@@ -169,6 +169,40 @@ def test_cuda_graphs_key_and_flag(tmp_path, capsys):
         validate(Config(cuda_graphs="yes"))
 
 
+def test_lora_dtype_key_and_flag(tmp_path, capsys):
+    """lora_dtype is "auto" (the default), float32, bfloat16 or float16, in a file and as a flag, printed back as
+    TOML; another value, or one other than "auto" without method lora, is refused naming the key, before
+    anything is written."""
+    assert Config().lora_dtype == "auto" and make_config().lora_dtype == "auto"
+    p = tmp_path / "c.toml"
+    for value in ("auto", "float32", "bfloat16", "float16"):
+        p.write_text(f'method = "lora"\nlora_dtype = "{value}"\n')
+        assert make_config(str(p)).lora_dtype == value
+        flag = "float16" if value == "bfloat16" else "bfloat16"  # the flag overrides the file
+        rc, out = finetune_rc(capsys, [str(p), "--lora-dtype", flag, "--print_config"])
+        assert rc == 0 and f'lora_dtype = "{flag}"' in out.splitlines(), out
+        again = tmp_path / "again.toml"
+        again.write_text(out)
+        assert make_config(str(again)).lora_dtype == flag
+    for argv, message in (
+        (["--method", "lora", "--lora_dtype", "bf16"], "lora_dtype = 'bf16': expected one of ['auto', "),
+        (["--method", "lora", "--lora_dtype", "fp32"], "lora_dtype = 'fp32': expected one of"),
+        (
+            ["--lora_dtype", "bfloat16"],
+            "lora_dtype = 'bfloat16': only with method = 'lora' (method = 'full')",
+        ),
+    ):
+        out_dir = tmp_path / "out"
+        rc, text = finetune_rc(capsys, [*argv, "--output_dir", str(out_dir)])
+        assert rc == 2 and message in text, text
+        assert not out_dir.exists()
+    with pytest.raises(FinetuneError, match=r"lora_dtype = 'float64': expected one of"):
+        validate(Config(method="lora", lora_dtype="float64"))
+    p.write_text('adapter_dtype = "bfloat16"\n')  # another trainer's name for it
+    with pytest.raises(FinetuneError, match=r"adapter_dtype \(did you mean lora_dtype\?\)"):
+        make_config(str(p))
+
+
 def test_cuda_graphs_decision():
     """true: capture or refuse, naming why; auto: capture where true would, else off with one log line; false:
     off, silently."""
@@ -457,6 +491,52 @@ def test_lora_adapter_loads_in_peft(tmp_path, text_file, capsys):
         torch.testing.assert_close(
             loaded(input_ids=x).logits, trainer.model(input_ids=x).logits, rtol=1e-4, atol=1e-4
         )
+
+
+@pytest.mark.filterwarnings("ignore:Unsupported layer type")  # PEFT on the fused experts' target_parameters
+def test_lora_bf16_adapters_run_save_and_load_back(tmp_path, text_file, capsys):
+    """lora_dtype bfloat16 on the CPU (an fp32 model): every adapter, its gradient and its AdamW states in bf16
+    (no fp32 master copies), the loss goes down, the adapter is written in bf16 and loads back (moe8 and PEFT)
+    with the trained model's logits; --no-moe8 gives PEFT's adapters the same dtype."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from moe8.lora import load_adapter
+
+    out = tmp_path / "lora"
+    small = dict(steps=8, micro_batch=2, seq_len=32, progress=False, lora_r=4, eval_every=0, device="cpu")
+    small.update(data=str(text_file), method="lora", lora_dtype="bfloat16", log_every=1, lr=1e-2)
+    trainer = run(make_config(overrides=dict(small, output_dir=str(out))), log=lambda *a: None)
+    trained = dict(zip(trainer.names, trainer.params))
+    assert trained and all(p.dtype == torch.bfloat16 for p in trained.values())
+    assert all(
+        m is p for m, p in zip(trainer.master, trainer.params)
+    )  # AdamW updates the adapters themselves
+    states = [t for st in trainer.opt.state.values() for k, t in st.items() if k != "step"]
+    assert states and all(t.dtype == torch.bfloat16 for t in states)
+    steps = [loss for _, loss, _ in losses(out) if loss is not None]
+    assert len(steps) == 8 and max(steps[-3:]) < steps[0] - 0.1, steps
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert saved and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    x = trainer.data.eval[0][:2].long()
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model(input_ids=x).logits
+    back = load_adapter(AutoModelForCausalLM.from_pretrained(out / "base_model"), out, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, want, rtol=0, atol=0)
+    peft = pytest.importorskip("peft", minversion="0.17", reason="expert LoRA adapters need peft>=0.17")
+    from moe8 import hf
+
+    hf.disable()
+    baseline = tmp_path / "peft"
+    cfg = make_config(overrides=dict(small, steps=2, moe8=False, output_dir=str(baseline)))
+    peft_trainer = run(cfg, log=lambda *a: None)
+    assert isinstance(peft_trainer.model, peft.PeftModel)
+    assert {p.dtype for p in peft_trainer.params} == {torch.bfloat16}
+    assert {t.dtype for t in load_file(str(baseline / "adapter_model.safetensors")).values()} == {
+        torch.bfloat16
+    }
 
 
 @pytest.mark.skipif(not HAS_LORA, reason="moe8.lora is not there yet")

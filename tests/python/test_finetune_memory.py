@@ -102,6 +102,11 @@ CASES = [
     dict(method="lora", dtype="fp32"),
     dict(method="lora", dtype="bf16"),
     dict(method="lora", dtype="bf16", fp8="blockwise"),  # LoRA over FP8 bases
+    # adapters in bf16: factors, gradients and AdamW states at 2 bytes, no master copies
+    dict(method="lora", dtype="bf16", lora_dtype="bfloat16"),
+    dict(method="lora", dtype="fp32", lora_dtype="bfloat16"),
+    dict(method="lora", dtype="bf16", fp8="blockwise", lora_dtype="bfloat16"),
+    dict(method="lora", dtype="bf16", lora_dtype="float32"),
 ]
 
 
@@ -112,8 +117,8 @@ def test_estimate_parts_equal_the_bytes_a_run_holds(tmp_path, text_file, kw):
     assert b["weights"] == s["weights"] == got["weights"]
     assert b["master"] == s["master"] == got["master"]
     assert (got["master"] > 0) == (kw == dict(method="full", dtype="bf16"))  # only full bf16 has masters
-    assert b["grads"] == got["grads"]  # the backward's: the parameters' dtype (LoRA's fp32 adapters)
-    assert s["grads"] == got["step_grads"]  # the step's: fp32
+    assert b["grads"] == got["grads"]  # the backward's: the parameters' dtype (LoRA: the adapters')
+    assert s["grads"] == got["step_grads"]  # the step's: fp32 (bf16 adapters: their own)
     assert b["adamw"] == s["adamw"] == got["adamw"]
     assert b["loss_grads"] == got["loss_grads"] and s["loss_grads"] == 0
     # LoRA over FP8 bases: one frozen weight dequantised at a time for the input gradient, the largest

@@ -111,10 +111,10 @@ def test_experts_lora_bad_shapes():
 
 
 # ------------------------------------------------------------------------------------------ HF models
-def lora_model(family, r=4, seed=0):
-    """(plain HF model, the same weights with random moe8 LoRA: every B nonzero)."""
+def lora_model(family, r=4, seed=0, dtype=None):
+    """(plain HF model, the same weights with random moe8 LoRA: every B nonzero; dtype: apply_lora's)."""
     plain = build(family, seed)
-    model = apply_lora(twin(plain, accelerate=False), r=r, alpha=2 * r, targets=targets(family))
+    model = apply_lora(twin(plain, accelerate=False), r=r, alpha=2 * r, targets=targets(family), dtype=dtype)
     torch.manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -307,3 +307,96 @@ def test_bf16_model_keeps_fp32_lora():
     assert all(
         p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad
     )
+
+
+LORA_NAMES = {"lora_A", "lora_B", "gate_up_lora_A", "gate_up_lora_B", "down_lora_A", "down_lora_B"}
+
+
+def adapters(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    "model_dtype, dtype, want",
+    [
+        (torch.float32, None, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16, torch.float16),
+    ],
+)
+def test_adapter_dtype_of_every_factor(model_dtype, dtype, want):
+    """dtype: every factor, attention and experts, in it (None: fp32 here, as before); the base untouched."""
+    plain = build("qwen3_moe").to(model_dtype)
+    model = apply_lora(twin(plain, accelerate=False), r=4, dtype=dtype)
+    lora = adapters(model)
+    assert {n.rsplit(".", 1)[-1] for n in lora} == LORA_NAMES
+    assert all(p.dtype == want for p in lora.values()), {n: p.dtype for n, p in lora.items()}
+    assert all(p.dtype == model_dtype for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_adapters_match_fp32_ones_and_train(model_dtype):
+    """bf16 factors give the logits of fp32 factors holding the same values (to bf16 rounding of the attention
+    LoRA's GEMMs), bf16 gradients, and AdamW on them (bf16 states, no master copies) lowers the loss."""
+    plain = build("qwen3_moe").to(model_dtype)
+    model = apply_lora(twin(plain, accelerate=False), r=4, alpha=8, dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapters(model).items():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ref = apply_lora(twin(plain, accelerate=False), r=4, alpha=8, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in adapters(ref).items():
+            p.copy_(adapters(model)[name])
+    ids = tokens(seq=24)
+    want = logits(ref, ids).float()
+    tol = 1e-2 if model_dtype == torch.float32 else 6e-2  # a bf16 model: its own rounding, two layers deep
+    assert rel(logits(model, ids).float(), want) < tol
+    assert rel(logits(plain, ids).float(), want) > 10 * tol  # the adapters matter at that tolerance
+    opt = torch.optim.AdamW(list(adapters(model).values()), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in adapters(model).values())
+        opt.step()
+        losses.append(loss.item())
+    assert all(s.dtype == torch.bfloat16 for st in opt.state.values() for s in st.values() if s.dim())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("bad", ["bf16", "bfloat16", torch.float64, torch.int32, 16])
+def test_bad_adapter_dtype_is_refused_before_any_change(bad):
+    model = twin(build("qwen3_moe"), accelerate=False)
+    with pytest.raises(TypeError, match=r"dtype: expected None or one of torch\.float32, .*, got "):
+        apply_lora(model, dtype=bad)
+    assert not hasattr(model, "_moe8_lora") and not hf.is_accelerated(model)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_bf16_adapter_saves_loads_and_peft_loads_it(tmp_path):
+    """A bf16 adapter is written in bf16; load_adapter(dtype=bf16) restores it bitwise, load_adapter's default
+    (fp32 factors) and PEFT both read the same values: their logits agree."""
+    from safetensors.torch import load_file
+
+    plain, model = lora_model("qwen3_moe", dtype=torch.bfloat16)
+    save_adapter(model, tmp_path)
+    assert {t.dtype for t in load_file(str(tmp_path / "adapter_model.safetensors")).values()} == {
+        torch.bfloat16
+    }
+    again = load_adapter(twin(plain, accelerate=False), tmp_path, dtype=torch.bfloat16)
+    assert all(torch.equal(p, adapters(model)[n]) for n, p in adapters(again).items())
+    ids = tokens()
+    assert rel(logits(again, ids), logits(model, ids)) == 0
+    fp32 = load_adapter(twin(plain, accelerate=False), tmp_path)
+    assert all(p.dtype == torch.float32 for p in adapters(fp32).values())
+    expected = logits(fp32, ids)
+    assert rel(logits(model, ids), expected) < 1e-2
+    peft = pytest.importorskip("peft", minversion="0.17", reason="LoRA target_parameters needs peft>=0.17")
+    hf.disable()
+    loaded = peft.PeftModel.from_pretrained(twin(plain, accelerate=False), tmp_path)
+    assert rel(logits(loaded, ids), expected) < TOL

@@ -63,6 +63,29 @@ def test_every_recipe_parses_and_fits_its_gpus():
         assert experts % ep == 0, f"{name}: {experts} experts over ep {ep}"
 
 
+def test_qwen3_30b_lora_recipe_has_bf16_adapters_and_no_other_recipe_sets_them():
+    """The Qwen3-30B-A3B LoRA recipe trains bf16 adapters (their GEMMs at the base's speed, half the bytes of
+    fp32 ones), which its memory estimate counts; every other recipe keeps the default."""
+    import dataclasses
+
+    for path in RECIPES.glob("*.toml"):
+        table = tomllib.loads(path.read_text())
+        want = "bfloat16" if path.stem == "qwen3_30b_a3b_lora" else None
+        assert table.get("lora_dtype") == want, path.stem
+    cfg = make_config(str(RECIPES / "qwen3_30b_a3b_lora.toml"))
+    config = config_from(str(RECIPES / "configs" / "qwen3_30b_a3b.json"))
+    counts = memory.count_params(config, cfg)
+    bf16 = memory.estimate(config, cfg, counts, torch.bfloat16)
+    fp32 = memory.estimate(config, dataclasses.replace(cfg, lora_dtype="auto"), counts, torch.bfloat16)
+    T = (
+        counts.lora
+    )  # 642.5M adapter parameters: 16 bytes each in fp32 (factor, gradient, two states), 8 in bf16
+    assert fp32.step["weights"] - bf16.step["weights"] == 2 * T
+    assert (fp32.step["adamw"], fp32.step["grads"]) == (8 * T, 4 * T)
+    assert (bf16.step["adamw"], bf16.step["grads"], bf16.step["master"]) == (4 * T, 2 * T, 0)
+    assert fp32.total - bf16.total > 4.5 * 2**30
+
+
 def test_bench_tiny_both_sides_train_alike(tmp_path):
     """gpt-oss LoRA (aux-loss weight 0.9, PEFT) and OLMoE full fine-tuning through both sides: the same losses
     from the first step on (the same init, data, objective and lr schedule), each side's own settings alike."""
@@ -98,6 +121,26 @@ def test_bench_tiny_both_sides_train_alike(tmp_path):
         # full fine-tuning stays equal to rounding; LoRA's A factors are drawn differently by moe8.lora and PEFT
         tol = 1e-4 if r["method"] == "full" else 1e-2
         assert a["losses"] == pytest.approx(t["losses"], abs=tol), name
+
+
+def test_bench_tiny_bf16_adapters_on_both_sides(tmp_path):
+    """The Qwen3-30B-A3B LoRA recipe (lora_dtype bfloat16) through both sides: moe8's and PEFT's adapters and
+    AdamW's tensors in bf16, so the settings agree; fp32 adapters on one side show up in settings_differ."""
+    b = bench()
+    name = "qwen3_30b_a3b_lora"
+    assert b.main(["--tiny", "--out", str(tmp_path), "--recipes", name]) == 0
+    r = json.loads((tmp_path / "recipes.json").read_text())["recipes"][name]
+    a, t = r["moe8"], r["transformers"]
+    assert r["settings_differ"] == [] and a["settings"] == t["settings"]
+    assert a["settings"]["adapter_dtype"] == a["settings"]["optimizer_dtype"] == "bfloat16"
+    assert a["losses"][0] == pytest.approx(t["losses"][0], rel=1e-5)  # B = 0: the base's loss on both sides
+    assert all(4 < x < 7 for x in a["losses"] + t["losses"])
+    cfg = make_config(str(RECIPES / f"{name}.toml"))
+    model = torch.nn.Linear(4, 4)
+    fp32 = b.settings(cfg, torch.optim.AdamW(model.parameters()), model, 0.0, ["q_proj"])
+    model.bfloat16()
+    bf16 = b.settings(cfg, torch.optim.AdamW(model.parameters()), model, 0.0, ["q_proj"])
+    assert {k for k in fp32 if fp32[k] != bf16[k]} == {"adapter_dtype", "optimizer_dtype", "dtype"}
 
 
 def test_bench_tiny_order_of_sides_changes_nothing(tmp_path):

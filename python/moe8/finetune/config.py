@@ -103,6 +103,12 @@ class Config:
         [],
         "layers LoRA adapts (comma-separated on the command line); empty: q_proj,k_proj,v_proj,o_proj,experts",
     )
+    lora_dtype: str = _key(
+        "auto",
+        "the LoRA adapters' dtype, and so their gradients' and AdamW states': auto (fp32 under a 16-bit model, "
+        "as PEFT keeps them), float32, bfloat16 or float16 (the adapters' GEMMs at the 16-bit base's speed, "
+        "half the bytes, no fp32 master copies; float16 has no loss scaling); method lora only",
+    )
     steps: int = _key(200, "optimizer steps")
     epochs: float = _key(0.0, "when > 0: train this many passes over the training split (sets steps)")
     run_steps: int = _key(
@@ -206,6 +212,8 @@ class Config:
 
 
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
+# lora_dtype's values: "auto" or the name of a torch dtype (moe8.finetune.model.adapter_dtype)
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 BOOL_OR_AUTO = Union[bool, str]  # the type of a key that is true, false or "auto"
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES = typing.get_type_hints(Config)
@@ -258,6 +266,7 @@ ALIASES = {
     "min_lr_ratio": "min_lr min_lr_rate final_lr_ratio",
     "lora_r": "lora_rank rank r",
     "lora_targets": "target_modules lora_target_modules lora_target_linear",
+    "lora_dtype": "adapter_dtype autocast_adapter_dtype",
     "activation_checkpointing": "gradient_checkpointing checkpointing recompute",
     "output_dir": "output out_dir output_path save_dir",
     "data": "dataset datasets train_file train_data dataset_name data_path train_dataset data_files",
@@ -362,6 +371,7 @@ def validate(cfg: Config) -> None:
         ("format", ("auto", "text", "messages", "alpaca", "sharegpt")),
         ("fp8", ("none", "blockwise", "rowwise", "tensorwise", "auto")),
         ("transport", ("auto", "nccl", "ipc")),
+        ("lora_dtype", LORA_DTYPES),
     ):
         need(
             getattr(cfg, name) in choices, f"{name} = {getattr(cfg, name)!r}: expected one of {list(choices)}"
@@ -408,6 +418,10 @@ def validate(cfg: Config) -> None:
     bad = sorted(set(cfg.report_to) - set(REPORT_TO))
     need(not bad, f"report_to = {cfg.report_to}: unknown {bad}; expected some of {list(REPORT_TO)}")
     need(cfg.num_layers == 0 or bool(cfg.model_config), "num_layers: only with model_config")
+    need(
+        cfg.lora_dtype == "auto" or cfg.method == "lora",
+        f"lora_dtype = {cfg.lora_dtype!r}: only with method = 'lora' (method = {cfg.method!r})",
+    )
     need(not (cfg.resume and cfg.overwrite), "resume and overwrite exclude each other")
     need(not cfg.resume or bool(cfg.output_dir), "resume: name the run to continue with output_dir")
     need(cfg.fp8 == "none" or cfg.moe8, f"fp8 = {cfg.fp8!r}: FP8 experts run on moe8; drop --no-moe8")

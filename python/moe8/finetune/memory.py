@@ -1,13 +1,14 @@
 """The peak GPU memory of a `moe8 finetune` run, estimated from the config alone before any weight is loaded
 (parameters counted on the meta device), and the check that refuses a run that cannot fit.
 
-Per GPU, in bytes (w: 2 for bf16, 4 for fp32; T: trainable parameters held by the GPU; tokens = micro_batch x
+Per GPU, in bytes (w: 2 for bf16, 4 for fp32; a: the LoRA adapters' bytes, 4 for lora_dtype "auto" and
+"float32", 2 for "bfloat16" and "float16"; T: trainable parameters held by the GPU; tokens = micro_batch x
 seq_len), the larger of the backward peak and the optimizer-step peak:
-  weights      (dense + experts / ep) x w; LoRA with fp8 = "blockwise" holds the weights it adapts in FP8 only
-               (a byte each, an fp32 scale per 128 x 128 block) instead
-  master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates)
-  adamw        T x 8 (exp_avg, exp_avg_sq in fp32)
-  grads        backward: T x w (full) or T x 4 (LoRA, fp32 adapters); step: T x 4 (fp32)
+  weights      (dense + experts / ep) x w (+ T x a with LoRA); LoRA with fp8 = "blockwise" holds the weights it
+               adapts in FP8 only (a byte each, an fp32 scale per 128 x 128 block) instead
+  master       full fine-tuning in bf16: T x 4 (fp32 copies the optimizer updates); LoRA adapters have none
+  adamw        T x 8 (exp_avg, exp_avg_sq in fp32); LoRA: T x 2a (the states in the adapters' dtype)
+  grads        backward: T x w (full) or T x a (LoRA); step: T x 4 (fp32; LoRA: T x a)
   activations  backward only: tokens x layers x per-token-per-layer bytes (see per_token_layer; eager
                attention adds its saved S x S probabilities, see attention_scores), or with
                activation checkpointing tokens x layers x hidden x w + one layer's tokens x per-layer bytes
@@ -104,6 +105,12 @@ def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple, tuple]:
     return n, tuple(base[:3]), tuple(experts[:3]), (base[3], experts[3])
 
 
+def adapter_bytes(cfg: Config) -> int:
+    """Bytes of one LoRA adapter element (and of its gradient, and of each of its AdamW states): fp32 for
+    lora_dtype "auto" (apply_lora's fp32 under a 16-bit model, the model's fp32 otherwise) and "float32"."""
+    return 2 if cfg.lora_dtype in ("bfloat16", "float16") else 4
+
+
 def eager_attention(config) -> bool:
     """Whether transformers runs this model's attention eagerly (S x S scores in memory): when the config
     says so, or when its CausalLM class has no SDPA path (GPT-OSS: its sinks) and so falls back to eager."""
@@ -177,8 +184,9 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     ep = max(1, cfg.ep)
     held = counts.total - counts.experts + counts.experts // ep
     lora = cfg.method == "lora"
+    a = adapter_bytes(cfg)
     T = counts.lora if lora else held
-    weights = held * w + (counts.lora * 4 if lora else 0)
+    weights = held * w + (counts.lora * a if lora else 0)
     fp8_transient = 0
     if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
@@ -188,8 +196,8 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
         largest_linear, largest_experts = counts.lora_base_largest
         fp8_transient = max(largest_linear, largest_experts // ep) * w
     master = T * 4 if (not lora and w == 2) else 0
-    adamw = T * 8
-    grads_bwd, grads_step = T * (4 if lora else w), T * 4
+    adamw = T * 2 * a if lora else T * 8
+    grads_bwd, grads_step = (T * a, T * a) if lora else (T * w, T * 4)
     tokens = cfg.micro_batch * cfg.seq_len
     L = config.num_hidden_layers
     per = per_token_layer(config, w)

@@ -215,7 +215,12 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
 
         try:
             model = apply_lora(
-                model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=targets, dropout=cfg.lora_dropout
+                model,
+                r=cfg.lora_r,
+                alpha=cfg.lora_alpha,
+                targets=targets,
+                dropout=cfg.lora_dropout,
+                dtype=adapter_dtype(cfg),
             )
         except ValueError as e:
             raise FinetuneError(f"lora: {e}") from None
@@ -223,14 +228,21 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             from moe8.lora import freeze_base_fp8
 
             n = freeze_base_fp8(model, cfg.fp8)  # LoRA over FP8 base weights: the bf16 copies freed
+            adapters = {p.dtype for p in model.parameters() if p.requires_grad}
             log(
-                f"lora: {n} frozen base weights held in FP8 (blockwise) only, the adapters in {dtype_name(dtype)}"
+                f"lora: {n} frozen base weights held in FP8 (blockwise) only, the adapters in "
+                f"{', '.join(sorted(dtype_name(d) for d in adapters))}"
             )
     return model, coef
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def adapter_dtype(cfg: Config) -> torch.dtype | None:
+    """lora_dtype as moe8.lora.apply_lora's dtype: None for "auto" (fp32 under a 16-bit model)."""
+    return None if cfg.lora_dtype == "auto" else getattr(torch, cfg.lora_dtype)
 
 
 def check_weights(path: Path) -> None:
@@ -305,7 +317,9 @@ def lora_targets(model, cfg: Config, log=None) -> list[str]:
 def peft_lora(model, cfg: Config, targets: list[str] | None = None):
     """--method lora --no-moe8: the same LoRA through PEFT (target_modules for the attention projections,
     target_parameters for the fused experts: W + s·B·A formed per forward), the baseline moe8 is compared to.
-    targets: lora_targets(model, cfg) when not given."""
+    The adapters in lora_dtype: "auto" and "float32" are PEFT's default (fp32 under a 16-bit model); a 16-bit
+    one keeps PEFT from casting them to fp32 (autocast_adapter_dtype=False) and casts them to it where the
+    model's dtype differs. targets: lora_targets(model, cfg) when not given."""
     if targets is None:
         targets = lora_targets(model, cfg)
     try:
@@ -324,7 +338,14 @@ def peft_lora(model, cfg: Config, targets: list[str] | None = None):
         else None,
         bias="none",
     )
-    return peft.get_peft_model(model, config)
+    dtype = adapter_dtype(cfg)
+    if dtype in (None, torch.float32):
+        return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)  # adapters in the model's dtype
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def active_params(model) -> tuple[int, int]:

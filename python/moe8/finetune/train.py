@@ -120,6 +120,16 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def master_weights(params, cfg: Config) -> list:
+    """What AdamW updates for each trainable parameter: an fp32 master copy of a 16-bit weight (AdamW updates
+    below bf16's resolution would be lost), copied back after each step, the fp32 ones themselves; LoRA
+    adapters in an explicit lora_dtype train in it, their AdamW states too (PEFT's autocast_adapter_dtype=False
+    under transformers' Trainer)."""
+    if cfg.method == "lora" and cfg.lora_dtype != "auto":
+        return list(params)
+    return [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
+
+
 def adamw(groups: list[dict], lr: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW; on a GPU torch's fused kernel (as transformers' Trainer picks it): the default foreach one holds an
     fp32 temporary per parameter (the sqrt of exp_avg_sq, a whole param group at once) through the step, which
@@ -179,10 +189,7 @@ class Trainer:
             self.graphed = cuda_graphs.capture(self.model, cfg, self.log)
         self.dist.barrier()  # every rank checked its input before rank 0 writes
         self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
-        # 16-bit weights train through fp32 master copies: AdamW updates below bf16's resolution would be lost
-        self.master = [
-            p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params
-        ]
+        self.master = master_weights(self.params, cfg)
         self.peak = peak_flops(cfg, self.device)
         lr = cfg.lr or (
             3e-3
