@@ -1,6 +1,8 @@
 // test_grouped_gemm.cpp — api::grouped_gemm (c[r] = a[r] op(b[e]) + bias[e] per group, rows past
-// offsets[E] zeroed) and api::grouped_gemm_wgrad (db[e], dbias[e] over each group's rows) on the CPU,
-// both weight layouts, against float64 loops on ragged groups: empty experts, one row, skew, padding.
+// offsets[E] zeroed), api::grouped_gemm_wgrad (db[e], dbias[e] over each group's rows) and
+// api::grouped_lowrank_add (h + t·op(b[e]) per group, h elsewhere) on the CPU, both weight layouts, against
+// float64 loops on ragged groups: empty experts, one row, skew, padding, rows in no group.
+#include "cpu/ops.h"
 #include "test_ref.h"
 
 namespace moe8::test {
@@ -185,6 +187,84 @@ TEST(GroupedGemm, WgradIsAdjointOfForward) {
     for (int64_t i = 0; i < in.b.numel(); ++i) rhs += o.db.get(i) * in.b.get(i);
     EXPECT_NEAR(lhs, rhs, 1e-5 * scale + 1e-6);
   }
+}
+
+struct LowrankCase {
+  const char* name;
+  std::vector<int> sizes;  // rows per expert (E = sizes.size())
+  int lead;                // rows before offsets[0], in no group
+  int64_t tail;            // rows past offsets[E], in no group
+  int64_t N;
+  int rank;
+};
+
+std::vector<LowrankCase> lowrank_cases() {
+  return {
+      {"ragged_empty_expert", {5, 0, 13, 1}, 0, 3, 13, 7},
+      {"single_row", {1}, 0, 0, 8, 1},
+      {"single_row_in_no_group", {0, 0}, 1, 0, 8, 16},
+      {"no_rows", {0, 0}, 0, 0, 5, 4},
+      {"rows_before_and_after", {4, 9, 0}, 3, 2, 24, 16},
+      {"all_in_no_group", {0, 0, 0}, 2, 6, 9, 3},
+      {"rank17", {33, 0, 17, 2}, 1, 1, 40, 17},
+      {"rank32", {40, 23}, 0, 5, 72, 32},
+  };
+}
+
+struct LowrankInputs {
+  std::vector<int> offsets;
+  HostTensor h, t, b;
+};
+
+LowrankInputs lowrank_inputs(const LowrankCase& c, DType dt, WeightLayout layout, Rng& rng) {
+  LowrankInputs in;
+  in.offsets = offsets_from_sizes(c.sizes);
+  for (int& o : in.offsets) o += c.lead;
+  const int64_t R = in.offsets.back() + c.tail, E = static_cast<int64_t>(c.sizes.size());
+  in.h = random_tensor(dt, {R, c.N}, rng);
+  in.t = random_tensor(dt, {R, c.rank}, rng);
+  in.b = random_tensor(dt, layout == WeightLayout::kNK ? Shape{E, c.N, c.rank} : Shape{E, c.rank, c.N}, rng);
+  return in;
+}
+
+HostTensor run_lowrank(const LowrankInputs& in, WeightLayout layout) {
+  HostTensor out(in.h.dtype(), in.h.shape());
+  out.poison();
+  HostTensor off = ints({static_cast<int64_t>(in.offsets.size())}, in.offsets);
+  // The API refuses offsets[0] > 0 on the CPU; the op it calls defines it: the rows before it are in no group.
+  if (in.offsets[0] == 0)
+    api::grouped_lowrank_add(in.h.view(), in.t.view(), in.b.view(), off.view(), layout, out.view(), 0);
+  else
+    cpu::grouped_lowrank_add(in.h.view(), in.t.view(), in.b.view(), off.view(), layout, out.view());
+  return out;
+}
+
+// Rows in no group are h's values, not h plus a rounded zero sum.
+::testing::AssertionResult rows_in_no_group_are_h(const HostTensor& out, const LowrankInputs& in) {
+  const int64_t R = in.h.shape()[0], N = in.h.shape()[1];
+  for (int64_t r = 0; r < R; ++r) {
+    if (expert_of_row(in.offsets, r) >= 0) continue;
+    for (int64_t n = 0; n < N; ++n)
+      if (out.get(r * N + n) != in.h.get(r * N + n))
+        return ::testing::AssertionFailure() << "row " << r << " (in no group), column " << n << ": "
+                                             << out.get(r * N + n) << " != h " << in.h.get(r * N + n);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(GroupedGemm, LowrankAddMatchesReference) {
+  uint64_t seed = 900;
+  for (const LowrankCase& lc : lowrank_cases())
+    for (DType dt : kFloatTypes)
+      for (WeightLayout layout : kLayouts) {
+        SCOPED_TRACE(std::string(lc.name) + " " + name_of(dt) + " " + layout_name(layout));
+        Rng rng(++seed);
+        LowrankInputs in = lowrank_inputs(lc, dt, layout, rng);
+        HostTensor out = run_lowrank(in, layout);
+        EXPECT_TRUE(close_to(out, lowrank_ref(in.h, in.t, in.b, in.offsets, layout), "out"));
+        EXPECT_TRUE(rows_in_no_group_are_h(out, in));
+        EXPECT_TRUE(out.bitwise_equal(run_lowrank(in, layout))) << "two calls differ";
+      }
 }
 
 }  // namespace

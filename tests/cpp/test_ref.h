@@ -331,6 +331,33 @@ inline Expect gemm_ref(const HostTensor& a, const HostTensor& b, const std::vect
   return c;
 }
 
+// out[r] = h[r] + t[r] · op(b[e]) for the rows of group e, h[r] for rows in no group (before offsets[0] or at and
+// after offsets[E]); mag: |h| plus the sum of |terms|, what the fp32 sum's error scales with.
+inline Expect lowrank_ref(const HostTensor& h, const HostTensor& t, const HostTensor& b,
+                          const std::vector<int>& offsets, WeightLayout layout) {
+  const int64_t R = h.shape()[0], N = h.shape()[1], rank = t.shape()[1];
+  Expect o;
+  o.comp_rel = fp32_rel(rank + 1);
+  const std::vector<double> hv = h.values(), tv = t.values(), bv = b.values();
+  o.want.reserve(hv.size());
+  o.mag.reserve(hv.size());
+  for (int64_t r = 0; r < R; ++r) {
+    const int e = expert_of_row(offsets, r);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = hv[r * N + n], m = std::fabs(s);
+      for (int64_t k = 0; e >= 0 && k < rank; ++k) {
+        const int64_t bi = layout == WeightLayout::kNK ? (e * N + n) * rank + k : (e * rank + k) * N + n;
+        const double term = tv[r * rank + k] * bv[bi];
+        s += term;
+        m += std::fabs(term);
+      }
+      o.want.push_back(s);
+      o.mag.push_back(m);
+    }
+  }
+  return o;
+}
+
 struct WgradRef {
   Expect db, dbias;
 };
