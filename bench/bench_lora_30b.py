@@ -237,8 +237,9 @@ def add_moe8(model, args, fp8=None):
         model,
         fp8=fp8 or "none",
         fuse_router="router" in fuse,
-        fuse_norm="norm" in fuse or "norm_moe8" in fuse,
-        norm_kernel="moe8" if "norm_moe8" in fuse else "torch",  # the fused norms on moe8.ops.rms_norm
+        fuse_norm=bool(fuse & {"norm", "norm_moe8", "norm_torch"}),
+        # the fused norms on moe8.ops.rms_norm (norm_moe8), on torch's (norm_torch), or as the Config's "auto" picks
+        norm_kernel="moe8" if "norm_moe8" in fuse else "torch" if "norm_torch" in fuse else "auto",
         fuse_rope="rope" in fuse,
         fused_lora_add="lora_add" in fuse,  # the expert LoRA's B projection added in one pass
         consume_gate_up="consume" in fuse,  # the experts' d h written over h
@@ -726,10 +727,11 @@ def main():
     )
     ap.add_argument(
         "--moe8-fuse",
-        default="router,norm,rope,consume",
-        help="what moe8 fuses besides the experts, comma-separated from router, norm, rope, consume "
-        "(moe8.Config.consume_gate_up) (default: these four, as `moe8 finetune`), lora_add "
-        '(moe8.Config.fused_lora_add) and norm_moe8 (the norms fused on moe8.Config.norm_kernel="moe8"), or none',
+        default="router,norm,rope,consume,lora_add",
+        help="what moe8 fuses besides the experts, comma-separated from router, norm (on the Config's "
+        '"auto" norm kernel; norm_moe8 / norm_torch: on moe8.Config.norm_kernel="moe8" / "torch"), rope, consume '
+        "(moe8.Config.consume_gate_up) and lora_add (moe8.Config.fused_lora_add) (default: these five, as "
+        "`moe8 finetune`), or none",
     )
     ap.add_argument(
         "--ce-chunk", type=int, default=1024, help="tokens per logits chunk of moe8's loss (default 1024)"
@@ -751,11 +753,11 @@ def main():
     if args.only:
         child(args)  # its outcome is in its result file, errors included
         return 0
-    known = {"router", "norm", "norm_moe8", "rope", "lora_add", "consume", "none"}
+    known = {"router", "norm", "norm_moe8", "norm_torch", "rope", "lora_add", "consume", "none"}
     bad = sorted(set(args.moe8_fuse.split(",")) - known)
     if bad:
         raise SystemExit(
-            f"--moe8-fuse: unknown {bad}, expected from router, norm, norm_moe8, rope, lora_add, consume, or none"
+            f"--moe8-fuse: unknown {bad}, expected from router, norm, norm_moe8, norm_torch, rope, lora_add, consume, or none"
         )
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))

@@ -17,7 +17,7 @@ from .fp8 import Float8Recipe, _recipe, cache_named
 from .fp8_rules import dense_kinds
 
 TRANSPORTS = ("auto", "nccl", "ipc")
-NORM_KERNELS = ("torch", "moe8")
+NORM_KERNELS = ("auto", "torch", "moe8")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class Config:
         copy of them (the same bits); off by default until that kernel is faster than the gather and the GEMM
         (docs/kernels.md).
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
-        (ops.grouped_lowrank_add); off by default (level with the unfused pair at ranks 16 and 32 on the H200,
-        bench/results/lowrank_h200.md).
+        (ops.grouped_lowrank_add; 1.8-1.9x faster than the GEMM and the add at ranks 16 and 32 on the H200,
+        bench/results/lowrank_h200.md); False runs the two.
     check_ids: range-check the expert ids on the device in the experts' plan (a host sync on CUDA, which also
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
         Off, ids out of range on a GPU join no expert (the kernels skip them: wrong numbers, never a read or
@@ -55,9 +55,10 @@ class Config:
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
     fuse_norm: each RMSNorm as one fused kernel, forward and backward (rounded once in 16-bit).
-    norm_kernel: which kernel the fused RMSNorm runs: "torch" (torch.nn.functional.rms_norm, the default) or
-        "moe8" (moe8.ops.rms_norm: the same semantics, fp32 statistics and one rounding; its weight gradient is
-        summed in a fixed order, the same bits on every run).
+    norm_kernel: which kernel the fused RMSNorm runs: "torch" (torch.nn.functional.rms_norm), "moe8"
+        (moe8.ops.rms_norm: the same semantics, fp32 statistics and one rounding; its weight gradient is summed
+        in a fixed order, the same bits on every run) or "auto" (the default: moe8's where it measured faster,
+        many narrow rows on a GPU such as Qwen3's per-head q_norm, moe8.norm.moe8_norm_pays; else torch's).
     fuse_rope: rotary embeddings with one fused kernel per tensor (process-wide while on: transformers'
         attention looks the function up in its modeling module; moe8.disable() restores it).
     fuse_loss: a causal LM's training loss from its final hidden states, a chunk of rows at a time, without
@@ -100,11 +101,11 @@ class Config:
     consume_gate_up: bool = True
     keep_permuted: bool = False
     gather_in_gemm: bool = False
-    fused_lora_add: bool = False
+    fused_lora_add: bool = True
     check_ids: bool = False
     fuse_router: bool = True
     fuse_norm: bool = True
-    norm_kernel: str = "torch"
+    norm_kernel: str = "auto"
     fuse_rope: bool = True
     fuse_attention: bool = True
     fuse_loss: bool = True

@@ -23,6 +23,16 @@ def _workspace_elems(rows: int, cols: int) -> int:
     return _C.rms_norm_workspace_elems(rows, cols, True)
 
 
+# Config(norm_kernel="auto"): moe8's kernel where it measured faster than torch's on the H200 (bench_rmsnorm,
+# docs/kernels.md): rows at most this wide, at least this many of them.
+AUTO_MAX_COLS, AUTO_MIN_ROWS = 256, 65536
+
+
+def moe8_norm_pays(rows: int, cols: int, on_cuda: bool) -> bool:
+    """Whether norm_kernel="auto" runs moe8.ops.rms_norm on x [rows, cols]: on a GPU, for many narrow rows."""
+    return on_cuda and cols <= AUTO_MAX_COLS and rows >= AUTO_MIN_ROWS
+
+
 def _check(x: Tensor, weight: Tensor, eps: float) -> None:
     _c.tensor("x", x)
     _c.tensor("weight", weight, 1, "[H]")

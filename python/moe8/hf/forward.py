@@ -96,15 +96,22 @@ def router_forward(self, hidden_states):
     return TABLE[self._moe8_config.model_type].route(self, hidden_states)
 
 
+def _moe8_norm_pays(x) -> bool:
+    from moe8.norm import moe8_norm_pays
+
+    return moe8_norm_pays(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.is_cuda)
+
+
 def norm_forward(self, hidden_states):
     """The forward of a family's RMSNorm class while norms are fused (Config.fuse_norm): one fused kernel
     (fp32 statistics, the weight applied in fp32, one rounding) instead of transformers' chain of elementwise
     passes, forward and backward: torch.nn.functional.rms_norm, or moe8.ops.rms_norm with the module's
-    Config(norm_kernel="moe8"). Norms of other models, and inputs whose dtype is not the weight's, run their own
+    Config(norm_kernel="moe8"), or where it pays under "auto". Norms of other models, and inputs whose dtype is not the weight's, run their own
     forward."""
     if not _is_moe8(self) or hidden_states.dtype != self.weight.dtype:
         return type(self)._moe8_forward(self, hidden_states)
-    if module_config(self).norm_kernel == "moe8":
+    kernel = module_config(self).norm_kernel
+    if kernel == "moe8" or kernel == "auto" and _moe8_norm_pays(hidden_states):
         from moe8 import ops
 
         return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
