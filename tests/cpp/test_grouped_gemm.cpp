@@ -211,11 +211,6 @@ std::vector<LowrankCase> lowrank_cases() {
   };
 }
 
-struct LowrankInputs {
-  std::vector<int> offsets;
-  HostTensor h, t, b;
-};
-
 LowrankInputs lowrank_inputs(const LowrankCase& c, DType dt, WeightLayout layout, Rng& rng) {
   LowrankInputs in;
   in.offsets = offsets_from_sizes(c.sizes);
@@ -237,19 +232,6 @@ HostTensor run_lowrank(const LowrankInputs& in, WeightLayout layout) {
   else
     cpu::grouped_lowrank_add(in.h.view(), in.t.view(), in.b.view(), off.view(), layout, out.view());
   return out;
-}
-
-// Rows in no group are h's values, not h plus a rounded zero sum.
-::testing::AssertionResult rows_in_no_group_are_h(const HostTensor& out, const LowrankInputs& in) {
-  const int64_t R = in.h.shape()[0], N = in.h.shape()[1];
-  for (int64_t r = 0; r < R; ++r) {
-    if (expert_of_row(in.offsets, r) >= 0) continue;
-    for (int64_t n = 0; n < N; ++n)
-      if (out.get(r * N + n) != in.h.get(r * N + n))
-        return ::testing::AssertionFailure() << "row " << r << " (in no group), column " << n << ": "
-                                             << out.get(r * N + n) << " != h " << in.h.get(r * N + n);
-  }
-  return ::testing::AssertionSuccess();
 }
 
 TEST(GroupedGemm, LowrankAddMatchesReference) {

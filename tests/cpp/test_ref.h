@@ -301,6 +301,26 @@ inline int expert_of_row(const std::vector<int>& offsets, int64_t r) {
   return -1;  // past offsets[E]
 }
 
+// The inputs of a grouped_lowrank_add case: offsets (rows before offsets[0] and past offsets[E] are in no group),
+// h [R, N], t [R, rank], b (either layout).
+struct LowrankInputs {
+  std::vector<int> offsets;
+  HostTensor h, t, b;
+};
+
+// Rows in no group are h's values, not h plus a rounded zero sum.
+inline ::testing::AssertionResult rows_in_no_group_are_h(const HostTensor& out, const LowrankInputs& in) {
+  const int64_t R = in.h.shape()[0], N = in.h.shape()[1];
+  for (int64_t r = 0; r < R; ++r) {
+    if (expert_of_row(in.offsets, r) >= 0) continue;
+    for (int64_t n = 0; n < N; ++n)
+      if (out.get(r * N + n) != in.h.get(r * N + n))
+        return ::testing::AssertionFailure() << "row " << r << " (in no group), column " << n << ": "
+                                             << out.get(r * N + n) << " != h " << in.h.get(r * N + n);
+  }
+  return ::testing::AssertionSuccess();
+}
+
 inline Expect gemm_ref(const HostTensor& a, const HostTensor& b, const std::vector<int>& offsets, WeightLayout layout,
                        const HostTensor* bias) {
   int64_t R = a.shape()[0], Kd = a.shape()[1];
