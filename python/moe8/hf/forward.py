@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from moe8 import _checks as _c
 from moe8 import experts as _experts
+from moe8 import ops
 from moe8.config import Config
 from moe8.experts import check_experts_args
+from moe8.norm import moe8_norm_pays
 
 from .families import TABLE, experts_spec
 from .registry import registry
@@ -96,24 +98,17 @@ def router_forward(self, hidden_states):
     return TABLE[self._moe8_config.model_type].route(self, hidden_states)
 
 
-def _moe8_norm_pays(x) -> bool:
-    from moe8.norm import moe8_norm_pays
-
-    return moe8_norm_pays(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.is_cuda)
-
-
 def norm_forward(self, hidden_states):
     """The forward of a family's RMSNorm class while norms are fused (Config.fuse_norm): one fused kernel
     (fp32 statistics, the weight applied in fp32, one rounding) instead of transformers' chain of elementwise
     passes, forward and backward: torch.nn.functional.rms_norm, or moe8.ops.rms_norm with the module's
-    Config(norm_kernel="moe8"), or where it pays under "auto". Norms of other models, and inputs whose dtype is not the weight's, run their own
-    forward."""
+    Config(norm_kernel="moe8"), or where it pays under "auto" (moe8.norm.moe8_norm_pays). Norms of other models,
+    and inputs whose dtype is not the weight's, run their own forward."""
     if not _is_moe8(self) or hidden_states.dtype != self.weight.dtype:
         return type(self)._moe8_forward(self, hidden_states)
-    kernel = module_config(self).norm_kernel
-    if kernel == "moe8" or kernel == "auto" and _moe8_norm_pays(hidden_states):
-        from moe8 import ops
-
+    kernel, cols = module_config(self).norm_kernel, hidden_states.shape[-1]
+    rows = hidden_states.numel() // max(cols, 1)
+    if kernel == "moe8" or kernel == "auto" and moe8_norm_pays(rows, cols, hidden_states.is_cuda):
         return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
@@ -129,8 +124,6 @@ def mlp_forward(self, x):
     MLPs of other models, with biases, LoRA-wrapped projections or an activation other than SiLU run their
     own forward."""
     from transformers.activations import SiLUActivation
-
-    from moe8 import ops
 
     gate, up = self.gate_proj, self.up_proj
     if (
