@@ -50,7 +50,7 @@ class Config:
         keeps the call out of CUDA graphs); the HF integration's ids come from a top-k, so it is off there.
         Off, ids out of range on a GPU join no expert (the kernels skip them: wrong numbers, never a read or
         write outside a tensor); on the CPU they are always checked (no sync there).
-    The five fusions of the HF integration are on by default (each keeps transformers' results: < 1e-5 in
+    The six fusions of the HF integration are on by default (each keeps transformers' results: < 1e-5 in
     fp32, tests/python/test_hf.py and test_attention.py); False opts out:
     fuse_router: route with moe8's fused top-k kernel (the router module is still called and still returns
         its logits, so hooks keep working).
@@ -70,6 +70,13 @@ class Config:
         weights returned; a nonzero attention dropout runs transformers' eager path). On an H200 the
         GPT-OSS-20B slice's step ran 1.49x transformers' against 1.09x without it, at 23.5 GiB against 29.8
         (bench/results/step_profile_gptoss_h200.md).
+    packed_attention: rows of packed documents through varlen flash attention when the caller gives the
+        documents' offsets (transformers' flash-attention kwargs cu_seq_lens_q / _k and max_length_q / _k, from
+        moe8.attention.packed_sequences or DataCollatorWithFlattening; moe8 finetune passes them): transformers'
+        "sdpa" attention function becomes moe8.attention.packed_attention_forward (process-wide while on, as
+        fuse_rope), which runs sdpa itself for any call without them. On an H200, one Qwen3-30B-A3B layer's
+        attention over documents packed in 2 x 4096 tokens ran 1.65 ms forward and backward against 6.30 ms
+        through the block-diagonal mask sdpa is given.
     fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
         bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
         measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
@@ -108,6 +115,7 @@ class Config:
     norm_kernel: str = "auto"
     fuse_rope: bool = True
     fuse_attention: bool = True
+    packed_attention: bool = True
     fuse_loss: bool = True
     fuse_mlp: bool = False
     transport: str = "auto"
@@ -136,6 +144,7 @@ class Config:
             "fuse_norm",
             "fuse_rope",
             "fuse_attention",
+            "packed_attention",
             "fuse_loss",
             "fp8_dispatch",
             "fuse_mlp",

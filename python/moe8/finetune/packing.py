@@ -55,6 +55,13 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).long().cumsum(1) - 1
 
 
+def most_documents(position_ids: torch.Tensor, rows: int) -> int:
+    """The most documents any `rows` of these [N, S] positions hold together (a document starts at position 0
+    and at every row's start): the rows holding the most, summed."""
+    per_row = (position_ids == 0).sum(1) + (position_ids[:, 0] != 0)
+    return int(per_row.topk(min(rows, len(per_row))).values.sum()) if len(per_row) else 0
+
+
 @dataclass
 class PackStats:
     """What packing did to the documents: cut to seq_len, dropped, and the rows and padding it made."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .. import hf
 from .._env import ENV
+from ..attention import packed_sequences
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
 from . import cuda_graphs, memory, output, report
 from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
@@ -40,7 +41,7 @@ from .model import (
     peak_flops,
     quiet_bars,
 )
-from .packing import padding
+from .packing import most_documents, padding
 from .routing import RoutingStats, router_z_loss
 
 STATE = "training_state.pt"
@@ -179,6 +180,11 @@ class Trainer:
             cfg, config, path, self.tok, self.dtype, self.device, self.log
         )
         self.attention = attention_layers(self.model.config)
+        # the documents' offsets each CUDA forward is given (varlen flash attention, Config.packed_attention),
+        # padded to the most documents a micro-batch holds: one shape for every batch, so graphs capture once
+        self.max_documents = max(
+            most_documents(t[2], cfg.micro_batch) for t in (self.data.train, self.data.eval)
+        )
         self.balance = balance_loss(self.model) if cfg.packing == "documents" else None
         self.total_params, self.active_params = active_params(self.model)
         self.stats = RoutingStats(self.model)  # before parallelize: counts over all E experts
@@ -307,20 +313,30 @@ class Trainer:
         return own if self.dist.rank else state
 
     # ------------------------------------------------------------------------------------------ pieces
-    def loss_sum(self, x, y, pos):
+    def documents(self, pos) -> dict:
+        """The forward's kwargs giving the documents' offsets in a micro-batch, pos [B, S] on the host
+        (moe8.attention.packed_sequences: varlen flash attention over them instead of sdpa's block-diagonal
+        mask) on CUDA; none elsewhere, where the mask made from the position_ids is what runs."""
+        if self.device.type != "cuda":
+            return {}
+        return packed_sequences(pos, self.max_documents, self.device)
+
+    def loss_sum(self, x, y, pos, documents: dict | None = None):
         """(summed cross-entropy of next-token predictions, aux loss or None, router z-loss or None); x, y, pos
-        [B, S] on the device (pos: each token's position in its packed document)."""
+        [B, S] on the device (pos: each token's position in its packed document); documents: the documents'
+        offsets for the forward (self.documents)."""
         target = torch.cat([y[:, 1:], torch.full_like(y[:, :1], IGNORE)], 1)  # position t predicts y[t + 1]
+        kw = documents or {}
         if (
             not self.cfg.fsdp and plain_lm_head(self.model) is not None
         ):  # logits a chunk at a time: no [tokens, vocab] fp32 tensors
             with hidden_states_as_logits(self.model) as head:
-                out = self.model(input_ids=x, position_ids=pos)
+                out = self.model(input_ids=x, position_ids=pos, **kw)
             ce = chunked_cross_entropy(
                 out.logits.flatten(0, 1), head.weight, target.flatten(), ignore_index=IGNORE
             )
         else:
-            out = self.model(input_ids=x, position_ids=pos)
+            out = self.model(input_ids=x, position_ids=pos, **kw)
             ce = F.cross_entropy(
                 out.logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum"
             )
@@ -329,12 +345,12 @@ class Trainer:
             aux = self.balance(out.router_logits, (~padding(y, pos)).long())
         return ce, aux, router_z_loss(getattr(out, "router_logits", None))
 
-    def forward_backward(self, x, y, pos, n_label: int) -> tuple:
+    def forward_backward(self, x, y, pos, n_label: int, documents: dict | None = None) -> tuple:
         """Forward and backward of one micro-batch of a step with n_label loss tokens (over all ranks); returns
         its summed cross-entropy, aux loss and z-loss (None when off), detached: none of its autograd graph
         outlives the call."""
         cfg, accum = self.cfg, self.cfg.grad_accum
-        ce, aux, z = self.loss_sum(x, y, pos)
+        ce, aux, z = self.loss_sum(x, y, pos, documents)
         loss = ce * self.dist.world / max(n_label, 1)
         aux = aux if self.aux_coef and aux is not None else None
         z = z if cfg.router_z_loss_coef and z is not None else None
@@ -350,7 +366,8 @@ class Trainer:
         self.model.eval()
         total, n = 0.0, 0
         for x, y, pos in self.data.eval_batches(self.cfg.eval_batches):
-            ce, _, _ = self.loss_sum(x.to(self.device), y.to(self.device), pos.to(self.device))
+            dev = [t.to(self.device) for t in (x, y, pos)]
+            ce, _, _ = self.loss_sum(*dev, self.documents(pos))
             total, n = total + ce.item(), n + int((y[:, 1:] != IGNORE).sum())
         self.model.train()
         return total / n if n else None
@@ -578,7 +595,7 @@ class Trainer:
                     )
                 for x, y, pos in batches:
                     ce, aux, z = self.forward_backward(
-                        *(t.to(dev, non_blocking=True) for t in (x, y, pos)), n_label
+                        *(t.to(dev, non_blocking=True) for t in (x, y, pos)), n_label, self.documents(pos)
                     )
                     if aux is not None:
                         window["aux"] = window["aux"] + aux / accum

@@ -100,6 +100,18 @@ def _fuse_attention(families) -> None:
     _patch_modules(set(families) & set(SINK_FAMILIES), "eager_attention_forward", attention_forward)
 
 
+def _packed_attention() -> None:
+    """transformers' "sdpa" attention function as moe8.attention.packed_attention_forward (varlen flash over
+    packed documents when a forward is given their offsets; sdpa itself otherwise), for every model."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from moe8.attention import packed_attention_forward
+
+    if registry.sdpa is None:
+        registry.sdpa = AttentionInterface._global_mapping["sdpa"]
+        AttentionInterface._global_mapping["sdpa"] = packed_attention_forward
+
+
 def _fuse_loss(model) -> None:
     """The causal LM's training loss without its logits (moe8.loss.fuse_causal_lm_loss); the inner base model
     of a CausalLM has no LM head and is left alone."""
@@ -133,6 +145,8 @@ def _apply(model, cfg: Config) -> None:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_attention:
         _fuse_attention([model.config.model_type])
+    if cfg.packed_attention:
+        _packed_attention()
     if cfg.fuse_loss:
         _fuse_loss(model)
     if cfg.fp8_dense:  # the dense layers' nn.Linear -> moe8.fp8_linear.Float8Linear (in place)
@@ -213,10 +227,11 @@ def enable(families=None, config: Config | None = None, **fields):
 
     families: config.model_type names to accelerate (default: all of moe8.hf.FAMILIES).
     config, **fields: the moe8.Config these models get (fields override config's; see moe8.Config: fp8,
-        fuse_router, fuse_norm, fuse_rope, fuse_attention, fuse_loss, routed_down, consume_gate_up, ...). The
-        five fusions are on by default (fuse_loss=False etc. opts out): in a training forward with labels
-        outputs.logits is None. fuse_rope and fuse_attention patch the families' modeling modules right away
-        (process-wide, until disable()).
+        fuse_router, fuse_norm, fuse_rope, fuse_attention, packed_attention, fuse_loss, routed_down,
+        consume_gate_up, ...). The six fusions are on by default (fuse_loss=False etc. opts out): in a training
+        forward with labels outputs.logits is None. fuse_rope and fuse_attention patch the families' modeling
+        modules right away, packed_attention transformers' "sdpa" attention function (process-wide, until
+        disable()).
     """
     cfg = _config(DEFAULT, config, fields)
     families = _families(families)
@@ -227,6 +242,8 @@ def enable(families=None, config: Config | None = None, **fields):
         _fuse_rope(families)
     if cfg.fuse_attention:
         _fuse_attention(families)
+    if cfg.packed_attention:
+        _packed_attention()
 
 
 def accelerate(model, families=None, config: Config | None = None, **fields):
@@ -294,6 +311,10 @@ def disable():
         del cls._moe8_forward
     for (mod, name), own in registry.module_patches.items():
         setattr(mod, name, own)
+    if registry.sdpa is not None:
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface._global_mapping["sdpa"] = registry.sdpa
     for m in list(registry.loss_fused):
         unfuse_causal_lm_loss(m)
     ExpertsInterface._global_mapping.pop(NAME, None)

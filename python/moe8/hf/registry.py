@@ -31,6 +31,7 @@ class _Registry:
         # (modeling module, function name) -> its own function, while moe8's replaces it (fuse_rope:
         # apply_rotary_pos_emb; fuse_attention: eager_attention_forward)
         self.module_patches = {}
+        self.sdpa = None  # transformers' "sdpa" attention function while packed_attention replaces it
 
 
 registry = _Registry()
