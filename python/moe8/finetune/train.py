@@ -484,8 +484,24 @@ class Trainer:
             f"sequences of {c.seq_len} ({d.describe_packing()}){'' if not c.eval_data else f' (eval: {d.eval_source})'}"
             f"{f'; {d.describe_chat()}' if d.chat else ''}\n  {self.steps} steps of "
             f"{c.micro_batch} x {c.grad_accum} sequences, lr {self.opt.defaults['lr']:g}; output: {self.out}{ranks}\n"
-            f"  memory estimate per {self.device.type}: {self.memory.table()}"
+            f"  memory estimate per {self.device.type}: {self.memory.table()}\n  attention: {self.describe_attention()}"
         )
+
+    def describe_attention(self) -> str:
+        """How the documents packed in a row attend: varlen flash attention over their offsets (on CUDA, where
+        moe8's packed_attention runs transformers' "sdpa" function), or the block-diagonal mask transformers
+        makes from the position_ids."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from ..attention import packed_attention_forward
+
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        varlen = impl == "sdpa" and ALL_ATTENTION_FUNCTIONS.get("sdpa") is packed_attention_forward
+        if self.device.type == "cuda" and varlen:
+            return (
+                f"{impl}, documents through varlen flash attention (up to {self.max_documents} a micro-batch)"
+            )
+        return f"{impl}, documents apart through the block-diagonal mask made from their positions"
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, on_step=None) -> dict:
