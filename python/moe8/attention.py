@@ -240,15 +240,18 @@ def attention_forward(module, query, key, value, attention_mask, scaling, dropou
 
 
 # ------------------------------------------------------------------------------------ packed documents
-def packed_sequences(position_ids: Tensor, max_sequences: Optional[int] = None, device=None) -> dict:
+def packed_sequences(
+    position_ids: Tensor, max_sequences: Optional[int] = None, device=None, max_length: Optional[int] = None
+) -> dict:
     """transformers' flash-attention kwargs for rows of packed documents: position_ids [B, S] on the host
     (each token's position in its document: a document starts where it is 0, and at every row's start) ->
     {cu_seq_lens_q, cu_seq_lens_k: the documents' offsets in the B * S flattened tokens, int32 [N + 1];
-    max_length_q, max_length_k: S}. Pass them to the model's forward with the position_ids
-    (packed_attention_forward reads them). max_sequences: pad the offsets to max_sequences + 1 with empty
-    documents at the end, so that every batch gives tensors of one shape (CUDA graphs capture once;
-    max_length is S, an upper bound, for the same reason); ValueError when the rows hold more documents.
-    device: where the offsets go (copied without waiting for the GPU)."""
+    max_length_q, max_length_k: the longest document's length}. Pass them to the model's forward with the
+    position_ids (packed_attention_forward reads them). For batches of one shape (CUDA graphs capture once):
+    max_sequences pads the offsets to max_sequences + 1 with empty documents at the end, and max_length, a
+    bound on every batch's longest document, is given instead of this batch's (at most S; the kernels launch
+    work for max_length tokens of every document, so the tighter the faster). ValueError when the rows hold
+    more documents or a longer one. device: where the offsets go (copied without waiting for the GPU)."""
     if position_ids.dim() != 2 or position_ids.is_cuda:
         raise ValueError(
             f"position_ids: expected [B, S] on the host, got {tuple(position_ids.shape)} on {position_ids.device}"
@@ -258,6 +261,12 @@ def packed_sequences(position_ids: Tensor, max_sequences: Optional[int] = None, 
     start[:, :1] = True
     offsets = start.flatten().nonzero().flatten()
     n = len(offsets)
+    ends = torch.cat([offsets, offsets.new_full((1,), B * S)])
+    longest = int(ends.diff().max()) if n else 0
+    if max_length is not None and longest > max_length:
+        raise ValueError(
+            f"position_ids: a document of {longest} tokens in the rows, longer than max_length = {max_length}"
+        )
     if max_sequences is not None:
         if n > max_sequences:
             raise ValueError(
@@ -271,7 +280,8 @@ def packed_sequences(position_ids: Tensor, max_sequences: Optional[int] = None, 
             if torch.device(device).type == "cuda"
             else cu.to(device)
         )
-    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=S, max_length_k=S)
+    length = longest if max_length is None else min(max_length, S)
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=length, max_length_k=length)
 
 
 def _varlen():

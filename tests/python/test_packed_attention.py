@@ -11,7 +11,7 @@ import torch
 from conftest import _cuda
 
 from moe8.attention import packed_attention_forward, packed_sequences, varlen_unsupported
-from moe8.finetune.packing import most_documents, positions
+from moe8.finetune.packing import longest_document, most_documents, positions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 needs_cuda_build = pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
@@ -40,12 +40,19 @@ def test_packed_sequences_gives_the_documents_offsets():
         packed_sequences(pos.flatten())
     # a row that starts inside a document (positions not restarting at 0) still starts a document
     assert packed_sequences(torch.tensor([[5, 6, 0, 1]]))["cu_seq_lens_q"].tolist() == [0, 2, 4]
+    short = position_ids([[3, 5, 2], [4, 6]])
+    assert packed_sequences(short)["max_length_q"] == 6  # the longest document, not S
+    assert packed_sequences(short, max_length=8)["max_length_k"] == 8  # a bound for every batch
+    assert packed_sequences(short, max_length=99)["max_length_q"] == 10  # at most S
+    with pytest.raises(ValueError, match="a document of 6 tokens in the rows, longer than max_length = 5"):
+        packed_sequences(short, max_length=5)
 
 
-def test_most_documents_sums_the_fullest_rows():
+def test_most_and_longest_documents():
     pos = position_ids([[3, 5, 2], [10], [1, 1, 1, 7], [5, 5]])
     assert most_documents(pos, 1) == 4 and most_documents(pos, 2) == 7 and most_documents(pos, 9) == 10
     assert most_documents(pos[:0], 2) == 0
+    assert longest_document(pos) == 10 and longest_document(pos[2:]) == 7 and longest_document(pos[:0]) == 0
 
 
 class _Layer(torch.nn.Module):
@@ -106,6 +113,7 @@ def _tiny(device, dtype, seed=0):
         intermediate_size=128,
         moe_intermediate_size=128,
         max_position_embeddings=256,
+        output_router_logits=False,  # transformers recording router logits keeps layers off CUDA graphs
     ).to(device, dtype)
     model.set_attn_implementation("sdpa")
     return model
@@ -182,21 +190,32 @@ def test_varlen_matches_the_masked_attention(heads, D, pad, window):
 
 
 @needs_cuda_build
-def test_a_model_with_the_offsets_matches_the_masked_model():
+def test_a_model_with_the_offsets_matches_the_masked_model(monkeypatch):
+    """Every layer's attention runs varlen flash given the offsets; the first layer's attention output (before
+    any routing, whose top-k a rounding can flip) matches the masked model's, and so do the loss and the
+    gradients as a whole."""
+    import moe8.attention as attention
     from moe8 import hf
 
+    calls, varlen = [], attention._varlen()
+    monkeypatch.setattr(attention, "_varlen", lambda: lambda *a, **k: calls.append(1) or varlen(*a, **k))
     try:
         hf.enable()
         model = _tiny("cuda", torch.bfloat16)
+        seen = []
+        model.model.layers[0].self_attn.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
         pos = position_ids([[5, 60, 30, 33], [128]])
         ids = torch.randint(3, 128, pos.shape, generator=torch.Generator().manual_seed(1)).cuda()
         loss, grads = _loss_and_grads(model, ids, pos.cuda(), {})
+        assert not calls
         loss_kw, grads_kw = _loss_and_grads(model, ids, pos.cuda(), packed_sequences(pos, 8, "cuda"))
+        assert len(calls) == model.config.num_hidden_layers
     finally:
         hf.disable()
+    assert rel(seen[1], seen[0]) < 1e-2
     assert abs(loss.item() - loss_kw.item()) < 1e-2 * abs(loss.item())
-    worst = max(rel(grads_kw[n], grads[n]) for n in grads)
-    assert worst < 5e-2, worst
+    flat = [torch.cat([g[n].float().flatten() for n in sorted(grads)]) for g in (grads_kw, grads)]
+    assert rel(*flat) < 5e-2
 
 
 @needs_cuda_build

@@ -62,6 +62,11 @@ def most_documents(position_ids: torch.Tensor, rows: int) -> int:
     return int(per_row.topk(min(rows, len(per_row))).values.sum()) if len(per_row) else 0
 
 
+def longest_document(position_ids: torch.Tensor) -> int:
+    """The longest document (or part of one in a row) in these [N, S] positions."""
+    return int(position_ids.max()) + 1 if position_ids.numel() else 0
+
+
 @dataclass
 class PackStats:
     """What packing did to the documents: cut to seq_len, dropped, and the rows and padding it made."""

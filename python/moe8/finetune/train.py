@@ -41,7 +41,7 @@ from .model import (
     peak_flops,
     quiet_bars,
 )
-from .packing import most_documents, padding
+from .packing import longest_document, most_documents, padding
 from .routing import RoutingStats, router_z_loss
 
 STATE = "training_state.pt"
@@ -181,10 +181,11 @@ class Trainer:
         )
         self.attention = attention_layers(self.model.config)
         # the documents' offsets each CUDA forward is given (varlen flash attention, Config.packed_attention),
-        # padded to the most documents a micro-batch holds: one shape for every batch, so graphs capture once
-        self.max_documents = max(
-            most_documents(t[2], cfg.micro_batch) for t in (self.data.train, self.data.eval)
-        )
+        # padded to the most documents a micro-batch holds, with the longest document's length: the same
+        # shapes and values for every batch, so graphs capture once
+        splits = (self.data.train, self.data.eval)
+        self.max_documents = max(most_documents(t[2], cfg.micro_batch) for t in splits)
+        self.longest_document = max(longest_document(t[2]) for t in splits)
         self.balance = balance_loss(self.model) if cfg.packing == "documents" else None
         self.total_params, self.active_params = active_params(self.model)
         self.stats = RoutingStats(self.model)  # before parallelize: counts over all E experts
@@ -319,7 +320,7 @@ class Trainer:
         mask) on CUDA; none elsewhere, where the mask made from the position_ids is what runs."""
         if self.device.type != "cuda":
             return {}
-        return packed_sequences(pos, self.max_documents, self.device)
+        return packed_sequences(pos, self.max_documents, self.device, self.longest_document)
 
     def loss_sum(self, x, y, pos, documents: dict | None = None):
         """(summed cross-entropy of next-token predictions, aux loss or None, router z-loss or None); x, y, pos
@@ -499,7 +500,8 @@ class Trainer:
         varlen = impl == "sdpa" and ALL_ATTENTION_FUNCTIONS.get("sdpa") is packed_attention_forward
         if self.device.type == "cuda" and varlen:
             return (
-                f"{impl}, documents through varlen flash attention (up to {self.max_documents} a micro-batch)"
+                f"{impl}, documents through varlen flash attention (up to {self.max_documents} a micro-batch, "
+                f"the longest {self.longest_document} tokens)"
             )
         return f"{impl}, documents apart through the block-diagonal mask made from their positions"
 
