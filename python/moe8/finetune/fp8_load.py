@@ -42,18 +42,21 @@ def _init_order(module: nn.Module, owner, prefix: str = ""):
 
 def _materialise(module: nn.Module, device, made: dict) -> None:
     """module's own parameters and buffers off the meta device, uninitialised (as from_pretrained makes its
-    missing keys); a tensor shared by several modules (tied embeddings) made once. made: id -> (meta, real)."""
+    missing keys); a tensor shared by several modules (tied embeddings) made once. made: id -> (meta, weak
+    reference to the real one: a weight quantised and freed is not kept alive by this table)."""
     for table, wrap in ((module._parameters, True), (module._buffers, False)):
         for key, t in table.items():
             if t is None or not t.is_meta:
                 continue
-            if id(t) not in made:
+            real = made[id(t)][1]() if id(t) in made else None
+            if real is None:
                 real = torch.empty_like(t, device=device)
-                made[id(t)] = (t, nn.Parameter(real, t.requires_grad) if wrap else real)
+                real = nn.Parameter(real, t.requires_grad) if wrap else real
+                made[id(t)] = (t, weakref.ref(real))
             if wrap:
-                module.register_parameter(key, made[id(t)][1])
+                module.register_parameter(key, real)
             else:
-                table[key] = made[id(t)][1]
+                table[key] = real
 
 
 def random_model(config, dtype: torch.dtype, device, targets=()) -> tuple[nn.Module, int]:
