@@ -230,3 +230,19 @@ def test_build_model_from_a_model_config():
     linear = sum(isinstance(m, lora.LoraLinear) for m in model.modules())
     experts = sum(hasattr(m, "gate_up_lora_A") for m in model.modules())
     assert frozen_line(lines) == len(frozen(model)) == linear + 2 * experts > 0
+
+
+def test_build_model_says_when_nothing_was_quantised_as_loaded(tmp_path, monkeypatch):
+    """A load whose weights transformers set another way: quantised after it, the log says the load held the
+    whole bf16 model, and the count is still every adapted weight."""
+    d = tmp_path / "model"
+    test_finetune.tiny_model(moe8=False).save_pretrained(d)
+
+    @contextlib.contextmanager
+    def nothing(targets, device):
+        yield fp8_load.Loaded()
+
+    monkeypatch.setattr(fp8_load, "frozen_as_loaded", nothing)
+    model, lines = finetune_model(model=str(d))
+    assert any("the load held the whole bf16 model" in x for x in lines)
+    assert frozen_line(lines) == len(frozen(model)) > 0

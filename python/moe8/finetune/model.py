@@ -148,11 +148,13 @@ def config_from(spec: str, num_layers: int = 0):
 
 
 def build_model(cfg: Config, config, path, tok, dtype, device, log):
-    """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured."""
+    """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured.
+    LoRA over FP8 bases: the adapted weights quantised while the model is built or loaded (fp8_load), so the
+    device never holds the whole bf16 model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
-    targets = fp8_base_targets(cfg, config, device)  # LoRA over FP8 bases: quantised as the model is made
+    quantised = fp8_base_targets(cfg, config, device)  # LoRA over FP8 bases: quantised as the model is made
     frozen = 0
     if path is None:  # random weights: a built-in model (vocabulary: the tokenizer's) or model_config
         vocab = max(len(tok), config.vocab_size) if cfg.model_config else len(tok)
@@ -162,16 +164,16 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             tok.eos_token_id,
         )
         config.bos_token_id = None
-        if targets and cfg.model_config:  # a layer at a time on the device (not from_config's values)
-            model, frozen = fp8_load.random_model(config, dtype, device, targets)
+        if quantised and cfg.model_config:  # a layer at a time on the device (not from_config's values)
+            model, frozen = fp8_load.random_model(config, dtype, device, quantised)
         else:
             # a built-in model is initialised on the CPU (its LoRA export rebuilds the base from the seed
             # there); a model_config one where it will train: a random 30B model initialised on the CPU takes
             # minutes
             with torch.device(device if cfg.model_config else "cpu"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            if targets:
-                frozen = fp8_load.to_device(model, device, targets)
+            if quantised:
+                frozen = fp8_load.to_device(model, device, quantised)
     else:
         from safetensors import SafetensorError
 
@@ -180,10 +182,10 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         check_weights(path)
         # LoRA over FP8 bases: loaded onto the CPU, each adapted weight quantised on the device as it is set;
         # otherwise straight onto the device
-        placed = dict(device_map=str(device)) if not targets else {}
+        placed = {} if quantised else dict(device_map=str(device))
         try:
             bars = contextlib.nullcontext() if cfg.progress else quiet_bars()  # no "Loading weights" bar
-            with bars, fp8_load.frozen_as_loaded(targets, device) as loaded:
+            with bars, fp8_load.frozen_as_loaded(quantised, device) as loaded:
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **placed)
             frozen = loaded.count
         except (OSError, ValueError, RuntimeError, EOFError, SafetensorError) as e:
@@ -248,7 +250,7 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
 
             # LoRA over FP8 base weights: those not quantised as the model was made, their bf16 copies freed
             n = frozen + freeze_base_fp8(model, cfg.fp8)
-            if targets and not frozen:
+            if quantised and not frozen:
                 log(
                     "lora: no base weight was quantised as the model loaded (transformers set none through "
                     "nn.Module's parameter registration): the load held the whole bf16 model"
