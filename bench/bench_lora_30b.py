@@ -142,20 +142,9 @@ def _freeze_layer(layer, attention=True):
     """Quantise a decoder layer's LoRA-target base weights (q,k,v,o and the experts, the ones
     moe8.lora.freeze_base_fp8 quantises after apply_lora; attention=False: the experts only) to FP8
     blockwise, dropping their bf16 values."""
-    import torch
+    from moe8.lora import freeze_base_weights
 
-    from moe8.fp8 import freeze_fp8
-
-    n = 0
-    for name, m in layer.named_modules():
-        if attention and type(m) is torch.nn.Linear and name.rpartition(".")[2] in ATTN:
-            m.weight = freeze_fp8(m.weight.detach(), 0)
-            n += 1
-        elif hasattr(m, "has_gate") and hasattr(m, "is_transposed"):  # a transformers experts module
-            for p in ("gate_up_proj", "down_proj"):
-                setattr(m, p, freeze_fp8(getattr(m, p).detach(), int(m.is_transposed)))
-                n += 1
-    return n
+    return freeze_base_weights(layer, (*ATTN, "experts") if attention else ("experts",))
 
 
 def build_fp8_base(args, device, dtype, attention=True):

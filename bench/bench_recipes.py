@@ -268,7 +268,8 @@ def run_transformers(cfg, data, tok, device, dtype, steps: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
     from moe8 import hf
-    from moe8.finetune.model import config_from, peft_lora
+    from moe8.finetune.fp8_load import random_model
+    from moe8.finetune.model import config_from, fp8_base_targets, peft_lora
     from moe8.finetune.train import lr_factor, master_weights
 
     peaks = Peaks(device)
@@ -281,8 +282,11 @@ def run_transformers(cfg, data, tok, device, dtype, steps: int = 0) -> dict:
     ):  # the CausalLM reads it at init: its labels= loss adds coef x aux
         config.router_aux_loss_coef = coef
     torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if fp8_base_targets(cfg, config, device):  # moe8's side builds it a layer at a time: the same weights
+        model, _ = random_model(config, dtype, device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
     if hasattr(model.config, "output_router_logits"):
         model.config.output_router_logits = coef > 0

@@ -99,6 +99,12 @@ def _is_experts(m: nn.Module) -> bool:
     return hasattr(m, "has_gate") and hasattr(m, "is_transposed")
 
 
+def _linear_target(name: str, linear) -> str | None:
+    """The target a module named `name` matches: one equal to the name or to its end after a dot (PEFT's
+    target_modules rule)."""
+    return next((t for t in linear if name == t or name.endswith("." + t)), None)
+
+
 def _base(model: nn.Module) -> nn.Module:
     from transformers.modeling_utils import PreTrainedModel
 
@@ -181,7 +187,7 @@ def apply_lora(
     base.requires_grad_(False)
     matched = set()
     for name, m in list(base.named_modules()):
-        hit = next((t for t in linear if name == t or name.endswith("." + t)), None)
+        hit = _linear_target(name, linear)
         if hit is not None and _plain_linear(m):
             parent, _, child = name.rpartition(".")
             setattr(base.get_submodule(parent), child, LoraLinear(m, r, alpha, dropout, dtype))
@@ -225,6 +231,34 @@ def freeze_base_fp8(model: nn.Module, recipe="blockwise") -> int:
             w = getattr(m, name)
             if frozen_fp8(w) is None:
                 setattr(m, name, freeze_fp8(w.detach(), layout, recipe))
+                n += 1
+    return n
+
+
+def base_layout(name: str, module: nn.Module, param: str, targets=TARGETS) -> int | None:
+    """The layout freeze_base_fp8 quantises `module.param` in once apply_lora(targets) has adapted it (0: the
+    GEMM reads it as stored, 1: transposed), or None for a weight LoRA leaves alone. name: the module's name
+    in the model (what the targets match)."""
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if param == "weight" and _plain_linear(module):
+        return 0 if _linear_target(name, [t for t in targets if t != "experts"]) else None
+    if param in ("gate_up_proj", "down_proj") and "experts" in targets and _is_experts(module):
+        return 1 if module.is_transposed else 0
+    return None
+
+
+def freeze_base_weights(module: nn.Module, targets=TARGETS, recipe="blockwise", prefix: str = "") -> int:
+    """freeze_base_fp8 ahead of apply_lora: the weights under `module` (a decoder layer, or the whole model)
+    that apply_lora(targets) adapts quantised now and their bf16 values freed, so that a model can be
+    quantised a layer at a time as it is built. apply_lora takes them as they are and freeze_base_fp8 then
+    skips them. prefix: the module's name in the model. Returns how many weights were quantised."""
+    n = 0
+    for name, m in module.named_modules(prefix=prefix):
+        for param in ("weight", "gate_up_proj", "down_proj"):
+            w = m._parameters.get(param)
+            layout = None if w is None or frozen_fp8(w) is not None else base_layout(name, m, param, targets)
+            if layout is not None:
+                setattr(m, param, freeze_fp8(w.detach(), layout, recipe))
                 n += 1
     return n
 
@@ -419,8 +453,10 @@ __all__ = [
     "TARGETS",
     "LoraLinear",
     "apply_lora",
+    "base_layout",
     "base_nbytes",
     "freeze_base_fp8",
+    "freeze_base_weights",
     "load_adapter",
     "save_adapter",
 ]

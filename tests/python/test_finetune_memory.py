@@ -21,6 +21,7 @@ import test_finetune  # noqa: E402 - its fixtures
 from moe8 import lora  # noqa: E402
 from moe8.finetune import memory  # noqa: E402
 from moe8.finetune.config import Config  # noqa: E402
+from moe8.finetune.fp8_load import decoder_layers  # noqa: E402
 from moe8.finetune.model import config_from  # noqa: E402
 from moe8.finetune.train import Trainer  # noqa: E402
 from moe8.fp8 import frozen_fp8  # noqa: E402
@@ -82,6 +83,11 @@ def measure(tmp_path, text_file, **kw) -> tuple[memory.Estimate, dict]:
         largest_frozen=max(  # a weight stored in FP8 only, as its bf16 values would take
             (p.numel() * p.element_size() for p in model.parameters() if frozen_fp8(p) is not None), default=0
         ),
+        largest_frozen_layer=max(  # a decoder layer's weights stored in FP8 only, as their bf16 values
+            sum(p.numel() * p.element_size() for p in layer.parameters() if frozen_fp8(p) is not None)
+            for _, layer in decoder_layers(model)
+        ),
+        trainable=sum(p.nbytes for p in tr.params),
     )
     ce.backward()
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
@@ -123,8 +129,13 @@ def test_estimate_parts_equal_the_bytes_a_run_holds(tmp_path, text_file, kw):
     assert b["loss_grads"] == got["loss_grads"] and s["loss_grads"] == 0
     # LoRA over FP8 bases: one frozen weight dequantised at a time for the input gradient, the largest
     assert b["fp8_transient"] == (got["largest_frozen"] if "fp8" in kw else 0) and s["fp8_transient"] == 0
-    # the peak the run is checked against is the larger phase, plus 5%
-    peak = max(b, s, key=lambda d: sum(d.values()))
+    # the load: the parameters before LoRA adds its factors, and with FP8 bases one decoder layer's adapted
+    # weights in bf16 (the most loading holds before their FP8 copies replace them)
+    lora_factors = got["trainable"] if kw["method"] == "lora" else 0
+    assert est.load["weights"] == got["weights"] - lora_factors
+    assert est.load["fp8_load_layer"] == (got["largest_frozen_layer"] if "fp8" in kw else 0)
+    # the peak the run is checked against is the largest phase, plus 5%
+    peak = max(b, s, est.load, key=lambda d: sum(d.values()))
     assert est.parts == dict(peak, overhead=sum(peak.values()) // 20) and est.total == sum(est.parts.values())
 
 

@@ -20,6 +20,10 @@ seq_len), the larger of the backward peak and the optimizer-step peak:
   fp8_transient backward only, LoRA over FP8 bases: the largest frozen weight dequantised (x w), which the
                input gradient's bf16 GEMM reads one weight at a time
   overhead     5% of the above (allocator rounding, workspaces)
+The load is a third phase: the model's parameters (all its experts, before ep splits them), LoRA over FP8 bases
+holding the weights it adapts in FP8 (quantised as the model is built or loaded, finetune/fp8_load.py) plus
+fp8_load_layer: the adapted weights of the decoder layer that has the most, in bf16 (x w), at most what is held
+before its FP8 copies replace them. It is the peak only when the training phases hold less (ep > 1).
 The optimizer step adds nothing: the trainer's AdamW is fused on CUDA (torch's default there, foreach, would
 take sqrt(exp_avg_sq) of every tensor at once: T x 4 more).
 The check adds 1 GiB for the CUDA context and kernels' workspaces to the estimate."""
@@ -57,6 +61,9 @@ class Counts:
     lora_base_experts: tuple = (0, 0, 0)
     # elements of the largest of those weights: (a Linear's, an experts matrix's)
     lora_base_largest: tuple = (0, 0)
+    # elements of those weights in the decoder layer that has the most: what loading holds in bf16 at once
+    # with fp8 blockwise (finetune.fp8_load)
+    lora_base_layer: int = 0
 
 
 def count_params(config, cfg: Config) -> Counts:
@@ -76,33 +83,40 @@ def count_params(config, cfg: Config) -> Counts:
     return Counts(total, experts, *lora_params(model, cfg))
 
 
-def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple, tuple]:
+def lora_params(model, cfg: Config) -> tuple[int, tuple, tuple, tuple, int]:
     """(LoRA factors moe8.lora adds: r x (in + out) per adapted Linear, E x r x (d1 + d2) per expert matrix;
     the Linear weights they adapt: (parameters, bytes in blockwise FP8, how many); the expert weights they
-    adapt: the same; the largest of each: (elements, elements))."""
+    adapt: the same; the largest of each: (elements, elements); the adapted elements of the decoder layer
+    that has the most)."""
     from ..fp8 import Float8Recipe, fp8_nbytes, quantize_weight
     from ..lora import TARGETS
+    from .fp8_load import decoder_layers
     from .routing import experts_modules
 
-    def add(acc, w) -> None:  # what freeze_fp8 keeps of w (on the meta device: shapes only)
+    layers = {name + ".": 0 for name, _ in decoder_layers(model)}  # decoder layer -> its adapted elements
+
+    def add(acc, w, name: str) -> None:  # what freeze_fp8 keeps of w (on the meta device: shapes only)
         acc[0] += w.numel()
         acc[1] += fp8_nbytes(quantize_weight(w, 0, Float8Recipe("blockwise")))
         acc[2] += 1
         acc[3] = max(acc[3], w.numel())
+        layer = next((p for p in layers if name.startswith(p)), None)
+        if layer is not None:
+            layers[layer] += w.numel()
 
     targets = set(cfg.lora_targets or TARGETS)
     r, n, base, experts = cfg.lora_r, 0, [0, 0, 0, 0], [0, 0, 0, 0]
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             n += r * (m.in_features + m.out_features)
-            add(base, m.weight)
+            add(base, m.weight, name)
     if "experts" in targets:
-        for _, m in experts_modules(model):
+        for name, m in experts_modules(model):
             for w in (m.gate_up_proj, m.down_proj):
                 E, d1, d2 = w.shape
                 n += E * r * (d1 + d2)
-                add(experts, w)
-    return n, tuple(base[:3]), tuple(experts[:3]), (base[3], experts[3])
+                add(experts, w, name)
+    return n, tuple(base[:3]), tuple(experts[:3]), (base[3], experts[3]), max(layers.values(), default=0)
 
 
 def adapter_bytes(cfg: Config) -> int:
@@ -172,6 +186,7 @@ class Estimate:
     total: int
     backward: dict = field(default_factory=dict)  # name -> bytes of the backward peak (no overhead)
     step: dict = field(default_factory=dict)  # name -> bytes of the optimizer-step peak (no overhead)
+    load: dict = field(default_factory=dict)  # name -> bytes while the model is loaded (no overhead)
 
     def table(self) -> str:
         unit, div = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
@@ -187,14 +202,17 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     a = adapter_bytes(cfg)
     T = counts.lora if lora else held
     weights = held * w + (counts.lora * a if lora else 0)
-    fp8_transient = 0
+    loaded = counts.total * w  # the load: every rank holds all the experts until they are split over ep
+    fp8_transient = fp8_load_layer = 0
     if lora and cfg.moe8 and cfg.fp8 == "blockwise":  # LoRA over FP8 bases: their bf16 values freed
         (n, q, c), (ne, qe, ce) = counts.lora_base, counts.lora_base_experts
         weights += q - (n - c) * w + (qe - (ne - ce) * w) // ep  # each keeps a one-element placeholder
+        loaded += q - (n - c) * w + qe - (ne - ce) * w
         # the input gradient reads one frozen weight at a time dequantised: the largest (an expert matrix's
         # experts split over ep)
         largest_linear, largest_experts = counts.lora_base_largest
         fp8_transient = max(largest_linear, largest_experts // ep) * w
+        fp8_load_layer = counts.lora_base_layer * w  # quantised as loaded: one layer in bf16 at most
     master = T * 4 if (not lora and w == 2) else 0
     adamw = T * 2 * a if lora else T * 8
     grads_bwd, grads_step = (T * a, T * a) if lora else (T * w, T * 4)
@@ -224,9 +242,10 @@ def estimate(config, cfg: Config, counts: Counts, dtype: torch.dtype) -> Estimat
     step = dict(
         backward, grads=grads_step, activations=0, logits=0, loss_grads=0, fp8_transient=0, attention_scores=0
     )
-    parts = max(backward, step, key=lambda d: sum(d.values()))
+    load = dict(weights=loaded, fp8_load_layer=fp8_load_layer)
+    parts = max(backward, step, load, key=lambda d: sum(d.values()))
     parts = dict(parts, overhead=sum(parts.values()) // 20)
-    return Estimate(parts, sum(parts.values()), backward, step)
+    return Estimate(parts, sum(parts.values()), backward, step, load)
 
 
 def memory_gib(device) -> float:

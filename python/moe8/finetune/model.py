@@ -4,6 +4,7 @@ weight is loaded (family, sequence length), then moved onto moe8, LoRA and activ
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import struct
 import warnings
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import hf
-from . import hub
+from . import fp8_load, hub
 from .config import Config, FinetuneError
 from .routing import experts_modules
 
@@ -147,10 +148,14 @@ def config_from(spec: str, num_layers: int = 0):
 
 
 def build_model(cfg: Config, config, path, tok, dtype, device, log):
-    """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured."""
+    """The model on `device` in `dtype`, experts on moe8 when supported, LoRA / checkpointing as configured.
+    LoRA over FP8 bases: the adapted weights quantised while the model is built or loaded (fp8_load), so the
+    device never holds the whole bf16 model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
+    quantised = fp8_base_targets(cfg, config, device)  # LoRA over FP8 bases: quantised as the model is made
+    frozen = 0
     if path is None:  # random weights: a built-in model (vocabulary: the tokenizer's) or model_config
         vocab = max(len(tok), config.vocab_size) if cfg.model_config else len(tok)
         config.vocab_size, config.pad_token_id, config.eos_token_id = (
@@ -159,19 +164,30 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
             tok.eos_token_id,
         )
         config.bos_token_id = None
-        # a built-in model is initialised on the CPU (its LoRA export rebuilds the base from the seed there);
-        # a model_config one where it will train: a random 30B model initialised on the CPU takes minutes
-        with torch.device(device if cfg.model_config else "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if quantised and cfg.model_config:  # a layer at a time on the device (not from_config's values)
+            model, frozen = fp8_load.random_model(config, dtype, device, quantised)
+        else:
+            # a built-in model is initialised on the CPU (its LoRA export rebuilds the base from the seed
+            # there); a model_config one where it will train: a random 30B model initialised on the CPU takes
+            # minutes
+            with torch.device(device if cfg.model_config else "cpu"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if quantised:
+                frozen = fp8_load.to_device(model, device, quantised)
     else:
         from safetensors import SafetensorError
 
         if hub.is_hub_id(cfg.model):  # the weights of a Hub model: from the cache, else downloaded now
             path = hub.model_weights(cfg.model, path)
         check_weights(path)
+        # LoRA over FP8 bases: loaded onto the CPU, each adapted weight quantised on the device as it is set;
+        # otherwise straight onto the device
+        placed = {} if quantised else dict(device_map=str(device))
         try:
-            with contextlib.nullcontext() if cfg.progress else quiet_bars():  # no "Loading weights" bar
-                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
+            bars = contextlib.nullcontext() if cfg.progress else quiet_bars()  # no "Loading weights" bar
+            with bars, fp8_load.frozen_as_loaded(quantised, device) as loaded:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **placed)
+            frozen = loaded.count
         except (OSError, ValueError, RuntimeError, EOFError, SafetensorError) as e:
             files = ", ".join(p.name for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")))
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -204,7 +220,12 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
                 # "none": bf16 experts; every default fusion on (moe8.Config)
                 hf.accelerate(model, fp8=cfg.fp8, fuse_attention=cfg.fuse_attention)
             if not hf.is_accelerated(model):
-                log(f"moe8: experts left on transformers: {'; '.join(str(w.message) for w in caught)}")
+                why = "; ".join(str(w.message) for w in caught)
+                if frozen:  # transformers' experts would read the FP8-only weights' zero placeholders
+                    raise FinetuneError(
+                        f"moe8: the FP8 base weights need the experts on moe8, left on transformers: {why}"
+                    )
+                log(f"moe8: experts left on transformers: {why}")
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     targets = lora_targets(model, cfg, log) if cfg.method == "lora" else []
@@ -227,13 +248,38 @@ def build_model(cfg: Config, config, path, tok, dtype, device, log):
         if cfg.fp8 == "blockwise" and hf.is_accelerated(model):
             from moe8.lora import freeze_base_fp8
 
-            n = freeze_base_fp8(model, cfg.fp8)  # LoRA over FP8 base weights: the bf16 copies freed
+            # LoRA over FP8 base weights: those not quantised as the model was made, their bf16 copies freed
+            n = frozen + freeze_base_fp8(model, cfg.fp8)
+            if quantised and not frozen:
+                log(
+                    "lora: no base weight was quantised as the model loaded (transformers set none through "
+                    "nn.Module's parameter registration): the load held the whole bf16 model"
+                )
             adapters = {p.dtype for p in model.parameters() if p.requires_grad}
             log(
                 f"lora: {n} frozen base weights held in FP8 (blockwise) only, the adapters in "
                 f"{', '.join(sorted(dtype_name(d) for d in adapters))}"
             )
     return model, coef
+
+
+def fp8_base_targets(cfg: Config, config, device) -> list[str]:
+    """The LoRA targets whose base weights are quantised to FP8 while the model is built or loaded (fp8_load):
+    for LoRA over FP8 bases (method lora, fp8 blockwise) with the experts on moe8, the condition build_model
+    then calls freeze_base_fp8 under, judged on the model built on the meta device; [] otherwise."""
+    if not (cfg.method == "lora" and cfg.fp8 == "blockwise" and cfg.moe8):
+        return []
+    from transformers import AutoModelForCausalLM
+
+    import moe8
+
+    if device.type == "cuda" and not moe8.cuda_available():
+        return []
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    if hf.unsupported(model) is not None:
+        return []
+    return lora_targets(model, cfg)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

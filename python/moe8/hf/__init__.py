@@ -24,7 +24,7 @@ transformers is imported lazily: importing this package does not need it.
 
 from .families import FAMILIES, MLPS, NORMS, ROPE_FAMILIES, ROUTERS, TABLE
 from .forward import NAME, experts_forward, mlp_forward, norm_forward, router_forward
-from .patching import accelerate, config_of, disable, enable, is_accelerated, register
+from .patching import accelerate, config_of, disable, enable, is_accelerated, register, unsupported
 
 __all__ = [
     "FAMILIES",
@@ -44,4 +44,5 @@ __all__ = [
     "norm_forward",
     "register",
     "router_forward",
+    "unsupported",
 ]

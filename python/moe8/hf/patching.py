@@ -246,6 +246,29 @@ def enable(families=None, config: Config | None = None, **fields):
         _packed_attention()
 
 
+def _base_model(model):
+    from transformers.modeling_utils import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def unsupported(model, families=None) -> str | None:
+    """None when accelerate(model, families) runs the model's experts on moe8, else why it leaves the model
+    untouched; reads only the modules' structure (a model on the meta device will do)."""
+    _transformers()
+    families = _families(families)
+    base = _base_model(model)
+    family = getattr(getattr(base, "config", None), "model_type", None)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    if base is None:
+        return "not a transformers model"
+    if not experts:
+        return "no MoE experts"
+    if family not in families:
+        return f"model type {family!r} is not one of {sorted(families)}"
+    return next((s for s in map(experts_spec, experts) if isinstance(s, str)), None)
+
+
 def accelerate(model, families=None, config: Config | None = None, **fields):
     """Run the experts of an existing model on moe8 and return the model (switched in place).
 
@@ -256,25 +279,11 @@ def accelerate(model, families=None, config: Config | None = None, **fields):
     FP8 off; fuse_loss=False keeps outputs.logits in training forwards; fuse_rope patches the family's
     modeling module (process-wide, until disable()).
     """
-    _transformers()
-    from transformers.modeling_utils import PreTrainedModel
-
-    families = _families(families)
-    base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    family = getattr(getattr(base, "config", None), "model_type", None)
-    experts = [m for m in model.modules() if is_experts_module(m)]
-    why = None
-    if base is None:
-        why = "not a transformers model"
-    elif not experts:
-        why = "no MoE experts"
-    elif family not in families:
-        why = f"model type {family!r} is not one of {sorted(families)}"
-    else:
-        why = next((s for s in map(experts_spec, experts) if isinstance(s, str)), None)
+    why = unsupported(model, families)
     if why is not None:
         warnings.warn(f"moe8: {type(model).__name__} left untouched: {why}", stacklevel=2)
         return model
+    base = _base_model(model)
     cfg = _config(config_of(base) or registry.default, config, fields)
     register()
     base.set_experts_implementation(NAME)
