@@ -133,7 +133,10 @@ def test_bench_tiny_bf16_adapters_on_both_sides(tmp_path):
     a, t = r["moe8"], r["transformers"]
     assert r["settings_differ"] == [] and a["settings"] == t["settings"]
     assert a["settings"]["adapter_dtype"] == a["settings"]["optimizer_dtype"] == "bfloat16"
-    assert a["losses"][0] == pytest.approx(t["losses"][0], rel=1e-5)  # B = 0: the base's loss on both sides
+    # B = 0: the base's loss on both sides, moe8's through the recipe's FP8 base weights (blockwise codes of
+    # PEFT's bf16 ones), so within their rounding
+    assert a["losses"][0] == pytest.approx(t["losses"][0], rel=1e-3)
+    assert a["losses"][0] != t["losses"][0]  # moe8's side did run the FP8 base
     assert all(4 < x < 7 for x in a["losses"] + t["losses"])
     cfg = make_config(str(RECIPES / f"{name}.toml"))
     model = torch.nn.Linear(4, 4)
