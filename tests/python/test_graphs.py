@@ -16,21 +16,24 @@ needs_gpu = pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
 LAYERS = 3
 
 
+# a Qwen3-MoE with head dims the GPU's attention kernels take (test_hf.build's are 8)
+TINY = dict(
+    hidden_size=128,
+    head_dim=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    moe_intermediate_size=128,
+    max_position_embeddings=256,
+)
+
+
 def make(fp8_base=False, dropout=0.0, router_logits=False, seed=0, adapter_dtype=torch.bfloat16):
     from test_hf import build
 
-    model = build(
-        "qwen3_moe",
-        seed=seed,
-        hidden_size=128,
-        head_dim=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        moe_intermediate_size=128,
-        max_position_embeddings=256,
-        output_router_logits=router_logits,
-    ).to("cuda", torch.bfloat16)
+    model = build("qwen3_moe", seed=seed, **TINY, output_router_logits=router_logits).to(
+        "cuda", torch.bfloat16
+    )
     model.set_attn_implementation("sdpa")  # as training runs it (the tiny config's default is eager)
     lora.apply_lora(
         model, r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"), dropout=dropout

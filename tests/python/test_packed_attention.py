@@ -101,20 +101,11 @@ def test_enable_puts_it_in_place_of_sdpa_and_disable_restores():
 
 
 def _tiny(device, dtype, seed=0):
+    from test_graphs import TINY
     from test_hf import build
 
-    model = build(
-        "qwen3_moe",
-        seed=seed,
-        hidden_size=128,
-        head_dim=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        moe_intermediate_size=128,
-        max_position_embeddings=256,
-        output_router_logits=False,  # transformers recording router logits keeps layers off CUDA graphs
-    ).to(device, dtype)
+    # output_router_logits off: transformers recording router logits keeps layers off CUDA graphs
+    model = build("qwen3_moe", seed=seed, **TINY, output_router_logits=False).to(device, dtype)
     model.set_attn_implementation("sdpa")
     model.config.use_cache = False  # as training runs (with a cache transformers makes no per-document mask)
     return model
