@@ -1,4 +1,5 @@
-# cmake/cutlass.cmake — the Hopper kernels built on CUTLASS (csrc/cuda/grouped_gemm_sm90.cu, bf16/f16, and
+# cmake/cutlass.cmake — the Hopper kernels built on CUTLASS (csrc/cuda/grouped_gemm_sm90.cu, bf16/f16;
+# csrc/cuda/grouped_gemm_act_sm90.cu, the down projection's dgrad with the activation backward in its epilogue;
 # csrc/cuda/grouped_gemm_fp8_sm90.cu, FP8 blockwise).
 # Included from CMakeLists.txt after the moe8 target has its CUDA sources. CUTLASS is header-only and
 # comes, pinned, from the nvidia-cutlass wheel (its headers are under cutlass_library/source/include);
@@ -46,6 +47,7 @@ if(MOE8_WITH_CUDA AND NOT MOE8_CUTLASS STREQUAL "OFF")
     endif()
     # Only these files see CUTLASS. -DNDEBUG keeps CUTLASS's device-side asserts out of every build type.
     set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_sm90.cu"
+                                "${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_act_sm90.cu"
                                 "${PROJECT_SOURCE_DIR}/csrc/cuda/grouped_gemm_fp8_sm90.cu" PROPERTIES
       COMPILE_DEFINITIONS "MOE8_WITH_CUTLASS=1;NDEBUG"
       INCLUDE_DIRECTORIES "${MOE8_CUTLASS_DIR}")

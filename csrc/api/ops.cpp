@@ -422,10 +422,11 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
   }
 }
 
-void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
-                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
-                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
-                                bool check_indices) {
+namespace {
+// activation_backward_routed's arguments (the fused dgrad checks the same).
+void check_routed_backward(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                           const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                           const TensorView& a_w, const TensorView& d_weights, intptr_t stream, bool check_indices) {
   check_activation(h, p, dout, "dout");
   check_tensor("dh", dh, "h", h);
   check_same_dtype("dh", dh, "h", h);
@@ -443,11 +444,52 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
   check_dtype("row_to_slot", row_to_slot, {DType::kI32});
   check_shape("row_to_slot", row_to_slot, {h.size(0)});
   if (checks_values(check_indices, row_to_slot)) check_range("row_to_slot", row_to_slot, -1, weights.size(0), stream);
+}
+}  // namespace
+
+void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
+                                const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
+                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
+                                bool check_indices) {
+  check_routed_backward(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, stream, check_indices);
   if (on_cuda(h, "activation_backward_routed")) {
     cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream));
   } else {
     cpu::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights);
   }
+}
+
+bool grouped_gemm_act_backward(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                               const TensorView& h, const TensorView& weights, const TensorView& row_to_slot,
+                               const ActParams& p, const TensorView& dh, const TensorView& a_w,
+                               const TensorView& partials, const TensorView& d_weights, intptr_t stream,
+                               bool check_indices, const TensorView& workspace) {
+  check_float_matrix("a", a);
+  const int64_t R = a.size(0), Kd = a.size(1);
+  const int64_t E = check_expert_weights("b", b, offsets, layout, -1, Kd, "a", a);
+  check_same_dtype("b", b, "a", a);
+  const int64_t N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
+  check_tensor("a_w", a_w, "a", a);
+  check_same_dtype("a_w", a_w, "a", a);
+  check_shape("a_w", a_w, {R, N});
+  check_tensor("h", h, "a", a);
+  check_same_dtype("h", h, "a", a);
+  check_shape("h", h, {R, -1});
+  check_tensor("partials", partials, "a", a);
+  check_dtype("partials", partials, {DType::kF32});
+  check_shape("partials", partials, {R, cuda::grouped_gemm_act_backward_sm90_parts(N)});
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
+  check_routed_backward(h, a_w, weights, row_to_slot, p, dh, a_w, d_weights, stream, check_indices);
+  const bool fused = on_cuda(a, "grouped_gemm_act_backward") && layout == WeightLayout::kKN &&
+                     usable_workspace(workspace, a, E) && cuda::grouped_gemm_act_backward_sm90_supported(a, b, h);
+  if (fused) {
+    cuda::grouped_gemm_act_backward_sm90(a, b, offsets, h, weights, row_to_slot, p, dh, a_w, partials, d_weights,
+                                         workspace.data, workspace.numel(), as_ptr(stream));
+  } else {  // checked above
+    grouped_gemm(a, b, offsets, layout, TensorView{}, a_w, stream, false, workspace);
+    activation_backward_routed(h, a_w, weights, row_to_slot, p, dh, a_w, d_weights, stream, false);
+  }
+  return fused;
 }
 
 }  // namespace moe8::api

@@ -89,6 +89,19 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
                                 const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
                                 bool check_indices = true);
 
+// The down projection's input gradient followed by the routed activation backward:
+//   a_w = grouped_gemm(a, b, offsets, layout); activation_backward_routed(h, a_w, weights, row_to_slot, p, dh,
+//   a_w, d_weights)
+// (a [R, Kd] the unweighted rows of dy, b the down weight, a_w [R, N]; the rest as activation_backward_routed;
+// partials [R, grouped_gemm_act_backward_sm90_parts(N)] float32 scratch). On an sm_90a GPU, bfloat16 with the
+// kKN layout and `workspace`, one GEMM does both (the activation backward in its epilogue: the same bits for
+// a_w and dh, d_weights summed in another order); elsewhere the two calls run. Returns whether it was fused.
+bool grouped_gemm_act_backward(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
+                               const TensorView& h, const TensorView& weights, const TensorView& row_to_slot,
+                               const ActParams& p, const TensorView& dh, const TensorView& a_w,
+                               const TensorView& partials, const TensorView& d_weights, intptr_t stream,
+                               bool check_indices = true, const TensorView& workspace = TensorView{});
+
 // ---- cross-entropy rows (api/loss.cpp; semantics: cpu/ops.h): the LM loss of logits [n, V] against target
 // [n] int64 (ids in [0, V) or ignore_index) -> loss [n] float32, each logits row overwritten with its
 // gradient softmax - onehot (0 for ignored rows; NaN loss and gradient for an id out of range). ---------

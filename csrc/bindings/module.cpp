@@ -10,6 +10,7 @@
 #include "api/ops.h"
 #include "bindings/view.h"
 #include "core/error.h"
+#include "cuda/grouped_gemm_sm90.h"
 
 namespace nb = nanobind;
 using moe8::TensorView;
@@ -213,6 +214,21 @@ NB_MODULE(_C, m) {
       nb::arg("h"), nb::arg("dout"), nb::arg("weights"), nb::arg("row_to_slot"), nb::arg("kind"),
       nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("dh"), nb::arg("a_w"), nb::arg("d_weights"),
       nb::arg("stream") = 0, nb::arg("check_indices") = true);
+  m.def(
+      "grouped_gemm_act_backward",
+      [](Array a, Array b, Array offsets, int layout, Array h, Array weights, Array row_to_slot, int kind,
+         bool interleaved, float alpha, float limit, Array dh, Array a_w, Array partials, Array d_weights,
+         intptr_t stream, bool check_indices, OptArray workspace) {
+        return moe8::api::grouped_gemm_act_backward(V(a), V(b), V(offsets), layout_of(layout), V(h), V(weights),
+                                                    V(row_to_slot), act_params(kind, interleaved, alpha, limit), V(dh),
+                                                    V(a_w), V(partials), V(d_weights), stream, check_indices,
+                                                    V(workspace));
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"), nb::arg("h"), nb::arg("weights"),
+      nb::arg("row_to_slot"), nb::arg("kind"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
+      nb::arg("dh"), nb::arg("a_w"), nb::arg("partials"), nb::arg("d_weights"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def("grouped_gemm_act_backward_parts", &moe8::cuda::grouped_gemm_act_backward_sm90_parts, nb::arg("n"));
   m.def(
       "cross_entropy_rows",
       [](Array logits, Array target, int64_t ignore_index, Array loss, intptr_t stream) {

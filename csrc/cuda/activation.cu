@@ -5,8 +5,8 @@
 // of columns (tile blockIdx.y), narrow rows stacking several to a block; each thread computes V consecutive
 // outputs, moving 16-byte packs (V = 8 for bf16/f16, 4 for
 // f32) when I and the pointers allow it, single elements otherwise. Math in fp32, one formula per kind in
-// act_forward (activation.cuh, shared with swiglu_quant) / act_backward, written in the CPU reference's order
-// of operations; the layout of gate and up is resolved once per pack in load_inputs.
+// act_forward / act_backward (activation.cuh, shared with swiglu_quant and the fused dgrad epilogue), written in
+// the CPU reference's order of operations; the layout of gate and up is resolved once per pack in load_inputs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,53 +21,6 @@ namespace moe8::cuda {
 namespace {
 
 constexpr int kMaxThreads = kRowwiseThreads;
-
-// d: upstream gradient of the output -> dg, du (du is 0 when ungated).
-__device__ __forceinline__ void act_backward(const ActParams& p, float g, float u, float d, float& dg, float& du) {
-  switch (p.kind) {
-    case ActKind::kSwiGLU: {
-      const float s = sigmoidf(g);
-      dg = d * u * s * (1.f + g * (1.f - s));
-      du = d * g * s;
-      break;
-    }
-    case ActKind::kSwiGLUClamped: {
-      // The clamps pass gradient where the input lay inside the bounds, bounds included (torch.clamp).
-      const float gc = clamp_max(g, p.limit), uc = clamp_both(u, -p.limit, p.limit);
-      const float s = sigmoidf(p.alpha * gc);
-      dg = g <= p.limit ? d * (uc + 1.f) * s * (1.f + p.alpha * gc * (1.f - s)) : 0.f;
-      du = (u >= -p.limit && u <= p.limit) ? d * (gc * s) : 0.f;
-      break;
-    }
-    case ActKind::kSiLU: {
-      const float s = sigmoidf(g);
-      dg = d * s * (1.f + g * (1.f - s));
-      du = 0.f;
-      break;
-    }
-    default: {  // kGELU: d/dg [g Phi(g)] = Phi(g) + g phi(g)
-      const float cdf = 0.5f * (1.f + erff(g * kSqrtHalf));
-      const float pdf = 0.39894228040143268f * expf(-0.5f * g * g);  // 1 / sqrt(2 pi)
-      dg = d * (cdf + g * pdf);
-      du = 0.f;
-      break;
-    }
-  }
-}
-
-// act_forward and act_backward at once (the routed backward needs both): SwiGLU's sigmoid computed once,
-// the same floats as the two calls.
-__device__ __forceinline__ float act_value_and_grad(const ActParams& p, float g, float u, float d, float& dg,
-                                                    float& du) {
-  if (p.kind == ActKind::kSwiGLU) {
-    const float s = sigmoidf(g);
-    dg = d * u * s * (1.f + g * (1.f - s));
-    du = d * g * s;
-    return g * s * u;
-  }
-  act_backward(p, g, u, d, dg, du);
-  return act_forward(p, g, u);
-}
 
 // Element offsets, within row r of h, of the gate and up packs for outputs i0 .. i0+V-1. Interleaved:
 // the 2V inputs [g, u, g, u, ...] start at 2 * i0 and are read as two packs.

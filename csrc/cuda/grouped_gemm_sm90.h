@@ -48,6 +48,25 @@ void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_sl
                                 const TensorView& offsets, const TensorView& c, void* workspace, size_t workspace_bytes,
                                 void* stream);
 
+// Whether grouped_gemm_act_backward_sm90 can run: as grouped_gemm_sm90_supported for a [R, H] and b [E, H, I]
+// (kKN), a, b and h bfloat16, h contiguous, and a shape the 128x256 tiles serve (the heuristics' large or solo
+// tile; few rows per expert take the small tile, which this kernel does not have).
+bool grouped_gemm_act_backward_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& h);
+
+// Tiles along I of that kernel (256 wide): partials has this many columns.
+inline int grouped_gemm_act_backward_sm90_parts(int64_t n) { return static_cast<int>((n + 255) / 256); }
+
+// The down projection's input gradient and the routed activation backward in one kernel (and a small one after
+// it): g = a[r] · b[e] in the epilogue goes through activation_backward_routed (cuda/ops.h) without reaching
+// memory: a_w [R, I] = w * act(h), dh like h (may be h), d_weights[slot] = <act(h[r]), g[r]> (the caller zeroes
+// it; slots no row maps to keep it), partials [R, parts] float32 scratch. Rows past offsets[E]: a_w and dh zero.
+// The same bits as grouped_gemm_sm90 then activation_backward_routed for a_w and dh; d_weights in another order.
+void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets,
+                                    const TensorView& h, const TensorView& weights, const TensorView& row_to_slot,
+                                    const ActParams& p, const TensorView& dh, const TensorView& a_w,
+                                    const TensorView& partials, const TensorView& d_weights, void* workspace,
+                                    size_t workspace_bytes, void* stream);
+
 // The routing-balance hint the weight gradient consults for many experts (grouped_gemm_sm90.cu): whether
 // the offsets of recent calls on this device had their largest group within 1.25x the mean. Hands these
 // offsets [E + 1] (int32, on the device) over as grouped_gemm_wgrad_sm90 does (an asynchronous copy, read

@@ -189,9 +189,8 @@ def experts_forward(
     Unsafe only in what it computes: unchecked ids out of range on a GPU join no expert (their slots add
     nothing), never a read or write outside a tensor. Ids on the CPU are always checked (no sync there).
     Every bad argument raises TypeError (dtype) or ValueError (shape, device, value) naming it.
-    config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, gather_in_gemm, fused_lora_add, fp8,
-    check_ids); default
-    moe8.config.DEFAULT.
+    config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, gather_in_gemm, fused_act_dgrad,
+    fused_lora_add, fp8, check_ids); default moe8.config.DEFAULT.
     """
     if check_ids is None:
         check_ids = True if config is None else config.check_ids
@@ -220,7 +219,17 @@ def experts_forward(
     consume = cfg.consume_gate_up
     if cfg.routed_down and lora is None and down_bias is None:  # neither activations nor expert outputs kept
         return fused.activation_down_combine(
-            h, down, offsets, lay, w, slot_to_row, row_to_slot, *act_args, consume, prec_down
+            h,
+            down,
+            offsets,
+            lay,
+            w,
+            slot_to_row,
+            row_to_slot,
+            *act_args,
+            consume,
+            prec_down,
+            cfg.fused_act_dgrad,
         )
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
         o = fused.activation_linear(h, down, offsets, lay, down_bias, *act_args, consume, prec_down)

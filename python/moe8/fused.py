@@ -22,7 +22,7 @@ from torch import Tensor
 
 from . import _checks as _c
 from ._core import C as _C
-from ._core import make_direct
+from ._core import make_direct, sm90_workspace
 from ._core import stream as _stream
 from .ops import activation, activation_grad, combine_rows, gather_rows
 from .precision import BF16, Precision, add_bias, from_code
@@ -355,6 +355,95 @@ def _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, dh) 
     return d_weights
 
 
+# ------------------------------------- the down projection's dgrad with the routed activation backward
+@torch.library.custom_op("moe8::dgrad_activation_backward", mutates_args=())
+def dgrad_activation_backward(
+    rows: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int,
+    h: Tensor,
+    weights: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """activation_backward_routed(h, ops.grouped_gemm(rows, w, offsets, layout), weights, row_to_slot, ...) in
+    one call: on an sm_90a GPU (bf16, layout 1) the activation backward runs in the GEMM's epilogue, so d act
+    [R, I] is never written and read back (the same bits for d h and w * act(h); the weights' gradient summed
+    in another order). rows [R, H], w the down weight as the dgrad reads it. Returns (w * act(h) [R, I], d h,
+    d weights [T, K] f32)."""
+    dh = torch.empty_like(h)
+    a_w, d_weights = _dgrad_routed(
+        rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit, dh
+    )
+    return a_w, dh, d_weights
+
+
+@dgrad_activation_backward.register_fake
+def _(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit):
+    n = w.shape[1] if layout == 0 else w.shape[2]
+    return rows.new_empty(rows.shape[0], n), torch.empty_like(h), weights.new_empty(weights.shape)
+
+
+@torch.library.custom_op("moe8::dgrad_activation_backward_", mutates_args=("h",))
+def dgrad_activation_backward_(
+    rows: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    layout: int,
+    h: Tensor,
+    weights: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor]:
+    """dgrad_activation_backward with d h written over h; returns (w * act(h), d weights)."""
+    return _dgrad_routed(
+        rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit, h
+    )
+
+
+@dgrad_activation_backward_.register_fake
+def _(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit):
+    n = w.shape[1] if layout == 0 else w.shape[2]
+    return rows.new_empty(rows.shape[0], n), weights.new_empty(weights.shape)
+
+
+def _dgrad_routed(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit, dh):
+    n = w.shape[1] if layout == 0 else w.shape[2]
+    a_w = rows.new_empty(rows.shape[0], n)
+    partials = torch.empty(
+        rows.shape[0], _C.grouped_gemm_act_backward_parts(n), dtype=torch.float32, device=rows.device
+    )
+    d_weights = torch.zeros_like(weights)  # slots no row maps to (ids of -1) keep their 0
+    _C.grouped_gemm_act_backward(
+        rows,
+        w,
+        offsets,
+        layout,
+        h,
+        weights.reshape(-1),
+        row_to_slot,
+        kind,
+        interleaved,
+        alpha,
+        limit,
+        dh,
+        a_w,
+        partials,
+        d_weights.view(-1),
+        _stream(rows),
+        False,
+        sm90_workspace(rows, w.shape[0]),
+    )
+    return a_w, d_weights
+
+
 def routed_down_backward(
     h: Tensor,
     g: Tensor,
@@ -366,20 +455,30 @@ def routed_down_backward(
     dgrad,
     wgrad,
     need_w: bool,
+    down: Optional[tuple] = None,
 ) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """Backward of y = combine(grouped_gemm(activation(h), W), weights) with the routing weights applied after
     the down projection's dgrad: the rows of dy are gathered unweighted, dgrad(rows) = rows · W^T gives d act
     of the unweighted outputs, and one pass (activation_backward_routed) recomputes act(h) and writes d h,
     w * act(h) over d act, and the weights' gradient <act(h), d act> (= <o, dy>: o is not kept from the forward).
-    wgrad(a_w, rows) is then W's gradient. Returns (d h, d W or None, d weights [T, K] f32)."""
+    down (W, offsets, its dgrad's layout): the dgrad is the bf16 GEMM, and it runs with that pass in one call
+    (dgrad_activation_backward). wgrad(a_w, rows) is then W's gradient. Returns (d h, d W or None, d weights
+    [T, K] f32)."""
     rows = gather_rows(g, row_to_slot, weights.shape[1], None, slot_to_row.view(-1))  # [R, H] unweighted
-    d_act = dgrad(rows)  # [R, I]
-    if consume_h:
-        d_weights = activation_backward_routed_(h, d_act, weights, row_to_slot, *act)
-        dh = h
+    if down is not None:
+        if consume_h:
+            a_w, d_weights = dgrad_activation_backward_(rows, *down, h, weights, row_to_slot, *act)
+            dh = h
+        else:
+            a_w, dh, d_weights = dgrad_activation_backward(rows, *down, h, weights, row_to_slot, *act)
     else:
-        dh, d_weights = activation_backward_routed(h, d_act, weights, row_to_slot, *act)
-    dw = wgrad(d_act, rows) if need_w else None  # d_act now holds w * act(h)
+        a_w = dgrad(rows)  # [R, I] d act, then w * act(h) written over it
+        if consume_h:
+            d_weights = activation_backward_routed_(h, a_w, weights, row_to_slot, *act)
+            dh = h
+        else:
+            dh, d_weights = activation_backward_routed(h, a_w, weights, row_to_slot, *act)
+    dw = wgrad(a_w, rows) if need_w else None
     return dh, dw, d_weights
 
 
@@ -402,6 +501,7 @@ def _activation_down_combine(
     alpha: float,
     limit: float,
     consume_h: bool,
+    fuse_dgrad: bool,
 ) -> Tensor:
     act = (kind, interleaved, alpha, limit)
     o = from_code(precision).act_forward(h, w, (w_q, w_scale, w_row_scale), offsets, layout, act)
@@ -414,8 +514,16 @@ def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, precision, weights, *res
 
 
 def _adc_setup(ctx, inputs, output):
-    h, w, _, _, _, offsets, layout, precision, weights, slot_to_row, row_to_slot, *act, consume_h = inputs
-    ctx.layout, ctx.precision, ctx.act, ctx.consume_h = layout, precision, act, consume_h
+    h, w, _, _, _, offsets, layout, precision, weights, slot_to_row, row_to_slot, *act, consume_h, fuse = (
+        inputs
+    )
+    ctx.layout, ctx.precision, ctx.act, ctx.consume_h, ctx.fuse_dgrad = (
+        layout,
+        precision,
+        act,
+        consume_h,
+        fuse,
+    )
     ctx.save_for_backward(h, w, offsets, weights, row_to_slot, slot_to_row)
 
 
@@ -435,8 +543,9 @@ def _adc_bwd(ctx, g):
         lambda rows: prec.dgrad(rows, w, offsets, lay, g_rows),
         lambda a_w, rows: prec.wgrad(a_w, rows, w, offsets, lay)[0],
         ctx.needs_input_grad[1],
+        (w.contiguous(), offsets, 1 - lay) if ctx.fuse_dgrad and prec is BF16 else None,
     )
-    return (dh, dw) + (None,) * 6 + (d_weights,) + (None,) * 7
+    return (dh, dw) + (None,) * 6 + (d_weights,) + (None,) * 8
 
 
 _activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
@@ -456,14 +565,16 @@ def activation_down_combine(
     limit: float,
     consume_h: bool,
     precision: Precision = BF16,
+    fuse_dgrad: bool = False,
 ) -> Tensor:
     """combine(grouped_gemm(activation(h), w, offsets, layout), weights, ...) (the experts' down projection
     without a bias, and the weighted sum back to tokens) in `precision`: h [R, 2I], weights [T, K] f32 ->
     y [T, H]. Keeps neither the activations nor the expert outputs for the backward (routed_down_backward):
     one [R, H] and one [R, I] tensor less held, and no separate pass for the weights' gradient. consume_h: as
-    in activation_linear (d h written over h)."""
+    in activation_linear (d h written over h). fuse_dgrad: in bf16, the backward's dgrad and activation
+    backward run as one call (dgrad_activation_backward)."""
     wq = precision.quantized(w, layout)
-    act = (int(kind), bool(interleaved), float(alpha), float(limit), bool(consume_h))
+    act = (int(kind), bool(interleaved), float(alpha), float(limit), bool(consume_h), bool(fuse_dgrad))
     return _activation_down_combine(
         h.contiguous(), w, *wq, offsets, layout, precision.code, weights, slot_to_row, row_to_slot, *act
     )

@@ -200,11 +200,37 @@ def test_opcheck():
         (
             moe8.fused._activation_down_combine,
             (torch.randn(24, 12), torch.randn(4, 8, 6), None, None, None, offsets, 0, -1, torch.rand(12, 2))
-            + (s2r, r2s, 0, False, 1.702, 7.0, False),
+            + (s2r, r2s, 0, False, 1.702, 7.0, False, True),
         ),
         (
             moe8.fused.activation_backward_routed,
             (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0),
+        ),
+        (
+            moe8.fused.dgrad_activation_backward,
+            (
+                torch.randn(24, 8),
+                torch.randn(4, 8, 6),
+                offsets,
+                1,
+                torch.randn(24, 12),
+                torch.rand(12, 2),
+                r2s,
+            )
+            + (0, False, 1.702, 7.0),
+        ),
+        (
+            moe8.fused.dgrad_activation_backward_,
+            (
+                torch.randn(24, 8),
+                torch.randn(4, 8, 6),
+                offsets,
+                1,
+                torch.randn(24, 12),
+                torch.rand(12, 2),
+                r2s,
+            )
+            + (0, False, 1.702, 7.0),
         ),
         (
             moe8.ops.grouped_lowrank_add,
