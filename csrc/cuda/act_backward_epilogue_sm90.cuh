@@ -23,8 +23,7 @@
 #include "cuda/common.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
-#include "cutlass/numeric_conversion.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"  // the sm90 epilogue visitors, in their order
 
 namespace moe8::cuda::sm90 {
 
@@ -79,9 +78,16 @@ struct Sm90RoutedActBackward {
 
   template <class CTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor c, Residue res, Params const& p, int first_m, int first_n,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor c, Residue res, Params const& p, int first_m, int first_n, int M,
                                           int64_t row0, int n_tile)
-        : tCcD(c), residue(res), p(p), first_m(first_m), first_n(first_n), row0(row0), n_tile(n_tile) {}
+        : tCcD(c), residue(res), p(p), first_m(first_m), first_n(first_n), row0(row0), n_tile(n_tile) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < 2; ++s) {  // the thread's two rows: first_m (bit 3 clear) and first_m + 8
+        valid[s] = first_m + 8 * s < M;
+        const int32_t given = valid[s] ? p.row_to_slot[row0 + first_m + 8 * s] : -1;
+        w_of[s] = given >= 0 && given < p.num_slots ? p.weights[given] : 0.f;
+      }
+    }
 
     CTensor tCcD;     // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates from the thread's first element
     Residue residue;  // the group's (M, N) less the thread's first element
@@ -89,41 +95,96 @@ struct Sm90RoutedActBackward {
     int first_m, first_n;  // the thread's first element in the group's (M, N)
     int64_t row0;          // the group's first row
     int n_tile;
+    bool valid[2];
+    float w_of[2];
     float dot[2] = {0.f, 0.f};
-    int row_of[2] = {-1, -1};  // the group-relative row of each sum (-1: none seen)
-    float w_of[2] = {0.f, 0.f};
+
+    // Outputs j and j + 1 (V = 2, j even) or j alone (V = 1) of row m (slot s of the thread's two).
+    template <int V>
+    CUTLASS_DEVICE void one(const float (&acc)[V], float (&out)[V], int s, int m, int j) {
+      const float w = w_of[s];
+      const int64_t cols = p.gated ? 2 * p.I : p.I;
+      const int64_t base = (row0 + m) * cols;
+      const bool pairs = p.gated && p.act.interleaved;  // [g0, u0, g1, u1, ...]
+      const int64_t gi = base + (pairs ? 2 * j : j), ui = pairs ? gi + 1 : gi + p.I;
+      float gate[V], up[V], dg[V], du[V];
+      if (V == 2 && pairs) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p.h + gi);
+        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < V; ++t) gate[t] = to_float(e[2 * t]), up[t] = to_float(e[2 * t + 1]);
+      } else if (V == 2) {
+        const __nv_bfloat162 gv = *reinterpret_cast<const __nv_bfloat162*>(p.h + gi);
+        gate[0] = to_float(gv.x), gate[V - 1] = to_float(gv.y);
+        if (p.gated) {
+          const __nv_bfloat162 uv = *reinterpret_cast<const __nv_bfloat162*>(p.h + ui);
+          up[0] = to_float(uv.x), up[V - 1] = to_float(uv.y);
+        } else {
+          up[0] = up[V - 1] = 0.f;
+        }
+      } else {
+        gate[0] = to_float(p.h[gi]);
+        up[0] = p.gated ? to_float(p.h[ui]) : 0.f;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < V; ++t) {
+        const float g = to_float(from_float<__nv_bfloat16>(acc[t]));  // the bits the plain dgrad stores
+        const float a = act_value_and_grad(p.act, gate[t], up[t], w * g, dg[t], du[t]);
+        dot[s] += a * g;
+        out[t] = w * a;
+      }
+      if (V == 2 && pairs) {
+        uint2 v;
+        __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&v);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < V; ++t)
+          e[2 * t] = from_float<__nv_bfloat16>(dg[t]), e[2 * t + 1] = from_float<__nv_bfloat16>(du[t]);
+        *reinterpret_cast<uint2*>(p.dh + gi) = v;
+      } else if (V == 2) {
+        *reinterpret_cast<__nv_bfloat162*>(p.dh + gi) =
+            __nv_bfloat162(from_float<__nv_bfloat16>(dg[0]), from_float<__nv_bfloat16>(dg[V - 1]));
+        if (p.gated)
+          *reinterpret_cast<__nv_bfloat162*>(p.dh + ui) =
+              __nv_bfloat162(from_float<__nv_bfloat16>(du[0]), from_float<__nv_bfloat16>(du[V - 1]));
+      } else {
+        p.dh[gi] = from_float<__nv_bfloat16>(dg[0]);
+        if (p.gated) p.dh[ui] = from_float<__nv_bfloat16>(du[0]);
+      }
+    }
 
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
       using cute::_;
+      static_assert(FragmentSize % 2 == 0, "the accumulators come in pairs of columns");
       cutlass::Array<float, FragmentSize> out;
       auto c_mn = tCcD(_, _, _, epi_m, epi_n);
-      const int64_t cols = p.gated ? 2 * p.I : p.I;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const auto c = c_mn(epi_v * FragmentSize + i);
-        out[i] = 0.f;
-        if (!cute::elem_less(c, residue)) continue;
-        const int m = first_m + static_cast<int>(cute::get<0>(c)), j = first_n + static_cast<int>(cute::get<1>(c));
-        const int s = (m >> 3) & 1;
-        if (row_of[s] != m) {
-          row_of[s] = m;
-          const int32_t given = p.row_to_slot[row0 + m];
-          w_of[s] = given >= 0 && given < p.num_slots ? p.weights[given] : 0.f;
+      for (int i = 0; i < FragmentSize; i += 2) {
+        const auto c0 = c_mn(epi_v * FragmentSize + i), c1 = c_mn(epi_v * FragmentSize + i + 1);
+        const int m0 = static_cast<int>(cute::get<0>(c0)), n0 = static_cast<int>(cute::get<1>(c0));
+        const int m1 = static_cast<int>(cute::get<0>(c1)), n1 = static_cast<int>(cute::get<1>(c1));
+        const bool in0 = cute::elem_less(c0, residue), in1 = cute::elem_less(c1, residue);
+        out[i] = out[i + 1] = 0.f;
+        if (m0 == m1 && n1 == n0 + 1 && in0 && in1 && (first_n + n0) % 2 == 0) {
+          const float a[2] = {static_cast<float>(acc[i]), static_cast<float>(acc[i + 1])};
+          float o[2];
+          one<2>(a, o, (m0 >> 3) & 1, first_m + m0, first_n + n0);
+          out[i] = o[0], out[i + 1] = o[1];
+          continue;
         }
-        const float w = w_of[s];
-        const int64_t base = (row0 + m) * cols;
-        const int64_t gi = base + (p.gated && p.act.interleaved ? 2 * j : j);
-        const int64_t ui = p.act.interleaved ? gi + 1 : gi + p.I;
-        const float g = to_float(from_float<__nv_bfloat16>(static_cast<float>(acc[i])));
-        const float gate = to_float(p.h[gi]), up = p.gated ? to_float(p.h[ui]) : 0.f;
-        float dg, du;
-        const float a = act_value_and_grad(p.act, gate, up, w * g, dg, du);
-        dot[s] += a * g;
-        out[i] = w * a;
-        p.dh[gi] = from_float<__nv_bfloat16>(dg);
-        if (p.gated) p.dh[ui] = from_float<__nv_bfloat16>(du);
+        if (in0) {
+          const float a[1] = {static_cast<float>(acc[i])};
+          float o[1];
+          one<1>(a, o, (m0 >> 3) & 1, first_m + m0, first_n + n0);
+          out[i] = o[0];
+        }
+        if (in1) {
+          const float a[1] = {static_cast<float>(acc[i + 1])};
+          float o[1];
+          one<1>(a, o, (m1 >> 3) & 1, first_m + m1, first_n + n1);
+          out[i + 1] = o[0];
+        }
       }
       return out;
     }
@@ -135,7 +196,7 @@ struct Sm90RoutedActBackward {
         float v = dot[s];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (writer && row_of[s] >= 0) p.partials[(row0 + row_of[s]) * p.parts + n_tile] = v;
+        if (writer && valid[s]) p.partials[(row0 + first_m + 8 * s) * p.parts + n_tile] = v;
       }
     }
   };
@@ -152,7 +213,7 @@ struct Sm90RoutedActBackward {
     const int first_m = M - static_cast<int>(cute::get<0>(args.residue_tCcD));
     const int first_n = N - static_cast<int>(cute::get<1>(args.residue_tCcD));
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, params, first_m, first_n, begin, n_tile);
+        args.tCcD, args.residue_tCcD, params, first_m, first_n, M, begin, n_tile);
   }
 };
 

@@ -10,7 +10,7 @@
 
 #if defined(MOE8_WITH_CUTLASS)
 #include "cuda/act_backward_epilogue_sm90.cuh"
-#include "cuda/grouped_gemm_sm90_impl.cuh"  // first: CUTLASS's headers in their order
+#include "cuda/grouped_gemm_sm90_impl.cuh"
 #endif
 
 namespace moe8::cuda {
