@@ -45,6 +45,12 @@ def _separate(rows, w, offsets, h, weights, row_to_slot, act_args):
     return d_act, dh, d_weights
 
 
+def _close_sums(a, b):
+    """Two float32 sums of the same products in different orders: within their rounding (measured on an H200:
+    up to 1.6e-5 apart at 768 terms, where the largest sums are ~1-10)."""
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1.0))
+
+
 ACTS = [("swiglu", False), ("swiglu", True), ("swiglu_clamped", True), ("gelu", False)]
 
 
@@ -105,8 +111,8 @@ def test_dgrad_activation_backward_names_a_bad_partials():
 @pytest.mark.parametrize("act, interleaved", ACTS)
 def test_fused_epilogue_on_sm90_is_the_same_bits(H, I, act, interleaved):
     """At ~250 rows per expert the dgrad takes the 128x256 tiles, so the fused kernel runs (the binding says
-    so): w * act(h) and d h are the plain dgrad + pass's bits, the weights' gradient within float rounding of
-    its other order, rows past offsets[E] zero, and run-to-run the same bits."""
+    so): w * act(h) and d h are the plain dgrad + pass's bits in the groups' rows and zero past them, the
+    weights' gradient within float rounding of its other order, and run-to-run the same bits."""
     R = 1100
     rows, w, h, weights, row_to_slot, offsets = _problem(
         "cuda", torch.bfloat16, R, H, I, [0, 300, 300, 700, 1000], act, seed=11
@@ -140,10 +146,12 @@ def test_fused_epilogue_on_sm90_is_the_same_bits(H, I, act, interleaved):
     ran, a_w, dh, d_weights = run()
     assert ran, "the fused kernel did not run"
     a_ref, dh_ref, dw_ref = _separate(rows, w, offsets, h, weights, row_to_slot, act_args)
-    assert torch.equal(a_w, a_ref)
-    assert torch.equal(dh, dh_ref)
-    assert not dh[1000:].any() and not a_w[1000:].any()
-    torch.testing.assert_close(d_weights, dw_ref, rtol=1e-5, atol=1e-5)
+    end = int(
+        offsets[-1]
+    )  # rows past it are in no group: zero here, where the separate pass writes w * act(h)
+    assert torch.equal(a_w[:end], a_ref[:end]) and not a_w[end:].any()
+    assert torch.equal(dh, dh_ref) and not dh[end:].any()
+    _close_sums(d_weights, dw_ref)
     _, a2, dh2, dw2 = run()
     assert torch.equal(a2, a_w) and torch.equal(dh2, dh) and torch.equal(dw2, d_weights)
 
@@ -175,4 +183,4 @@ def test_experts_with_the_fused_dgrad_match_on_sm90(consume):
         assert torch.equal(a, b)
     for name, a, b in zip(["y", "d x", "d gate_up", "d down"], fused_run[:4], plain[:4]):
         assert torch.equal(a, b), name
-    torch.testing.assert_close(fused_run[4], plain[4], rtol=1e-5, atol=1e-5)
+    _close_sums(fused_run[4], plain[4])
