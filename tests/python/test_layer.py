@@ -206,32 +206,22 @@ def test_opcheck():
             moe8.fused.activation_backward_routed,
             (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0),
         ),
-        (
-            moe8.fused.dgrad_activation_backward,
+        *[
             (
-                torch.randn(24, 8),
-                torch.randn(4, 8, 6),
-                offsets,
-                1,
-                torch.randn(24, 12),
-                torch.rand(12, 2),
-                r2s,
+                op,
+                (
+                    torch.randn(24, 8),
+                    torch.randn(4, 8, 6),
+                    offsets,
+                    1,
+                    torch.randn(24, 12),
+                    torch.rand(12, 2),
+                    r2s,
+                )
+                + (0, False, 1.702, 7.0),
             )
-            + (0, False, 1.702, 7.0),
-        ),
-        (
-            moe8.fused.dgrad_activation_backward_,
-            (
-                torch.randn(24, 8),
-                torch.randn(4, 8, 6),
-                offsets,
-                1,
-                torch.randn(24, 12),
-                torch.rand(12, 2),
-                r2s,
-            )
-            + (0, False, 1.702, 7.0),
-        ),
+            for op in (moe8.fused.dgrad_activation_backward, moe8.fused.dgrad_activation_backward_)
+        ],
         (
             moe8.ops.grouped_lowrank_add,
             (torch.randn(24, 8), torch.randn(24, 2), torch.randn(4, 8, 2), offsets, 0),
