@@ -117,15 +117,24 @@ SONICMOE_NEEDS = (
 
 
 def _git_commit(path) -> str | None:
+    """HEAD of the git checkout whose top folder is `path`; None when `path` is not one (a source tree copied
+    into another repository would otherwise report that repository's commit)."""
     import subprocess
+    from pathlib import Path
 
     try:
         p = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20
+            ["git", "-C", str(path), "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return p.stdout.strip() if p.returncode == 0 else None
+    lines = p.stdout.split()
+    if p.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != Path(path).resolve():
+        return None
+    return lines[1]
 
 
 def sonicmoe_version() -> tuple[str | None, dict]:
