@@ -604,6 +604,9 @@ def test_bench_block_peers_pieces():
     if importlib.util.find_spec("sonicmoe") is None:
         why, info = peers.sonicmoe_version()
         assert "sonicmoe is not importable" in why and info == {}
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists():  # a folder inside a checkout is not one: its commit is not the package's
+        assert len(peers._git_commit(root)) == 40 and peers._git_commit(root / "bench") is None
     assert b.fp8_recipe("auto") == "auto"
     assert b.fp8_recipe("blockwise+dgrad") == moe8.fp8.Float8Recipe("blockwise", dgrad="fp8")
     for bad in ("blockwise+nope", "nope"):
