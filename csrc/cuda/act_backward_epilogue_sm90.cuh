@@ -99,102 +99,91 @@ struct Sm90RoutedActBackward {
     float w_of[2];
     float dot[2] = {0.f, 0.f};
 
-    // Where the pair of fragment elements i, i + 1 reads and writes h: their rows' slots among the thread's two,
-    // whether each is inside the group's (M, N), and whether the two are neighbours in one row (one 4- or 8-byte
-    // access for both).
-    struct Pair {
-      bool in0, in1, joint;
-      int s0, s1;
-      int64_t g0, u0, g1, u1;  // element offsets in h of each one's gate and up
-    };
-
-    template <class Coords>
-    CUTLASS_DEVICE Pair locate(Coords const& c_mn, int k) const {
-      const auto c0 = c_mn(k), c1 = c_mn(k + 1);
-      const int m0 = static_cast<int>(cute::get<0>(c0)), n0 = static_cast<int>(cute::get<1>(c0));
-      const int m1 = static_cast<int>(cute::get<0>(c1)), n1 = static_cast<int>(cute::get<1>(c1));
+    // Outputs j and j + 1 (V = 2, j even) or j alone (V = 1) of row m (slot s of the thread's two).
+    template <int V>
+    CUTLASS_DEVICE void one(const float (&acc)[V], float (&out)[V], int s, int m, int j) {
+      const float w = w_of[s];
       const int64_t cols = p.gated ? 2 * p.I : p.I;
+      const int64_t base = (row0 + m) * cols;
       const bool pairs = p.gated && p.act.interleaved;  // [g0, u0, g1, u1, ...]
-      Pair q;
-      q.in0 = cute::elem_less(c0, residue);
-      q.in1 = cute::elem_less(c1, residue);
-      q.joint = q.in0 && q.in1 && m0 == m1 && n1 == n0 + 1 && (first_n + n0) % 2 == 0;
-      q.s0 = (m0 >> 3) & 1;
-      q.s1 = (m1 >> 3) & 1;
-      q.g0 = (row0 + first_m + m0) * cols + (pairs ? 2 * (first_n + n0) : first_n + n0);
-      q.g1 = (row0 + first_m + m1) * cols + (pairs ? 2 * (first_n + n1) : first_n + n1);
-      q.u0 = pairs ? q.g0 + 1 : q.g0 + p.I;
-      q.u1 = pairs ? q.g1 + 1 : q.g1 + p.I;
-      return q;
+      const int64_t gi = base + (pairs ? 2 * j : j), ui = pairs ? gi + 1 : gi + p.I;
+      float gate[V], up[V], dg[V], du[V];
+      if (V == 2 && pairs) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p.h + gi);
+        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < V; ++t) gate[t] = to_float(e[2 * t]), up[t] = to_float(e[2 * t + 1]);
+      } else if (V == 2) {
+        const __nv_bfloat162 gv = *reinterpret_cast<const __nv_bfloat162*>(p.h + gi);
+        gate[0] = to_float(gv.x), gate[V - 1] = to_float(gv.y);
+        if (p.gated) {
+          const __nv_bfloat162 uv = *reinterpret_cast<const __nv_bfloat162*>(p.h + ui);
+          up[0] = to_float(uv.x), up[V - 1] = to_float(uv.y);
+        } else {
+          up[0] = up[V - 1] = 0.f;
+        }
+      } else {
+        gate[0] = to_float(p.h[gi]);
+        up[0] = p.gated ? to_float(p.h[ui]) : 0.f;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < V; ++t) {
+        const float g = to_float(from_float<__nv_bfloat16>(acc[t]));  // the bits the plain dgrad stores
+        const float a = act_value_and_grad(p.act, gate[t], up[t], w * g, dg[t], du[t]);
+        dot[s] += a * g;
+        out[t] = w * a;
+      }
+      if (V == 2 && pairs) {
+        uint2 v;
+        __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&v);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < V; ++t)
+          e[2 * t] = from_float<__nv_bfloat16>(dg[t]), e[2 * t + 1] = from_float<__nv_bfloat16>(du[t]);
+        *reinterpret_cast<uint2*>(p.dh + gi) = v;
+      } else if (V == 2) {
+        *reinterpret_cast<__nv_bfloat162*>(p.dh + gi) =
+            __nv_bfloat162(from_float<__nv_bfloat16>(dg[0]), from_float<__nv_bfloat16>(dg[V - 1]));
+        if (p.gated)
+          *reinterpret_cast<__nv_bfloat162*>(p.dh + ui) =
+              __nv_bfloat162(from_float<__nv_bfloat16>(du[0]), from_float<__nv_bfloat16>(du[V - 1]));
+      } else {
+        p.dh[gi] = from_float<__nv_bfloat16>(dg[0]);
+        if (p.gated) p.dh[ui] = from_float<__nv_bfloat16>(du[0]);
+      }
     }
 
-    // All of a fragment's loads of h are issued before any store to dh (which may be h), so they are in flight
-    // together rather than one after another.
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
       using cute::_;
       static_assert(FragmentSize % 2 == 0, "the accumulators come in pairs of columns");
-      const auto c_mn = tCcD(_, _, _, epi_m, epi_n);
-      const bool pairs = p.gated && p.act.interleaved;
-      float gate[FragmentSize], up[FragmentSize];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; i += 2) {
-        const Pair q = locate(c_mn, epi_v * FragmentSize + i);
-        gate[i] = up[i] = gate[i + 1] = up[i + 1] = 0.f;
-        if (q.joint && pairs) {
-          const uint2 v = *reinterpret_cast<const uint2*>(p.h + q.g0);
-          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-          gate[i] = to_float(e[0]), up[i] = to_float(e[1]), gate[i + 1] = to_float(e[2]), up[i + 1] = to_float(e[3]);
-        } else if (q.joint) {
-          const __nv_bfloat162 gv = *reinterpret_cast<const __nv_bfloat162*>(p.h + q.g0);
-          gate[i] = to_float(gv.x), gate[i + 1] = to_float(gv.y);
-          if (p.gated) {
-            const __nv_bfloat162 uv = *reinterpret_cast<const __nv_bfloat162*>(p.h + q.u0);
-            up[i] = to_float(uv.x), up[i + 1] = to_float(uv.y);
-          }
-        } else {
-          if (q.in0) gate[i] = to_float(p.h[q.g0]), up[i] = p.gated ? to_float(p.h[q.u0]) : 0.f;
-          if (q.in1) gate[i + 1] = to_float(p.h[q.g1]), up[i + 1] = p.gated ? to_float(p.h[q.u1]) : 0.f;
-        }
-      }
       cutlass::Array<float, FragmentSize> out;
+      auto c_mn = tCcD(_, _, _, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; i += 2) {
-        const Pair q = locate(c_mn, epi_v * FragmentSize + i);
-        float dg[2], du[2];
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < 2; ++t) {
-          const int s = t == 0 ? q.s0 : q.s1;
-          const float w = w_of[s];
-          const float g =
-              to_float(from_float<__nv_bfloat16>(static_cast<float>(acc[i + t])));  // the plain dgrad's bits
-          const float a = act_value_and_grad(p.act, gate[i + t], up[i + t], w * g, dg[t], du[t]);
-          const bool in = t == 0 ? q.in0 : q.in1;
-          if (in) dot[s] += a * g;
-          out[i + t] = in ? w * a : 0.f;
+        const auto c0 = c_mn(epi_v * FragmentSize + i), c1 = c_mn(epi_v * FragmentSize + i + 1);
+        const int m0 = static_cast<int>(cute::get<0>(c0)), n0 = static_cast<int>(cute::get<1>(c0));
+        const int m1 = static_cast<int>(cute::get<0>(c1)), n1 = static_cast<int>(cute::get<1>(c1));
+        const bool in0 = cute::elem_less(c0, residue), in1 = cute::elem_less(c1, residue);
+        out[i] = out[i + 1] = 0.f;
+        if (m0 == m1 && n1 == n0 + 1 && in0 && in1 && (first_n + n0) % 2 == 0) {
+          const float a[2] = {static_cast<float>(acc[i]), static_cast<float>(acc[i + 1])};
+          float o[2];
+          one<2>(a, o, (m0 >> 3) & 1, first_m + m0, first_n + n0);
+          out[i] = o[0], out[i + 1] = o[1];
+          continue;
         }
-        if (q.joint && pairs) {
-          uint2 v;
-          __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&v);
-          e[0] = from_float<__nv_bfloat16>(dg[0]), e[1] = from_float<__nv_bfloat16>(du[0]);
-          e[2] = from_float<__nv_bfloat16>(dg[1]), e[3] = from_float<__nv_bfloat16>(du[1]);
-          *reinterpret_cast<uint2*>(p.dh + q.g0) = v;
-        } else if (q.joint) {
-          *reinterpret_cast<__nv_bfloat162*>(p.dh + q.g0) =
-              __nv_bfloat162(from_float<__nv_bfloat16>(dg[0]), from_float<__nv_bfloat16>(dg[1]));
-          if (p.gated)
-            *reinterpret_cast<__nv_bfloat162*>(p.dh + q.u0) =
-                __nv_bfloat162(from_float<__nv_bfloat16>(du[0]), from_float<__nv_bfloat16>(du[1]));
-        } else {
-          if (q.in0) {
-            p.dh[q.g0] = from_float<__nv_bfloat16>(dg[0]);
-            if (p.gated) p.dh[q.u0] = from_float<__nv_bfloat16>(du[0]);
-          }
-          if (q.in1) {
-            p.dh[q.g1] = from_float<__nv_bfloat16>(dg[1]);
-            if (p.gated) p.dh[q.u1] = from_float<__nv_bfloat16>(du[1]);
-          }
+        if (in0) {
+          const float a[1] = {static_cast<float>(acc[i])};
+          float o[1];
+          one<1>(a, o, (m0 >> 3) & 1, first_m + m0, first_n + n0);
+          out[i] = o[0];
+        }
+        if (in1) {
+          const float a[1] = {static_cast<float>(acc[i + 1])};
+          float o[1];
+          one<1>(a, o, (m1 >> 3) & 1, first_m + m1, first_n + n1);
+          out[i + 1] = o[0];
         }
       }
       return out;
