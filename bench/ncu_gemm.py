@@ -7,6 +7,9 @@ rest of a benchmark:
 Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
+  act_dgrad_qwen3  Qwen3-30B-A3B down-projection dgrad with the routed activation backward in its epilogue
+                (moe8.fused.dgrad_activation_backward, the sm_90a fused kernel), then the plain dgrad and the
+                separate pass it replaces (activation_backward_routed)
   quant_deepseek  DeepSeek-V3's 1x128 row quantisations of an FP8 step (bench_layer.py: 3.4 ms of 57): the
                 tokens gathered into expert order and quantised (x [16384, 7168], top-8), the same token-major
                 (slot_to_row given: each token read and quantised once), d h [131072, 4096] quantised, then
@@ -23,7 +26,7 @@ from bench_gemm import balanced_cases  # this folder is on sys.path
 import moe8
 from moe8 import ops
 
-CASES = ("fp8_mixtral", "dgrad_qwen3", "quant_deepseek")
+CASES = ("fp8_mixtral", "dgrad_qwen3", "act_dgrad_qwen3", "quant_deepseek")
 
 
 def calls(case: str, device) -> list:
@@ -46,6 +49,23 @@ def calls(case: str, device) -> list:
             lambda: fp8.quantize_rows_1x128(x, row_to_slot, K, slot_to_row),
             lambda: fp8.quantize_rows_1x128(dh, None, 1),
             lambda: torch.index_select(x, 0, token),
+        ]
+    if case == "act_dgrad_qwen3":  # rows [131072, 2048] . w[e] [2048, 768], h [131072, 1536]
+        from moe8 import fused
+
+        R, H, I, E, K = 131072, 2048, 768, 128, 8
+        rows = torch.randn(R, H, device=device, dtype=torch.bfloat16)
+        w = torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * H**-0.5
+        h = torch.randn(R, 2 * I, device=device, dtype=torch.bfloat16)
+        offsets = torch.arange(0, R + 1, R // E, device=device, dtype=torch.int32)
+        weights = torch.rand(R // K, K, device=device)
+        row_to_slot = torch.randperm(R, device=device).int()
+        act = (ops.ACTIVATIONS["swiglu"], False, 1.702, 7.0)
+        d_act = ops.grouped_gemm(rows, w, offsets, 1, None)  # the pass writes w * act(h) over it: values only
+        return [
+            lambda: fused.dgrad_activation_backward(rows, w, offsets, 1, h, weights, row_to_slot, *act),
+            lambda: ops.grouped_gemm(rows, w, offsets, 1, None),
+            lambda: fused.activation_backward_routed(h, d_act, weights, row_to_slot, *act),
         ]
     # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
     mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]
