@@ -1,8 +1,9 @@
 // grouped_gemm_act_sm90.cu — the down projection's input gradient on Hopper with the routed activation
-// backward in the GEMM's epilogue (act_backward_epilogue_sm90.cuh): rows [R, H] · down[e] [H, I] never reach
-// memory as [R, I]; the epilogue writes w * act(h) (the weight gradient's operand), d h, and per-tile sums
-// of the routing weights' gradient, which finish_kernel adds up per row. bfloat16, the 128x256 cooperative
-// tiles (with and without the 1x2 cluster); the caller runs the plain dgrad and the separate pass elsewhere.
+// backward in the GEMM's epilogue (act_backward_epilogue_sm90.cuh): d act = rows [R, H] · down[e] [H, I] never
+// reaches memory; the epilogue writes w * act(h) (the weight gradient's operand), d h, and per-tile sums of the
+// routing weights' gradient, which finish_kernel adds up per row. bfloat16, the 128x256 cooperative tiles (with
+// and without the 1x2 cluster); the caller runs the plain dgrad and the separate pass elsewhere. Slower than
+// those two on the H200 today (docs/kernels.md), so Config.fused_act_dgrad is off by default.
 #include <cuda_runtime.h>
 
 #include "core/error.h"
