@@ -384,7 +384,7 @@ def dgrad_activation_backward(
 
 @dgrad_activation_backward.register_fake
 def _(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit):
-    n = w.shape[1] if layout == 0 else w.shape[2]
+    n = _out_cols(None, w, layout)
     return rows.new_empty(rows.shape[0], n), torch.empty_like(h), weights.new_empty(weights.shape)
 
 
@@ -410,12 +410,11 @@ def dgrad_activation_backward_(
 
 @dgrad_activation_backward_.register_fake
 def _(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit):
-    n = w.shape[1] if layout == 0 else w.shape[2]
-    return rows.new_empty(rows.shape[0], n), weights.new_empty(weights.shape)
+    return rows.new_empty(rows.shape[0], _out_cols(None, w, layout)), weights.new_empty(weights.shape)
 
 
 def _dgrad_routed(rows, w, offsets, layout, h, weights, row_to_slot, kind, interleaved, alpha, limit, dh):
-    n = w.shape[1] if layout == 0 else w.shape[2]
+    n = _out_cols(None, w, layout)
     a_w = rows.new_empty(rows.shape[0], n)
     partials = torch.empty(
         rows.shape[0], _C.grouped_gemm_act_backward_parts(n), dtype=torch.float32, device=rows.device
