@@ -10,6 +10,9 @@ Cases (balanced routing, 16,384 tokens):
   act_dgrad_qwen3  Qwen3-30B-A3B down-projection dgrad with the routed activation backward in its epilogue
                 (moe8.fused.dgrad_activation_backward, the sm_90a fused kernel), then the plain dgrad and the
                 separate pass it replaces (activation_backward_routed)
+  gathered_qwen3  Qwen3-30B-A3B up-projection forward with the rows read from x inside the GEMM
+                (moe8.ops.gathered_grouped_gemm, the gathered-rows mainloop), then the gather and the plain GEMM
+                it replaces
   quant_deepseek  DeepSeek-V3's 1x128 row quantisations of an FP8 step (bench_layer.py: 3.4 ms of 57): the
                 tokens gathered into expert order and quantised (x [16384, 7168], top-8), the same token-major
                 (slot_to_row given: each token read and quantised once), d h [131072, 4096] quantised, then
@@ -26,7 +29,7 @@ from bench_gemm import balanced_cases  # this folder is on sys.path
 import moe8
 from moe8 import ops
 
-CASES = ("fp8_mixtral", "dgrad_qwen3", "act_dgrad_qwen3", "quant_deepseek")
+CASES = ("fp8_mixtral", "dgrad_qwen3", "act_dgrad_qwen3", "gathered_qwen3", "quant_deepseek")
 
 
 def calls(case: str, device) -> list:
@@ -66,6 +69,18 @@ def calls(case: str, device) -> list:
             lambda: fused.dgrad_activation_backward(rows, w, offsets, 1, h, weights, row_to_slot, *act),
             lambda: ops.grouped_gemm(rows, w, offsets, 1, None),
             lambda: fused.activation_backward_routed(h, d_act, weights, row_to_slot, *act),
+        ]
+    if case == "gathered_qwen3":  # x [16384, 2048] gathered to [131072, 2048] . w[e] [1536, 2048]^T
+        T, H, I, E, K = 16384, 2048, 768, 128, 8
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        w = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * H**-0.5
+        ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)]).int()
+        _, offsets, row_to_slot, slot_to_row = ops.plan(ids, E, 1, False)
+        rows = ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1))
+        return [
+            lambda: ops.gathered_grouped_gemm(x, row_to_slot, K, slot_to_row, w, offsets, 0),
+            lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
+            lambda: ops.grouped_gemm(rows, w, offsets, 0, None),
         ]
     # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
     mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]

@@ -481,7 +481,7 @@ bool grouped_gemm_act_backward(const TensorView& a, const TensorView& b, const T
   if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
   check_routed_backward(h, a_w, weights, row_to_slot, p, dh, a_w, d_weights, stream, check_indices);
   const bool fused = on_cuda(a, "grouped_gemm_act_backward") && layout == WeightLayout::kKN &&
-                     usable_workspace(workspace, a, E) && cuda::grouped_gemm_act_backward_sm90_supported(a, b, h);
+                     usable_workspace(workspace, a, E) && cuda::grouped_gemm_act_backward_sm90_supported(a, b, h, p);
   if (fused) {
     cuda::grouped_gemm_act_backward_sm90(a, b, offsets, h, weights, row_to_slot, p, dh, a_w, partials, d_weights,
                                          workspace.data, workspace.numel(), as_ptr(stream));

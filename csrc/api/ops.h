@@ -93,10 +93,10 @@ void activation_backward_routed(const TensorView& h, const TensorView& dout, con
 //   a_w = grouped_gemm(a, b, offsets, layout); activation_backward_routed(h, a_w, weights, row_to_slot, p, dh,
 //   a_w, d_weights)
 // (a [R, Kd] the unweighted rows of dy, b the down weight, a_w [R, N]; the rest as activation_backward_routed;
-// partials [R, grouped_gemm_act_backward_sm90_parts(N)] float32 scratch). On an sm_90a GPU, bfloat16 with the
-// kKN layout and `workspace`, one GEMM does both (the activation backward in its epilogue: the same bits for
-// a_w and dh, d_weights summed in another order, and a_w's rows past offsets[E], which are in no group, zero
-// where the two calls write w * act(h)); elsewhere the two calls run. Returns whether it was fused.
+// partials [R, grouped_gemm_act_backward_sm90_parts(N)] float32 scratch). On an sm_90a GPU, SwiGLU with h as
+// [gate | up], bfloat16 with the kKN layout and `workspace`, one GEMM does both (the activation backward in its
+// epilogue: the same bits for a_w and dh, d_weights summed in another order, and a_w's rows past offsets[E], which are
+// in no group, zero where the two calls write w * act(h)); elsewhere the two calls run. Returns whether it was fused.
 bool grouped_gemm_act_backward(const TensorView& a, const TensorView& b, const TensorView& offsets, WeightLayout layout,
                                const TensorView& h, const TensorView& weights, const TensorView& row_to_slot,
                                const ActParams& p, const TensorView& dh, const TensorView& a_w,

@@ -66,16 +66,18 @@ __device__ __forceinline__ void act_backward(const ActParams& p, float g, float 
   }
 }
 
-// act_forward and act_backward at once (the routed backward needs both): SwiGLU's sigmoid computed once,
-// the same floats as the two calls.
+// SwiGLU's act_forward and act_backward at once, its sigmoid computed once: the same floats as the two calls.
+__device__ __forceinline__ float swiglu_value_and_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = sigmoidf(g);
+  dg = d * u * s * (1.f + g * (1.f - s));
+  du = d * g * s;
+  return g * s * u;
+}
+
+// act_forward and act_backward at once (the routed backward needs both).
 __device__ __forceinline__ float act_value_and_grad(const ActParams& p, float g, float u, float d, float& dg,
                                                     float& du) {
-  if (p.kind == ActKind::kSwiGLU) {
-    const float s = sigmoidf(g);
-    dg = d * u * s * (1.f + g * (1.f - s));
-    du = d * g * s;
-    return g * s * u;
-  }
+  if (p.kind == ActKind::kSwiGLU) return swiglu_value_and_grad(g, u, d, dg, du);
   act_backward(p, g, u, d, dg, du);
   return act_forward(p, g, u);
 }

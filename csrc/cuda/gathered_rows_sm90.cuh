@@ -46,6 +46,7 @@ struct GatheredRowsMainloop : Base {
   static constexpr int kChunkElems = 16 / sizeof(ElementA);  // one cp.async: 16 bytes
   static constexpr int kChunks = kBlockK / kChunkElems;      // 16-byte chunks of a row of a stage
   static constexpr int kRowsPerLane = kBlockM / 16;          // two lanes a row: rows lane / 2 + 16 j
+  static constexpr uint32_t kNoRow = 0xffffffffu;            // a row offset: no token (zero-filled)
   static_assert(kBlockM % 16 == 0 && kChunks % 2 == 0, "the producer warp's lane pairs take the tile's rows");
   static_assert(kBlockK * sizeof(ElementA) == 128, "one row of a stage is one 128-byte swizzle row");
   static_assert(cute::size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1,
@@ -109,15 +110,19 @@ struct GatheredRowsMainloop : Base {
     end = end < begin ? begin : (end > params.rows ? params.rows : end);
     // This lane's rows of the tile, lane / 2 + 16 j, and their tokens (-1: none, zero-filled); the two lanes of a
     // row take alternate 16-byte chunks, so each copy instruction reads 16 whole 32-byte sectors.
+    // Each row is kept as one 32-bit element offset into x (token * kd; kNoRow for none; x's elements are within
+    // 32 bits, grouped_gemm_gathered_sm90_supported): the producer warp runs on 40 registers, and 64-bit source
+    // addresses per row and chunk, hoisted out of the k loop, spilled (ncu: ~15 M local-memory requests at the
+    // Qwen3-30B-A3B up projection's shape).
     const auto* x = static_cast<const ElementA*>(params.x);
     const int half = lane % 2;
-    int32_t token[kRowsPerLane];
+    uint32_t row_off[kRowsPerLane];
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerLane; ++j) {
       const int64_t r = begin + static_cast<int64_t>(m_coord) * kBlockM + lane / 2 + 16 * j;
       const int32_t slot = r < end ? params.row_to_slot[r] : -1;
       const int32_t t = slot >= 0 ? slot / params.top_k : -1;
-      token[j] = t < params.tokens ? t : -1;
+      row_off[j] = t >= 0 && t < params.tokens ? static_cast<uint32_t>(t) * static_cast<uint32_t>(params.kd) : kNoRow;
     }
 
     Tensor gB_nkl = get<1>(load_inputs);
@@ -137,17 +142,26 @@ struct GatheredRowsMainloop : Base {
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      const int64_t col0 = static_cast<int64_t>(*k_tile_iter) * kBlockK;
+      const int col0 = *k_tile_iter * kBlockK + half * kChunkElems;  // this lane's first chunk
+      const ElementA* x_col = x + col0;
       const uint32_t stage_a = smem_a + static_cast<uint32_t>(stage * kBlockM * kBlockK * sizeof(ElementA));
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kRowsPerLane; ++j) {
+        const bool row = row_off[j] != kNoRow;
+        // The row's source, x_col + row_off (bytes: mad.wide), made here in each k step: volatile, so the 64-bit
+        // address is not hoisted and kept live across the loop.
+        const ElementA* src_row;
+        asm volatile("mad.wide.u32 %0, %1, %2, %3;\n"
+                     : "=l"(src_row)
+                     : "r"(row ? row_off[j] : 0u), "r"(static_cast<uint32_t>(sizeof(ElementA))), "l"(x_col));
         const uint32_t row_dst = stage_a + (lane / 2 + 16 * j) * (kBlockK * sizeof(ElementA));
         CUTLASS_PRAGMA_UNROLL
         for (int pair = 0; pair < kChunks / 2; ++pair) {
           const int c = 2 * pair + half;
-          const int64_t col = col0 + c * kChunkElems;
-          const bool valid = token[j] >= 0 && col < params.kd;
-          const ElementA* src = valid ? x + static_cast<int64_t>(token[j]) * params.kd + col : x;
+          // invalid: no bytes read (src-size 0), the address left in the row, so each copy is the row's
+          // register plus an immediate offset
+          const bool valid = row && col0 + 2 * pair * kChunkElems < params.kd;
+          const ElementA* src = src_row + 2 * pair * kChunkElems;
           // the 128-byte swizzle, from the shared-memory address bits as TMA and wgmma read it
           const uint32_t dst = row_dst + c * 16;
           const uint32_t swizzled = dst ^ (((dst >> 7) & 7u) << 4);

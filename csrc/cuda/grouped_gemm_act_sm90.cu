@@ -1,10 +1,12 @@
-// grouped_gemm_act_sm90.cu — the down projection's input gradient on Hopper with the routed activation
+// grouped_gemm_act_sm90.cu — the down projection's input gradient on Hopper with the routed SwiGLU
 // backward in the GEMM's epilogue (act_backward_epilogue_sm90.cuh): d act = rows [R, H] · down[e] [H, I] never
 // reaches memory; the epilogue writes w * act(h) (the weight gradient's operand), d h, and per-tile sums of the
-// routing weights' gradient, which finish_kernel adds up per row. bfloat16, the 128x256 cooperative tiles (with
-// and without the 1x2 cluster); the caller runs the plain dgrad and the separate pass elsewhere. Slower than
-// those two on the H200 today (docs/kernels.md), so Config.fused_act_dgrad is off by default.
+// routing weights' gradient, which finish_kernel adds up per row. bfloat16, the 128x128 ping-pong tile and the
+// 128x256 cooperative ones (with and without the 1x2 cluster), as sm90_heuristics::act_dgrad_tile picks; the
+// caller runs the plain dgrad and the separate pass elsewhere. docs/kernels.md has the measurements.
 #include <cuda_runtime.h>
+
+#include <optional>
 
 #include "core/error.h"
 #include "cuda/grouped_gemm_sm90.h"
@@ -21,9 +23,7 @@ namespace sm90 {
 
 template <class T, class Config>
 using DgradActGemm =
-    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, Sm90RoutedActBackward>;
-static_assert(cute::size<1>(typename TileLarge::Tile{}) == 256 && cute::size<1>(typename TileLargeSolo::Tile{}) == 256,
-              "grouped_gemm_act_backward_sm90_parts assumes 256-wide tiles");
+    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, Sm90RoutedSwiGLUBackward>;
 
 // One thread a row: the row's tile sums added in order into d_weights at its slot (rows of the groups), or
 // the row of dh zeroed (rows past offsets[E], which no tile covers).
@@ -48,14 +48,15 @@ __global__ void finish_kernel(const int32_t* __restrict__ offsets, int groups, i
 
 }  // namespace sm90
 
-bool grouped_gemm_act_backward_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& h) {
+bool grouped_gemm_act_backward_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& h,
+                                              const ActParams& p) {
   using namespace sm90;
+  if (p.kind != ActKind::kSwiGLU || p.interleaved) return false;
   if (a.dtype != DType::kBF16 || !h.present || h.dtype != DType::kBF16 || !h.is_contiguous()) return false;
   const int64_t n = b.ndim == 3 ? b.shape[2] : 0;
   if (!grouped_gemm_sm90_supported(a, b, WeightLayout::kKN, n)) return false;
-  const heuristics::Tile tile = heuristics::rows_tile(true, n, a.shape[1], a.shape[0], static_cast<int>(b.shape[0]),
-                                                      heuristics::sm90_overrides());
-  return tile == heuristics::Tile::kLarge || tile == heuristics::Tile::kSolo;
+  return heuristics::act_dgrad_tile(n, a.shape[0], static_cast<int>(b.shape[0]), heuristics::sm90_overrides())
+      .has_value();
 }
 
 void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets,
@@ -71,7 +72,8 @@ void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, co
   const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
   using T = cutlass::bfloat16_t;
-  const bool gated = is_gated(p.kind);
+  MOE8_CHECK(p.kind == ActKind::kSwiGLU && !p.interleaved, what,
+             ": the fused epilogue is SwiGLU with h as [gate | up]");
   ActBackwardArgs args;
   args.h = h.ptr<__nv_bfloat16>();
   args.dh = dh.ptr<__nv_bfloat16>();
@@ -83,8 +85,6 @@ void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, co
   args.num_slots = weights.shape[0];
   args.I = n;
   args.parts = grouped_gemm_act_backward_sm90_parts(n);
-  args.gated = gated;
-  args.act = p;
   auto launch = [&](auto g) {
     using G = decltype(g);
     MOE8_CHECK(group_arrays_bytes(groups) + cutlass_workspace_bytes<G>(groups, ck.sms) + kAlignWs <= workspace_bytes,
@@ -95,8 +95,12 @@ void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, co
     if (groups > 0 && rows > 0)
       run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, args);
   };
-  const heuristics::Tile tile = heuristics::rows_tile(true, n, kd, rows, groups, heuristics::sm90_overrides());
-  if (tile == heuristics::Tile::kSolo)
+  const std::optional<heuristics::Tile> tile =
+      heuristics::act_dgrad_tile(n, rows, groups, heuristics::sm90_overrides());
+  MOE8_CHECK(tile.has_value(), what, ": no tile of this kernel serves the shape (see _supported)");
+  if (*tile == heuristics::Tile::kPong128)
+    launch(DgradActGemm<T, TilePong128>{});
+  else if (*tile == heuristics::Tile::kSolo)
     launch(DgradActGemm<T, TileLargeSolo>{});
   else
     launch(DgradActGemm<T, TileLarge>{});
@@ -104,13 +108,16 @@ void grouped_gemm_act_backward_sm90(const TensorView& a, const TensorView& b, co
   constexpr int kThreads = 256;
   finish_kernel<<<static_cast<unsigned>(ceil_div(rows, kThreads)), kThreads, 0, s>>>(
       offsets.ptr<int32_t>(), groups, rows, row_to_slot.ptr<int32_t>(), weights.shape[0], partials.ptr<float>(),
-      args.parts, d_weights.ptr<float>(), dh.ptr<__nv_bfloat16>(), gated ? 2 * n : n);
+      args.parts, d_weights.ptr<float>(), dh.ptr<__nv_bfloat16>(), 2 * n);
   check_launch("grouped_gemm_act_backward_sm90: finish_kernel");
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs
 
-bool grouped_gemm_act_backward_sm90_supported(const TensorView&, const TensorView&, const TensorView&) { return false; }
+bool grouped_gemm_act_backward_sm90_supported(const TensorView&, const TensorView&, const TensorView&,
+                                              const ActParams&) {
+  return false;
+}
 
 void grouped_gemm_act_backward_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                                     const TensorView&, const TensorView&, const ActParams&, const TensorView&,

@@ -103,8 +103,9 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
 bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n) {
   using namespace sm90;
   if (!x.present || !x.is_cuda() || x.dtype != DType::kBF16 || layout != WeightLayout::kNK) return false;
-  constexpr int64_t kMaxInt = 2147483647;
-  return x.ndim == 2 && x.shape[0] < kMaxInt && grouped_gemm_sm90_supported(x, b, layout, n);
+  // x's elements within 32 bits (the mainloop keeps each row as a 32-bit offset), the last one not kNoRow
+  constexpr int64_t kMaxElems = 4294967295LL;
+  return x.ndim == 2 && x.shape[0] * x.shape[1] < kMaxElems && grouped_gemm_sm90_supported(x, b, layout, n);
 }
 
 void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,

@@ -38,7 +38,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
                              void* workspace, size_t workspace_bytes, void* stream);
 
 // Whether grouped_gemm_gathered_sm90 can run: as grouped_gemm_sm90_supported for x as a, b [E, N, Kd] (kNK),
-// bfloat16, and x's rows within int32.
+// bfloat16, and x's elements (tokens x Kd) fewer than 2^32 - 1.
 bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n);
 
 // c[r] = x[row_to_slot[r] / top_k] · b[e]^T for offsets[e] <= r < offsets[e+1], the rows of x read in the GEMM's
@@ -48,15 +48,16 @@ void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_sl
                                 const TensorView& offsets, const TensorView& c, void* workspace, size_t workspace_bytes,
                                 void* stream);
 
-// Whether grouped_gemm_act_backward_sm90 can run: as grouped_gemm_sm90_supported for a [R, H] and b [E, H, I]
-// (kKN), a, b and h bfloat16, h contiguous, and a shape the 128x256 tiles serve (the heuristics' large or solo
-// tile; few rows per expert take the small tile, which this kernel does not have).
-bool grouped_gemm_act_backward_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& h);
+// Whether grouped_gemm_act_backward_sm90 can run: SwiGLU with h as [gate | up] (p), as grouped_gemm_sm90_supported
+// for a [R, H] and b [E, H, I] (kKN), a, b and h bfloat16, h contiguous, and a shape its tiles serve
+// (sm90_heuristics::act_dgrad_tile: not few rows per expert, which take the small tile elsewhere).
+bool grouped_gemm_act_backward_sm90_supported(const TensorView& a, const TensorView& b, const TensorView& h,
+                                              const ActParams& p);
 
-// Tiles along I of that kernel (256 wide): partials has this many columns.
-inline int grouped_gemm_act_backward_sm90_parts(int64_t n) { return static_cast<int>((n + 255) / 256); }
+// Parts of 128 columns along I in that kernel's routing-weight gradient: partials has this many columns.
+inline int grouped_gemm_act_backward_sm90_parts(int64_t n) { return static_cast<int>((n + 127) / 128); }
 
-// The down projection's input gradient and the routed activation backward in one kernel (and a small one after
+// The down projection's input gradient and the routed SwiGLU backward in one kernel (and a small one after
 // it): g = a[r] · b[e] in the epilogue goes through activation_backward_routed (cuda/ops.h) without reaching
 // memory: a_w [R, I] = w * act(h), dh like h (may be h), d_weights[slot] = <act(h[r]), g[r]> (the caller zeroes
 // it; slots no row maps to keep it), partials [R, parts] float32 scratch. Rows past offsets[E]: a_w and dh zero.

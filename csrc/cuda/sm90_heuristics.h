@@ -188,6 +188,21 @@ inline Tile rows_tile(bool bf16, int64_t n, int64_t kd, int64_t rows, int groups
   return pick_tile(bf16, n, small_rows(rows, groups), large_tile(bf16, n, kd, false, env));
 }
 
+// The down projection's dgrad with the routed SwiGLU backward in its epilogue (grouped_gemm_act_sm90.cu), which
+// has the 128x256 cooperative tiles and the 128x128 ping-pong one: cooperative (without the cluster for an odd
+// number of 256-wide tiles) unless MOE8_SM90_TILE says pong128 (1.91 against 1.34 ms at Qwen3-30B-A3B's shape:
+// one warpgroup's epilogue keeps too few of h's bytes in flight to hide behind the other's mainloop,
+// docs/kernels.md); none (the plain dgrad and the separate pass) for few rows per expert, a thin N, or another
+// forced tile.
+inline std::optional<Tile> act_dgrad_tile(int64_t n, int64_t rows, int groups, const Sm90Overrides& env) {
+  if (small_rows(rows, groups) || n <= kThinN) return std::nullopt;
+  const Tile plain = odd_large_tiles(n) ? Tile::kSolo : Tile::kLarge;
+  const std::optional<Tile> forced = env.tile.get();
+  if (!forced || *forced == Tile::kLarge) return plain;
+  if (*forced == Tile::kSolo || *forced == Tile::kPong128) return *forced;
+  return std::nullopt;
+}
+
 // Whether the weight gradient db [groups, n, kd] takes the 128x128 ping-pong tile by default by its shape
 // alone; with balanced routing it also does past kPongWgradMaxTiles (wgrad_pong_if_balanced).
 inline bool wgrad_pong(int groups, int64_t n, int64_t kd) {

@@ -44,9 +44,10 @@ class Config:
         copy of them (the same bits); off by default until that kernel is faster than the gather and the GEMM
         (docs/kernels.md).
     fused_act_dgrad: with routed_down in bf16, the down projection's input gradient runs the activation's backward
-        and the routing weights' gradient in its GEMM's epilogue where a kernel does that (sm_90a, the 128x256
-        tiles), so d act [R, I] is never written and read back (the same bits for d h; the routing weights'
-        gradient summed in another order); off by default until measured faster than the GEMM and the pass.
+        and the routing weights' gradient in its GEMM's epilogue where a kernel does that (sm_90a, SwiGLU with h
+        as [gate | up]), so d act [R, I] is never written and read back (the same bits for d h; the routing
+        weights' gradient summed in another order); off by default until measured faster than the GEMM and the
+        pass.
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
         (ops.grouped_lowrank_add; 1.8-1.9x faster than the GEMM and the add at ranks 16 and 32 on the H200,
         bench/results/lowrank_h200.md); False runs the two.

@@ -64,6 +64,19 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
 }
 
+TEST(Sm90Heuristics, FusedActDgradTiles) {
+  const int64_t rows = 4096 * 8;                                      // Qwen3 at 4096 tokens: 256 rows per expert
+  EXPECT_EQ(h::act_dgrad_tile(768, rows, 128, kNone), Tile::kSolo);   // Qwen3: 3 tiles of 256
+  EXPECT_EQ(h::act_dgrad_tile(1024, rows, 64, kNone), Tile::kLarge);  // OLMoE: 4
+  EXPECT_EQ(h::act_dgrad_tile(768, rows, 128, overrides({{"MOE8_SM90_TILE", "large"}})), Tile::kSolo);  // 3 tiles
+  EXPECT_EQ(h::act_dgrad_tile(1024, rows, 64, overrides({{"MOE8_SM90_TILE", "large"}})), Tile::kLarge);
+  EXPECT_EQ(h::act_dgrad_tile(1024, rows, 64, overrides({{"MOE8_SM90_TILE", "solo"}})), Tile::kSolo);
+  EXPECT_EQ(h::act_dgrad_tile(768, rows, 128, overrides({{"MOE8_SM90_TILE", "pong128"}})), Tile::kPong128);
+  EXPECT_FALSE(h::act_dgrad_tile(768, rows, 128, overrides({{"MOE8_SM90_TILE", "tall"}})).has_value());
+  EXPECT_FALSE(h::act_dgrad_tile(768, 128 * 128, 128, kNone).has_value());  // few rows per expert
+  EXPECT_FALSE(h::act_dgrad_tile(32, rows, 128, kNone).has_value());        // thin
+}
+
 TEST(Sm90Heuristics, WgradTiles) {
   // Ping-pong by shape: Qwen3 (25k and 12k 128x128 tiles), GPT-OSS (33k, 17k); not DeepSeek-V3 (458k) nor
   // Mixtral (8 experts).

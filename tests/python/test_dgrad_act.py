@@ -110,9 +110,10 @@ def test_dgrad_activation_backward_names_a_bad_partials():
 @pytest.mark.parametrize("H, I", [(512, 384), (256, 768)], ids=["I384-two-tiles", "I768-three-tiles"])
 @pytest.mark.parametrize("act, interleaved", ACTS)
 def test_fused_epilogue_on_sm90_is_the_same_bits(H, I, act, interleaved):
-    """At ~250 rows per expert the dgrad takes the 128x256 tiles, so the fused kernel runs (the binding says
-    so): w * act(h) and d h are the plain dgrad + pass's bits in the groups' rows and zero past them, the
-    weights' gradient within float rounding of its other order, and run-to-run the same bits."""
+    """At ~250 rows per expert the dgrad takes the 128x256 tiles, so the fused kernel runs for SwiGLU with h as
+    [gate | up] (the binding says so; the other activations take the two calls): w * act(h) and d h are the
+    plain dgrad + pass's bits in the groups' rows and zero past them, the weights' gradient within float
+    rounding of its other order, and run-to-run the same bits."""
     R = 1100
     rows, w, h, weights, row_to_slot, offsets = _problem(
         "cuda", torch.bfloat16, R, H, I, [0, 300, 300, 700, 1000], act, seed=11
@@ -144,13 +145,13 @@ def test_fused_epilogue_on_sm90_is_the_same_bits(H, I, act, interleaved):
         return ran, a_w, dh, d_weights
 
     ran, a_w, dh, d_weights = run()
-    assert ran, "the fused kernel did not run"
+    fusable = act == "swiglu" and not interleaved
+    assert ran == fusable, f"the fused kernel ran: {ran}, expected {fusable}"
     a_ref, dh_ref, dw_ref = _separate(rows, w, offsets, h, weights, row_to_slot, act_args)
-    end = int(
-        offsets[-1]
-    )  # rows past it are in no group: zero here, where the separate pass writes w * act(h)
+    # rows past offsets[E] are in no group: the fused kernel writes zeros there, the separate pass w * act(h)
+    end = int(offsets[-1]) if ran else len(a_w)
     assert torch.equal(a_w[:end], a_ref[:end]) and not a_w[end:].any()
-    assert torch.equal(dh, dh_ref) and not dh[end:].any()
+    assert torch.equal(dh, dh_ref) and (not ran or not dh[end:].any())
     _close_sums(d_weights, dw_ref)
     _, a2, dh2, dw2 = run()
     assert torch.equal(a2, a_w) and torch.equal(dh2, dh) and torch.equal(dw2, d_weights)
