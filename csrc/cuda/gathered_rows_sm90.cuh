@@ -6,7 +6,7 @@
 // replaced: the 32 lanes of the producer warp copy the tile's rows from x with cp.async, a pair of lanes a row
 // (alternate 16-byte chunks: whole 32-byte sectors per copy instruction), into the stage's 128-byte swizzled
 // layout, the rows' tokens looked up once per tile, and each lane's copies arrive on the stage's barrier; B
-// still comes by TMA, multicast within a cluster of CTAs paired along M. The consumers are unchanged. Rows
+// still comes by TMA. The consumers are unchanged. Rows
 // past the group's end, rows of no slot (slot < 0) and columns past K are zero-filled. NOTES: the swizzle is a function
 // of the shared-memory address bits (16-byte chunk ^= address bits 7-9), as TMA writes and wgmma reads it; one TMA copy
 // per row (a 1 x 64 box) gave the same bits but ran at ~1/5 of the GEMM's speed: TMA takes about 60 cycles per request,
@@ -125,18 +125,8 @@ struct GatheredRowsMainloop : Base {
       row_off[j] = t >= 0 && t < params.tokens ? static_cast<uint32_t>(t) * static_cast<uint32_t>(params.kd) : kNoRow;
     }
 
-    // B by TMA, multicast to the CTAs of the cluster (paired along M, so they share the weight's tile): each
-    // loads its slice into both, as CUTLASS's mainloop does. The rows of A are each CTA's own.
-    using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
-    constexpr int kClusterM = cute::size<0>(ClusterShape{});
-    const int rank_m = static_cast<int>(block_rank_in_cluster % kClusterM);
-    uint16_t mcast_mask_b = 0;
-    if constexpr (kClusterM > 1) {
-      auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
-      for (int m = 0; m < kClusterM; ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, 0, Int<0>{});
-    }
     Tensor gB_nkl = get<1>(load_inputs);
-    auto block_tma_b = params.tma_load_b.get_slice(rank_m);
+    auto block_tma_b = params.tma_load_b.get_slice(0);
     Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
     Tensor tBgB = block_tma_b.partition_S(gB);  // (TMA,TMA_N,TMA_K,k)
@@ -182,7 +172,7 @@ struct GatheredRowsMainloop : Base {
       cutlass::arch::cpasync_barrier_arrive(reinterpret_cast<uint64_t const*>(barrier));
       __syncwarp();
       if (lane == 0)
-        copy(params.tma_load_b.with(get<1>(input_tensormaps), *barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
+        copy(params.tma_load_b.with(get<1>(input_tensormaps), *barrier, uint16_t(0)), tBgB(_, _, _, *k_tile_iter),
              tBsB(_, _, _, stage));
       ++k_tile_iter;
       ++smem_pipe_write;

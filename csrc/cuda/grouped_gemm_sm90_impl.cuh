@@ -111,11 +111,10 @@ template <class T, class Config = TileLarge>
 using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
 
 // The forward GEMM of rows gathered from the tokens inside the A load (gathered_rows_sm90.cuh): the 128x256
-// cooperative tile, CTAs paired along M so the weight's tile is multicast (the gathered rows are each CTA's
-// own). bf16 only.
+// cooperative tile without a cluster (the gathered rows are not multicast). bf16 only.
 template <class T>
 struct GatheredFwdGemm {
-  using Plain = FwdGemm<T, TileLargeM2>;
+  using Plain = FwdGemm<T, TileLargeSolo>;
   using Element = T;
   using Mainloop = GatheredRowsMainloop<typename Plain::Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, typename Plain::Epilogue>;
