@@ -4,6 +4,9 @@ rest of a benchmark:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight python bench/ncu_gemm.py fp8_mixtral
 
+--time N: no profiler; each call's median milliseconds over N launches (CUDA events), printed and, with --json,
+written to a file.
+
 Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
@@ -13,6 +16,8 @@ Cases (balanced routing, 16,384 tokens):
   gathered_qwen3  Qwen3-30B-A3B up-projection forward with the rows read from x inside the GEMM
                 (moe8.ops.gathered_grouped_gemm, the gathered-rows mainloop), then the gather and the plain GEMM
                 it replaces
+  gathered_wgrad_qwen3  Qwen3-30B-A3B up-projection weight gradient with the rows read from x inside the GEMM
+                (moe8.ops.gathered_grouped_gemm_wgrad), then the gather and the plain weight gradient it replaces
   quant_deepseek  DeepSeek-V3's 1x128 row quantisations of an FP8 step (bench_layer.py: 3.4 ms of 57): the
                 tokens gathered into expert order and quantised (x [16384, 7168], top-8), the same token-major
                 (slot_to_row given: each token read and quantised once), d h [131072, 4096] quantised, then
@@ -22,6 +27,7 @@ Cases (balanced routing, 16,384 tokens):
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 from bench_gemm import balanced_cases  # this folder is on sys.path
@@ -29,7 +35,14 @@ from bench_gemm import balanced_cases  # this folder is on sys.path
 import moe8
 from moe8 import ops
 
-CASES = ("fp8_mixtral", "dgrad_qwen3", "act_dgrad_qwen3", "gathered_qwen3", "quant_deepseek")
+CASES = (
+    "fp8_mixtral",
+    "dgrad_qwen3",
+    "act_dgrad_qwen3",
+    "gathered_qwen3",
+    "gathered_wgrad_qwen3",
+    "quant_deepseek",
+)
 
 
 def calls(case: str, device) -> list:
@@ -82,6 +95,18 @@ def calls(case: str, device) -> list:
             lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
             lambda: ops.grouped_gemm(rows, w, offsets, 0, None),
         ]
+    if case == "gathered_wgrad_qwen3":  # dc [131072, 1536]^T . x [16384, 2048] gathered, per expert
+        T, H, I, E, K = 16384, 2048, 768, 128, 8
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)]).int()
+        _, offsets, row_to_slot, slot_to_row = ops.plan(ids, E, 1, False)
+        dc = torch.randn(T * K, 2 * I, device=device, dtype=torch.bfloat16)
+        rows = ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1))
+        return [
+            lambda: ops.gathered_grouped_gemm_wgrad(x, row_to_slot, K, slot_to_row, dc, offsets, 0, E),
+            lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
+            lambda: ops.grouped_gemm_wgrad(rows, dc, offsets, 0, E, False),
+        ]
     # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
     mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]
     return [mine, theirs]
@@ -90,10 +115,23 @@ def calls(case: str, device) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=CASES)
+    ap.add_argument("--time", type=int, default=0, metavar="N", help="median ms of each call over N launches")
+    ap.add_argument("--json", default=None, help="with --time: append {case, ms} as a JSON line to this file")
     args = ap.parse_args()
+    if args.time < 0:
+        ap.error(f"--time: expected a count >= 0, got {args.time}")
     if not (torch.cuda.is_available() and moe8.cuda_available()):
         raise SystemExit("ncu_gemm: needs a CUDA GPU and moe8 built with CUDA")
     fns = calls(args.case, torch.device("cuda"))
+    if args.time:
+        from bench_layer import median_ms
+
+        ms = [median_ms(f, torch.device("cuda"), 3, args.time) for f in fns]
+        print(f"ncu_gemm: {args.case}: ms per call " + " ".join(f"{m:.3f}" for m in ms))
+        if args.json:
+            with open(args.json, "a") as fh:
+                fh.write(json.dumps({"case": args.case, "ms": ms, "iters": args.time}) + "\n")
+        return 0
     for f in fns:
         for _ in range(3):
             f()

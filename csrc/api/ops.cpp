@@ -298,16 +298,25 @@ void grouped_gemm(const TensorView& a, const TensorView& b, const TensorView& of
   }
 }
 
-bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
-                           const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
-                           bool check_indices, const TensorView& workspace) {
+namespace {
+// The tokens' rows a gathered GEMM reads: x [T, Kd] float, top_k >= 1, row_to_slot [R] int32 of x's device,
+// its slots in [-1, T * top_k) where checked. Returns R.
+int64_t check_gather_source(const TensorView& x, const TensorView& row_to_slot, int top_k, bool check_indices,
+                            intptr_t stream) {
   check_float_matrix("x", x);
-  const int64_t T = x.size(0), Kd = x.size(1);
   MOE8_CHECK(top_k >= 1, "top_k: expected at least 1, got ", top_k);
   check_tensor("row_to_slot", row_to_slot, "x", x);
   check_dtype("row_to_slot", row_to_slot, {DType::kI32});
   check_ndim("row_to_slot", row_to_slot, 1);
-  const int64_t R = row_to_slot.size(0);
+  if (checks_values(check_indices, row_to_slot)) check_range("row_to_slot", row_to_slot, -1, x.size(0) * top_k, stream);
+  return row_to_slot.size(0);
+}
+}  // namespace
+
+bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
+                           const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
+                           bool check_indices, const TensorView& workspace) {
+  const int64_t R = check_gather_source(x, row_to_slot, top_k, check_indices, stream), Kd = x.size(1);
   const int64_t E = check_expert_weights("b", b, offsets, layout, -1, Kd, "x", x);
   check_same_dtype("b", b, "x", x);
   const int64_t N = layout == WeightLayout::kNK ? b.size(1) : b.size(2);
@@ -315,7 +324,6 @@ bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, i
   check_same_dtype("c", c, "x", x);
   check_shape("c", c, {R, N});
   if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
-  if (checks_values(check_indices, row_to_slot)) check_range("row_to_slot", row_to_slot, -1, T * top_k, stream);
   if (!on_cuda(x, "gathered_grouped_gemm")) {
     cpu::gathered_grouped_gemm(x, row_to_slot, top_k, b, offsets, layout, c);
     return true;
@@ -323,6 +331,24 @@ bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, i
   if (!usable_workspace(workspace, x, E) || !cuda::grouped_gemm_gathered_sm90_supported(x, b, layout, N)) return false;
   cuda::grouped_gemm_gathered_sm90(x, row_to_slot, top_k, b, offsets, c, workspace.data, workspace.numel(),
                                    as_ptr(stream));
+  return true;
+}
+
+bool gathered_grouped_gemm_wgrad(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& dc,
+                                 const TensorView& offsets, WeightLayout layout, const TensorView& db, intptr_t stream,
+                                 bool check_indices, const TensorView& workspace) {
+  const int64_t R = check_gather_source(x, row_to_slot, top_k, check_indices, stream), Kd = x.size(1);
+  check_tensor("dc", dc, "x", x);
+  check_same_dtype("dc", dc, "x", x);
+  check_shape("dc", dc, {R, -1});
+  const int64_t E = check_expert_weights("db", db, offsets, layout, dc.size(1), Kd, "x", x);
+  check_same_dtype("db", db, "x", x);
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
+  if (!on_cuda(x, "gathered_grouped_gemm_wgrad") || layout != WeightLayout::kNK || !usable_workspace(workspace, x, E) ||
+      !cuda::grouped_gemm_wgrad_gathered_sm90_supported(x, dc, db))
+    return false;
+  cuda::grouped_gemm_wgrad_gathered_sm90(x, row_to_slot, top_k, dc, offsets, db, workspace.data, workspace.numel(),
+                                         as_ptr(stream));
   return true;
 }
 

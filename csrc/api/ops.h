@@ -70,6 +70,15 @@ bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, i
                            const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
                            bool check_indices = true, const TensorView& workspace = TensorView{});
 
+// db = grouped_gemm_wgrad(permute(x, row_to_slot), dc, offsets, layout) without the permuted rows: the sm_90a
+// kernel reads them from x inside the GEMM where it applies (a GPU, bfloat16, kNK, `workspace`). Checks as
+// gathered_grouped_gemm with dc [R, N] and db the weight's shape; where no kernel applies (the CPU among them)
+// nothing runs and false is returned (the caller permutes and calls grouped_gemm_wgrad). Returns whether db was
+// written.
+bool gathered_grouped_gemm_wgrad(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& dc,
+                                 const TensorView& offsets, WeightLayout layout, const TensorView& db, intptr_t stream,
+                                 bool check_indices = true, const TensorView& workspace = TensorView{});
+
 // out = h + grouped_gemm(t, b, offsets, layout) in one pass over h (the expert LoRA's B projection added to the
 // base GEMM's output): h, out [R,N]; t [R,rank] (rank <= 1024); b [E,N,rank] (kNK) or [E,rank,N] (kKN); one float
 // dtype for all four. Rows in no group get h.

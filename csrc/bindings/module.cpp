@@ -174,6 +174,15 @@ NB_MODULE(_C, m) {
       nb::arg("x"), nb::arg("row_to_slot"), nb::arg("top_k"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"),
       nb::arg("c"), nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
+      "gathered_grouped_gemm_wgrad",
+      [](Array x, Array row_to_slot, int top_k, Array dc, Array offsets, int layout, Array db, intptr_t stream,
+         bool check_indices, OptArray workspace) {
+        return moe8::api::gathered_grouped_gemm_wgrad(V(x), V(row_to_slot), top_k, V(dc), V(offsets), layout_of(layout),
+                                                      V(db), stream, check_indices, V(workspace));
+      },
+      nb::arg("x"), nb::arg("row_to_slot"), nb::arg("top_k"), nb::arg("dc"), nb::arg("offsets"), nb::arg("layout"),
+      nb::arg("db"), nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def(
       "grouped_gemm_wgrad",
       [](Array a, Array dc, Array offsets, int layout, Array db, OptArray dbias, intptr_t stream, bool check_indices,
          OptArray workspace) {

@@ -47,7 +47,9 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
             num_experts, sms));
     if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
       bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}));
-      bytes = std::max(bytes, sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm>(num_experts, sms));
+      bytes = std::max(
+          bytes, sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredWgradGemm<T>::Gemm>(
+                     num_experts, sms));
     }
     return bytes;
   };
@@ -100,12 +102,29 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   });
 }
 
+namespace {
+// Where a gathered mainloop reads its rows: x [T, Kd], the plan's row_to_slot and offsets, R rows.
+sm90::GatherSource gather_source(const TensorView& x, const TensorView& row_to_slot, int top_k,
+                                 const TensorView& offsets, int64_t rows) {
+  sm90::GatherSource src;
+  src.x = x.data;
+  src.tokens = x.shape[0];
+  src.kd = x.shape[1];
+  src.row_to_slot = row_to_slot.ptr<int32_t>();
+  src.offsets = offsets.ptr<int32_t>();
+  src.rows = rows;
+  src.top_k = top_k;
+  return src;
+}
+
+// x's elements fewer than 2^32 - 1: the gathered mainloops keep each row as a 32-bit offset, the last one not kNoRow.
+bool offsets_fit(const TensorView& x) { return x.ndim == 2 && x.shape[0] * x.shape[1] < 4294967295LL; }
+}  // namespace
+
 bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n) {
   using namespace sm90;
   if (!x.present || !x.is_cuda() || x.dtype != DType::kBF16 || layout != WeightLayout::kNK) return false;
-  // x's elements within 32 bits (the mainloop keeps each row as a 32-bit offset), the last one not kNoRow
-  constexpr int64_t kMaxElems = 4294967295LL;
-  return x.ndim == 2 && x.shape[0] * x.shape[1] < kMaxElems && grouped_gemm_sm90_supported(x, b, layout, n);
+  return offsets_fit(x) && grouped_gemm_sm90_supported(x, b, layout, n);
 }
 
 void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& b,
@@ -124,15 +143,37 @@ void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_sl
       offsets.ptr<int32_t>(), groups, rows, n, kd, kd, x.data, b.data, c.data, ck.w, true);
   check_launch("grouped_gemm_gathered_sm90: prep_rows_kernel");
   if (groups == 0 || rows == 0) return;
-  GatherSource src;
-  src.x = x.data;
-  src.tokens = x.shape[0];
-  src.kd = kd;
-  src.row_to_slot = row_to_slot.ptr<int32_t>();
-  src.offsets = offsets.ptr<int32_t>();
-  src.rows = rows;
-  src.top_k = top_k;
+  const GatherSource src = gather_source(x, row_to_slot, top_k, offsets, rows);
   run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, &src);
+}
+
+bool grouped_gemm_wgrad_gathered_sm90_supported(const TensorView& x, const TensorView& dc, const TensorView& db) {
+  using namespace sm90;
+  if (!x.present || !dc.present || !x.is_cuda() || x.dtype != DType::kBF16 || dc.dtype != DType::kBF16) return false;
+  if (x.ndim != 2 || dc.ndim != 2 || !dc.is_contiguous() || dc.device_index != x.device_index) return false;
+  if (reinterpret_cast<uintptr_t>(dc.data) % 16 != 0 || reinterpret_cast<uintptr_t>(db.data) % 16 != 0) return false;
+  return offsets_fit(x) && grouped_gemm_sm90_supported(x, db, WeightLayout::kNK, dc.shape[1]);
+}
+
+void grouped_gemm_wgrad_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k,
+                                      const TensorView& dc, const TensorView& offsets, const TensorView& db,
+                                      void* workspace, size_t workspace_bytes, void* stream) {
+  using namespace sm90;
+  const char* what = "grouped_gemm_wgrad_gathered_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = dc.shape[0], kd = x.shape[1], n = dc.shape[1];
+  MOE8_CHECK(x.dtype == DType::kBF16 && dc.dtype == DType::kBF16 && db.dtype == DType::kBF16, what,
+             ": expected bfloat16 x, dc and db");
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(db.data) % 16 == 0, what, ": db must be 16-byte aligned");
+  const Checked ck = check_call(what, x, groups, workspace, workspace_bytes);
+  cudaStream_t s = as_stream(stream);
+  using G = GatheredWgradGemm<cutlass::bfloat16_t>;
+  prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
+      offsets.ptr<int32_t>(), groups, rows, n, kd, x.data, dc.data, db.data, ck.w, true);
+  check_launch("grouped_gemm_wgrad_gathered_sm90: prep_wgrad_kernel");
+  if (groups == 0 || rows == 0) return;
+  const GatherSource src = gather_source(x, row_to_slot, top_k, offsets, rows);
+  run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(Tile::kLarge, n), s, &src);
 }
 
 bool grouped_gemm_sm90_routing_balanced(const TensorView& offsets, void* stream) {
@@ -187,6 +228,15 @@ bool grouped_gemm_gathered_sm90_supported(const TensorView&, const TensorView&, 
 void grouped_gemm_gathered_sm90(const TensorView&, const TensorView&, int, const TensorView&, const TensorView&,
                                 const TensorView&, void*, size_t, void*) {
   fail("grouped_gemm_gathered_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS)");
+}
+
+bool grouped_gemm_wgrad_gathered_sm90_supported(const TensorView&, const TensorView&, const TensorView&) {
+  return false;
+}
+
+void grouped_gemm_wgrad_gathered_sm90(const TensorView&, const TensorView&, int, const TensorView&, const TensorView&,
+                                      const TensorView&, void*, size_t, void*) {
+  fail("grouped_gemm_wgrad_gathered_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS)");
 }
 
 void grouped_gemm_sm90(const TensorView&, const TensorView&, const TensorView&, WeightLayout, const TensorView&, void*,

@@ -48,6 +48,17 @@ void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_sl
                                 const TensorView& offsets, const TensorView& c, void* workspace, size_t workspace_bytes,
                                 void* stream);
 
+// Whether grouped_gemm_wgrad_gathered_sm90 can run: x, dc and db bfloat16, as grouped_gemm_sm90_supported for x as
+// a and db [E, N, Kd] as b (kNK), dc [R, N] contiguous and 16-byte aligned, x's elements fewer than 2^32 - 1.
+bool grouped_gemm_wgrad_gathered_sm90_supported(const TensorView& x, const TensorView& dc, const TensorView& db);
+
+// db[e] = dc[rows of e]^T . x[row_to_slot[r] / top_k for the rows r of e] -> [E, N, Kd], the rows of x read in the
+// GEMM's operand load (no permuted copy): grouped_gemm_wgrad_sm90 of the gathered rows, the same bits. Rows with
+// row_to_slot < 0 count as zeros; empty groups give zeros. x [T, Kd], row_to_slot [R] int32, dc [R, N].
+void grouped_gemm_wgrad_gathered_sm90(const TensorView& x, const TensorView& row_to_slot, int top_k,
+                                      const TensorView& dc, const TensorView& offsets, const TensorView& db,
+                                      void* workspace, size_t workspace_bytes, void* stream);
+
 // Whether grouped_gemm_act_backward_sm90 can run: SwiGLU with h as [gate | up] (p), as grouped_gemm_sm90_supported
 // for a [R, H] and b [E, H, I] (kKN), a, b and h bfloat16, h contiguous, and a shape its tiles serve
 // (sm90_heuristics::act_dgrad_tile: not few rows per expert, which take the small tile elsewhere).

@@ -162,9 +162,10 @@ def _gl_bwd(ctx, g):
     prec, g, k = from_code(ctx.precision), g.contiguous(), ctx.k
     dw = dbias = dx = None
     if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
-        a = gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))  # gathered again, freed before d a
-        dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
-        del a
+        # gathered again and freed before d a: the weight gradient reading them inside its GEMM
+        # (ops.gathered_grouped_gemm_wgrad) is slower than the gather and the GEMM (docs/kernels.md)
+        rows = (row_to_slot, k, slot_to_row)
+        dw, dbias = prec.gathered_wgrad(x, rows, g, w, offsets, ctx.layout, ctx.bias_dtype, in_gemm=False)
     if ctx.needs_input_grad[0]:
         da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
         dx = combine_rows(da, slot_to_row.view(-1, k), None)  # the gather's backward: a token's k rows summed
@@ -190,7 +191,7 @@ def gathered_linear(
     tokens) whose backward keeps x and the plan instead of the [R, H] rows: they are gathered again for the
     weight gradient, and the input gradient is the dgrad's rows summed per token. x [T, H] -> [R, N].
     in_gemm: the forward GEMM reads x's rows itself where a kernel does that (bf16 without bias on sm_90a:
-    moe8.ops.gathered_grouped_gemm), so no [R, H] copy of them is written; the FP8 blockwise recipe quantises
+    moe8.ops.gathered_grouped_gemm), so the forward writes no [R, H] copy of them; the FP8 blockwise recipe quantises
     them straight from x. The same bits as the two calls either way."""
     wq, b = _weight_and_bias(precision, w, layout, bias)
     in_kernel = b if precision.bias_in_kernel else None

@@ -266,6 +266,41 @@ def _(x, row_to_slot, k, slot_to_row, b, offsets, layout):
     return x.new_empty(row_to_slot.shape[0], b.shape[1] if layout == 0 else b.shape[2])
 
 
+@torch.library.custom_op("moe8::gathered_grouped_gemm_wgrad", mutates_args=())
+def gathered_grouped_gemm_wgrad(
+    x: Tensor,
+    row_to_slot: Tensor,
+    k: int,
+    slot_to_row: Tensor,
+    dc: Tensor,
+    offsets: Tensor,
+    layout: int,
+    num_experts: int,
+) -> Tensor:
+    """grouped_gemm_wgrad(permute(x, row_to_slot, slot_to_row, k), dc, offsets, layout, num_experts, False)[0] with
+    the rows read from x inside the GEMM where a kernel does that (sm_90a, bf16, layout 0), else gathered into an
+    [R, K] buffer first (the CPU among them): x [T, K], dc [R, N] -> d b. The same bits either way."""
+    _c.tensor("x", x, 2, "[T, K]")
+    _c.tensor("dc", dc, 2, "[R, N]")
+    _layout(layout)
+    _c.integer("num_experts", num_experts, 1)
+    _c.one_device(("x", x), ("dc", dc), ("offsets", offsets), ("row_to_slot", row_to_slot))
+    kd, n = x.shape[1], dc.shape[1]
+    db = x.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
+    ws = sm90_workspace(x, num_experts)
+    if _C.gathered_grouped_gemm_wgrad(x, row_to_slot, k, dc, offsets, layout, db, _stream(x), False, ws):
+        return db
+    rows = gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
+    _C.grouped_gemm_wgrad(rows, dc, offsets, layout, db, None, _stream(x), False, ws)
+    return db
+
+
+@gathered_grouped_gemm_wgrad.register_fake
+def _(x, row_to_slot, k, slot_to_row, dc, offsets, layout, num_experts):
+    kd, n = x.shape[1], dc.shape[1]
+    return x.new_empty((num_experts, n, kd) if layout == 0 else (num_experts, kd, n))
+
+
 @torch.library.custom_op("moe8::grouped_gemm_wgrad", mutates_args=())
 def grouped_gemm_wgrad(
     a: Tensor, dc: Tensor, offsets: Tensor, layout: int, num_experts: int, with_bias: bool

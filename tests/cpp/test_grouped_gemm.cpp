@@ -112,6 +112,32 @@ TEST(GroupedGemm, GatheredRowsAreThePermutedRows) {
       }
 }
 
+// api::gathered_grouped_gemm_wgrad runs no kernel on the CPU (false: the caller gathers and calls the wgrad),
+// leaves db untouched, and checks its arguments by name first.
+TEST(GroupedGemm, GatheredWgradIsTheCallersOnTheCpu) {
+  Rng rng(71);
+  const int64_t T = 9, Kd = 16, N = 24, E = 3, R = 18;
+  const int k = 2;
+  HostTensor x = random_tensor(DType::kF32, {T, Kd}, rng), dc = random_tensor(DType::kF32, {R, N}, rng);
+  std::vector<int> slots(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) slots[r] = static_cast<int>(r);
+  HostTensor off = ints({E + 1}, {0, 5, 5, static_cast<int>(R)}), r2s = ints({R}, slots);
+  HostTensor db(DType::kF32, {E, N, Kd});
+  db.poison();
+  const HostTensor before = db;
+  EXPECT_FALSE(api::gathered_grouped_gemm_wgrad(x.view(), r2s.view(), k, dc.view(), off.view(), WeightLayout::kNK,
+                                                db.view(), 0));
+  EXPECT_TRUE(db.bitwise_equal(before)) << "db written on the CPU";
+  HostTensor bad_dc = random_tensor(DType::kF32, {R - 1, N}, rng);
+  EXPECT_MOE8_ERROR("dc", api::gathered_grouped_gemm_wgrad(x.view(), r2s.view(), k, bad_dc.view(), off.view(),
+                                                           WeightLayout::kNK, db.view(), 0));
+  HostTensor bad_db(DType::kF32, {E, N, Kd + 8});
+  EXPECT_MOE8_ERROR("db", api::gathered_grouped_gemm_wgrad(x.view(), r2s.view(), k, dc.view(), off.view(),
+                                                           WeightLayout::kNK, bad_db.view(), 0));
+  EXPECT_MOE8_ERROR("top_k", api::gathered_grouped_gemm_wgrad(x.view(), r2s.view(), 0, dc.view(), off.view(),
+                                                              WeightLayout::kNK, db.view(), 0));
+}
+
 // The two layouts are the same product: with b_kn[e] = b_nk[e]^T both give the same c (up to rounding).
 TEST(GroupedGemm, LayoutsAgree) {
   Rng rng(5);

@@ -430,6 +430,44 @@ def test_gathered_grouped_gemm_is_the_gemm_of_the_permuted_rows(device, T, H, N,
     torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "T, H, N, E, K", [(37, 72, 136, 5, 2), (300, 128, 256, 8, 4), (1, 64, 64, 3, 1), (700, 512, 384, 6, 3)]
+)
+def test_gathered_wgrad_is_the_wgrad_of_the_permuted_rows(device, T, H, N, E, K):
+    """ops.gathered_grouped_gemm_wgrad (x's rows read inside the weight gradient's GEMM: the sm_90a kernel on a
+    Hopper GPU; the rows gathered first elsewhere) against grouped_gemm_wgrad of the rows gathered first: within
+    bf16 rounding of it and of float64 (a kernel of another tile may run there), rows of slot -1 counting as
+    zeros, the empty expert's gradient zero, the same bits in two calls."""
+    x, _, offsets, row_to_slot, slot_to_row = _gathered_problem(device, T, H, N, E, K, 5, unmapped_every=7)
+    slot_to_row = torch.full_like(slot_to_row, -1)
+    mapped = row_to_slot >= 0
+    slot_to_row[row_to_slot[mapped].long()] = torch.arange(row_to_slot.numel(), device=device)[mapped].int()
+    dc = torch.randn(row_to_slot.numel(), N, device=device).to(torch.bfloat16)
+    got = moe8.ops.gathered_grouped_gemm_wgrad(x, row_to_slot, K, slot_to_row, dc, offsets, 0, E)
+    assert got.shape == (E, N, H) and not got.isnan().any()
+    assert torch.equal(
+        got, moe8.ops.gathered_grouped_gemm_wgrad(x, row_to_slot, K, slot_to_row, dc, offsets, 0, E)
+    )
+    rows = moe8.ops.gather_rows(x, row_to_slot, K, None, None)
+    want = moe8.ops.grouped_gemm_wgrad(rows, dc, offsets, 0, E, False)[0]
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    exact = torch.stack(
+        [
+            dc[offsets[e] : offsets[e + 1]].double().t() @ rows[offsets[e] : offsets[e + 1]].double()
+            for e in range(E)
+        ]
+    )
+    torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[E - 1], torch.zeros_like(got[E - 1]))  # _gathered_problem routes no row to E - 1
+    kn = moe8.ops.gathered_grouped_gemm_wgrad(
+        x, row_to_slot, K, slot_to_row, dc, offsets, 1, E
+    )  # gathered first
+    torch.testing.assert_close(kn.float(), want.float().transpose(1, 2), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="dc"):
+        moe8.ops.gathered_grouped_gemm_wgrad(x, row_to_slot, K, slot_to_row, dc[:, 0], offsets, 0, E)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not moe8.cuda_available(), reason="needs a CUDA GPU")
 def test_gathered_up_projection_in_the_gemm_matches_on_cuda():
     """Config.gather_in_gemm at a Qwen3-like width on a GPU (1024 rows per expert: the plain path takes the same
