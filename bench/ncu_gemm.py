@@ -5,7 +5,8 @@ rest of a benchmark:
     ncu --profile-from-start off --clock-control none --section SpeedOfLight python bench/ncu_gemm.py fp8_mixtral
 
 --time N: no profiler; each call's median milliseconds over N launches (CUDA events), printed and, with --json,
-written to a file.
+written to a file. --cold: each timed launch after 256 MiB written elsewhere, so its inputs start outside L2
+(as in a model's step, where other work ran in between).
 
 Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 from bench_gemm import balanced_cases  # this folder is on sys.path
@@ -112,11 +114,34 @@ def calls(case: str, device) -> list:
     return [mine, theirs]
 
 
+def timed_ms(fn, iters: int, cold: bool) -> float:
+    """Median milliseconds of fn() over iters launches after 3 warm-ups (CUDA events around each); cold: 256 MiB
+    written before each, outside the timing, so that L2 holds none of fn's inputs."""
+    from bench_layer import median_ms
+
+    if not cold:
+        return median_ms(fn, torch.device("cuda"), 3, iters)
+    flush = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.fill_(1)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=CASES)
     ap.add_argument("--time", type=int, default=0, metavar="N", help="median ms of each call over N launches")
     ap.add_argument("--json", default=None, help="with --time: append {case, ms} as a JSON line to this file")
+    ap.add_argument("--cold", action="store_true", help="with --time: L2 flushed before each timed launch")
     args = ap.parse_args()
     if args.time < 0:
         ap.error(f"--time: expected a count >= 0, got {args.time}")
@@ -124,13 +149,16 @@ def main() -> int:
         raise SystemExit("ncu_gemm: needs a CUDA GPU and moe8 built with CUDA")
     fns = calls(args.case, torch.device("cuda"))
     if args.time:
-        from bench_layer import median_ms
-
-        ms = [median_ms(f, torch.device("cuda"), 3, args.time) for f in fns]
-        print(f"ncu_gemm: {args.case}: ms per call " + " ".join(f"{m:.3f}" for m in ms))
+        ms = [timed_ms(f, args.time, args.cold) for f in fns]
+        print(
+            f"ncu_gemm: {args.case}{' (cold L2)' if args.cold else ''}: ms per call "
+            + " ".join(f"{m:.3f}" for m in ms)
+        )
         if args.json:
             with open(args.json, "a") as fh:
-                fh.write(json.dumps({"case": args.case, "ms": ms, "iters": args.time}) + "\n")
+                fh.write(
+                    json.dumps({"case": args.case, "ms": ms, "iters": args.time, "cold": args.cold}) + "\n"
+                )
         return 0
     for f in fns:
         for _ in range(3):
