@@ -162,10 +162,11 @@ def _gl_bwd(ctx, g):
     prec, g, k = from_code(ctx.precision), g.contiguous(), ctx.k
     dw = dbias = dx = None
     if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
-        # gathered again and freed before d a: the weight gradient reading them inside its GEMM
-        # (ops.gathered_grouped_gemm_wgrad) is slower than the gather and the GEMM (docs/kernels.md)
-        rows = (row_to_slot, k, slot_to_row)
-        dw, dbias = prec.gathered_wgrad(x, rows, g, w, offsets, ctx.layout, ctx.bias_dtype, in_gemm=False)
+        # gathered again, freed before d a (ops.gathered_grouped_gemm_wgrad, which reads them inside the GEMM,
+        # is slower than the gather and the GEMM: docs/kernels.md)
+        a = gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
+        dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
+        del a
     if ctx.needs_input_grad[0]:
         da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
         dx = combine_rows(da, slot_to_row.view(-1, k), None)  # the gather's backward: a token's k rows summed

@@ -88,19 +88,6 @@ class Bf16Gemms:
         """(d w, d bias in bias_dtype or None)."""
         return ops._weight_grads(a, g, w, offsets, layout, bias_dtype)
 
-    def gathered_wgrad(self, x, rows, g, w, offsets, layout: int, bias_dtype=None, in_gemm=True):
-        """wgrad(permute(x, ...), g, ...) for rows = (row_to_slot, k, slot_to_row): with in_gemm, no bias and a
-        weight wider than a LoRA rank the GEMM reads x's rows itself where a kernel does that
-        (moe8.ops.gathered_grouped_gemm_wgrad), else they are gathered into an [R, K] buffer first (freed on
-        return)."""
-        row_to_slot, k, slot_to_row = rows
-        if in_gemm and bias_dtype is None and g.shape[1] > ops._THIN:
-            dw = ops.gathered_grouped_gemm_wgrad(
-                x, row_to_slot, k, slot_to_row, g, offsets, layout, w.shape[0]
-            )
-            return dw, None
-        return _wgrad_of_gathered(self, x, rows, g, w, offsets, layout, bias_dtype)
-
 
 BF16 = Bf16Gemms()
 
@@ -178,10 +165,6 @@ class Fp8Gemms:
             return ops.grouped_gemm(g, values, offsets, 1 if layout == frozen.layout else 0, None)
         return ops.grouped_gemm(g, w.contiguous(), offsets, 1 - layout, None)
 
-    def gathered_wgrad(self, x, rows, g, w, offsets, layout: int, bias_dtype=None, in_gemm=True):
-        """wgrad(permute(x, ...), g, ...): the rows gathered into an [R, K] buffer first (freed on return)."""
-        return _wgrad_of_gathered(self, x, rows, g, w, offsets, layout, bias_dtype)
-
     def wgrad(self, a, g, w, offsets, layout: int, bias_dtype=None):
         dw = _fp8_wgrad(a, g, offsets, layout, w.shape[0]) if self.recipe.wgrad == "fp8" else None
         if dw is None:  # bf16, or no FP8 wgrad kernel here
@@ -190,13 +173,6 @@ class Fp8Gemms:
 
 
 Precision = Union[Bf16Gemms, Fp8Gemms]
-
-
-def _wgrad_of_gathered(prec, x, rows, g, w, offsets, layout: int, bias_dtype):
-    """prec.wgrad of x's rows gathered into expert order, the buffer freed on return."""
-    row_to_slot, k, slot_to_row = rows
-    a = ops.gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
-    return prec.wgrad(a, g, w, offsets, layout, bias_dtype)
 
 
 def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
