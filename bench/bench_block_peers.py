@@ -21,7 +21,8 @@ input towards that expert's router row.
 FP8 rows (--fp8): the --moe8 row's Config with fp8 set (moe8.Config(fp8=...), what moe8.accelerate(model,
 fp8=...) attaches to a model), on the same block and inputs, timed and measured the same way. The expert
 weights train (requires_grad) and are quantised inside every step, as in training (fp8_cache="frozen", the
-default: no FP8 copy of a trained weight is kept between calls). Each FP8 row gives its speed-up over its bf16
+default: no FP8 copy of a trained weight is kept between calls; RECIPE@handoff: the dgrad's copy made in the
+forward's pass and held to the backward). Each FP8 row gives its speed-up over its bf16
 row and the relative (Frobenius) error of its output and input gradient against that row's.
 --peers none times moe8's rows only (transformers still builds the block and its weights; SonicMoE is not
 imported).
@@ -197,6 +198,15 @@ def fp8_recipe(spec: str):
         raise SystemExit(f"--fp8: {e}") from None
 
 
+def fp8_row(spec: str):
+    """An --fp8 entry, RECIPE or RECIPE@CACHE: (recipe, the Config.fp8_cache of the row; "frozen" by default)."""
+    recipe, _, cache = spec.partition("@")
+    cache = cache or "frozen"
+    if cache not in moe8.fp8.CACHES:
+        raise SystemExit(f"--fp8: {spec!r}: the cache after '@' must be one of {list(moe8.fp8.CACHES)}")
+    return fp8_recipe(recipe), cache
+
+
 def peer_list(text: str) -> list:
     """--peers: names from PEERS (any case), comma-separated; "" or "none": none."""
     names = {p.lower(): p for p in PEERS}
@@ -247,10 +257,10 @@ def bench(name, dims, routing, T, configs, fp8, peers, opts) -> dict:
     for label, cfg in configs:
         bf16 = measure(label, lambda cfg=cfg: moe8_forward(cfg), params, dy, flops, opts)
         rows.append(bf16)
-        for spec, recipe in fp8:
+        for spec, (recipe, cache) in fp8:
             fp8_label = f"{label} FP8 {spec}"
             try:
-                fcfg = cfg.replace(fp8=recipe)
+                fcfg = cfg.replace(fp8=recipe, fp8_cache=cache)
                 row = measure(fp8_label, lambda fcfg=fcfg: moe8_forward(fcfg), params, dy, flops, opts)
             except Exception as e:  # noqa: BLE001  (one recipe failing is recorded, the other rows are kept)
                 print(f"  {fp8_label}: failed: {_why(e)}", flush=True)
@@ -352,7 +362,8 @@ def markdown(meta: dict, results: list) -> str:
         "| host issue | median time for the host to issue one step from an idle GPU (its last call returned, the GPU "
         "not yet done) |",
         "| FP8 rows | the bf16 row's Config with fp8 set (`moe8.Config(fp8=...)`); the expert weights train and are "
-        'quantised inside every step (`fp8_cache="frozen"`); vs bf16: its bf16 row\'s ms / its ms; errors: '
+        'quantised inside every step (`fp8_cache="frozen"`, or the cache after `@` in the row\'s name); vs bf16: '
+        "its bf16 row's ms / its ms; errors: "
         "relative Frobenius, output and input gradient vs the bf16 row's |",
     ]
     for r in (r for b in results for r in b["rows"]):
@@ -416,7 +427,8 @@ def main():
         "--fp8",
         default="",
         help="comma-separated FP8 recipes, a row each after every --moe8 row: blockwise, rowwise, tensorwise "
-        "(+dgrad / +wgrad: those backward GEMMs in FP8 too, e.g. blockwise+dgrad) or auto; the expert weights "
+        "(+dgrad / +wgrad: those backward GEMMs in FP8 too, e.g. blockwise+dgrad) or auto, optionally "
+        "@CACHE, a Config.fp8_cache (default frozen; e.g. blockwise+dgrad@handoff); the expert weights "
         "train and are quantised in every step; each row's speed-up and output and input-gradient error vs its "
         "bf16 row",
     )
@@ -446,7 +458,7 @@ def main():
         if r not in ROUTINGS:
             raise SystemExit(f"--routing: unknown routing {r!r}, expected from {list(ROUTINGS)}")
     configs = [moe8_config(s) for s in args.moe8.split(",") if s]
-    fp8 = [(s, fp8_recipe(s)) for s in args.fp8.split(",") if s]
+    fp8 = [(s, fp8_row(s)) for s in args.fp8.split(",") if s]
     peers = peer_list(args.peers)
     if not configs and not peers:
         raise SystemExit("--moe8 and --peers: no rows to run")

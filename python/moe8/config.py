@@ -95,7 +95,10 @@ class Config:
         weight's forward and, with FP8 dgrad, backward layout, made in one pass and kept until the next
         optimizer step: one quantisation pass per step instead of two per micro-batch, for 1 byte per weight
         element of each layout on top of the peak), "one" (one layout kept, the other derived from it for each
-        use: at most half the bf16 weights' bytes), "none" (quantised at every call, frozen weights too).
+        use: at most half the bf16 weights' bytes), "none" (quantised at every call, frozen weights too),
+        "handoff" ("frozen", but a blockwise weight that trains gets its forward and FP8-dgrad copies from one
+        pass in the forward, the dgrad's held to the backward: one weight pass per micro-batch instead of
+        two, for half the bf16 weight's bytes held from the forward to the backward).
     transport: how tokens reach their experts' ranks under expert parallelism (moe8.parallel.parallelize,
         which takes the group sizes from its mesh): "nccl" (all-to-all), "ipc" (direct GPU-to-GPU writes
         within one node) or "auto" (ipc when the experts are on CUDA and the expert-parallel group is on one

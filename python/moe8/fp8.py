@@ -15,8 +15,10 @@ Raw ops (torch.library custom ops with fake implementations; CPU reference or CU
     quantize_rowwise, quantize_tensorwise, dequantize, grouped_gemm_fp8, grouped_gemm_fp8_wgrad, and
     quantize_grouped_gemm_fp8 (quantize_rows_1x128 and grouped_gemm_fp8 in one call: an FP8 layer's forward)
 Weights: quantize_weight, and Fp8WeightCache: default_cache (copies refreshed when a weight changes or an
-optimizer steps, not per micro-batch) or frozen_only_cache (what Config's default fp8_cache="frozen" names:
-trainable weights quantised at every use, nothing of them held; frozen ones cached).
+optimizer steps, not per micro-batch), frozen_only_cache (what Config's default fp8_cache="frozen" names:
+trainable weights quantised at every use, nothing of them held; frozen ones cached) or hand_off_cache
+(fp8_cache="handoff": as frozen, but one pass makes a trainable weight's forward and FP8-dgrad copies, the
+latter held from the forward to its backward).
 The experts pipeline runs on these through its FP8 precision strategy (moe8.precision.Fp8Gemms): pass
 fp8="blockwise" (or a Float8Recipe) to moe8.experts_forward, or set moe8.Config(fp8=...).
 """
@@ -432,6 +434,14 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def quantize_weight_pair(w: Tensor) -> tuple[Fp8Weight, Fp8Weight]:
+    """Both layouts' blockwise copies of w as stored ([E, ., .] or a dense [., .]), from one pass over w:
+    (quantize_weight(w, 0, blockwise), quantize_weight(w, 1, blockwise)), the same bits, no bf16 transpose."""
+    stored = (w if w.dim() == 3 else w.unsqueeze(0)).detach().contiguous()
+    q, scale, q_t, scale_t = quantize_weight_128x128_pair(stored)
+    return Fp8Weight(q, scale, None), Fp8Weight(q_t, scale_t, None)
+
+
 def transposed(wq: Fp8Weight) -> Fp8Weight:
     """A blockwise copy in the other layout: the same 128x128 blocks, so the same codes and scales, transposed."""
     return Fp8Weight(wq.q.transpose(1, 2).contiguous(), wq.scale.transpose(1, 2).contiguous(), None)
@@ -510,12 +520,23 @@ class Fp8WeightCache:
     hold_trainable: keep copies of weights that require grad (default). False: those are quantised at every
     use and nothing of them is held between calls (an optimizer changes them every step anyway, so a copy
     would live from one step's forward to the next step's, on top of the step's peak); frozen weights (LoRA
-    bases) are still cached, both layouts."""
+    bases) are still cached, both layouts.
 
-    def __init__(self, keep_transposed: bool = True, hold_trainable: bool = True):
+    hand_off (with hold_trainable False): a blockwise weight that trains, quantised for a forward under grad
+    whose backward runs an FP8 dgrad, gets both layouts from that one pass; the other layout's copy is held
+    until the next get of it with the weight unchanged (the backward's dgrad), which takes it (one use). One
+    pass over the weight per forward and backward instead of two, for the dgrad's copy (half the bf16
+    weight's bytes) held from the forward to the backward, as a saved activation is."""
+
+    def __init__(self, keep_transposed: bool = True, hold_trainable: bool = True, hand_off: bool = False):
+        if hand_off and hold_trainable:
+            raise ValueError(
+                "hand_off: hands copies of weights that train over only when hold_trainable is False"
+            )
         self._entries: dict = {}
         self.keep_transposed = bool(keep_transposed)
         self.hold_trainable = bool(hold_trainable)
+        self.hand_off = bool(hand_off)
 
     def _current(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp) -> Optional[Fp8Weight]:
         hit = self._entries.get((id(w), layout, recipe.name))
@@ -528,7 +549,7 @@ class Fp8WeightCache:
         if frozen is not None:  # stored in FP8 only: its own copy, or that copy's transpose
             return frozen.value if frozen.layout == layout else transposed(frozen.value)
         if w.requires_grad and not self.hold_trainable:
-            return quantize_weight(w, layout, recipe)
+            return self._handed(w, layout, recipe) if self.hand_off else quantize_weight(w, layout, recipe)
         stamp = (w._version, w.data_ptr(), _optimizer_steps if w.requires_grad else -1)
         value = self._current(w, layout, recipe, stamp)
         if value is not None:
@@ -547,13 +568,27 @@ class Fp8WeightCache:
             and torch.is_grad_enabled()
         ):
             # the backward's FP8 dgrad will ask for the other layout: both copies from one pass over w
-            q, scale, q_t, scale_t = quantize_weight_128x128_pair(_nk(w, layout))
-            value = Fp8Weight(q, scale, None)
-            self._put(w, 1 - layout, recipe, stamp, Fp8Weight(q_t, scale_t, None))
+            copies = quantize_weight_pair(w)
+            value = copies[layout]
+            self._put(w, 1 - layout, recipe, stamp, copies[1 - layout])
         else:
             value = quantize_weight(w, layout, recipe)
         self._put(w, layout, recipe, stamp, value)
         return value
+
+    def _handed(self, w: Tensor, layout: int, recipe: Float8Recipe) -> Fp8Weight:
+        """hand_off's get of a weight that trains: the copy a forward left for this layout (taken: one use),
+        else quantised now, both layouts in one pass where the backward's FP8 dgrad will want the other."""
+        stamp = (w._version, w.data_ptr(), _optimizer_steps)
+        value = self._current(w, layout, recipe, stamp)
+        if value is not None:
+            del self._entries[(id(w), layout, recipe.name)]
+            return value
+        if recipe.name == "blockwise" and recipe.dgrad == "fp8" and torch.is_grad_enabled():
+            copies = quantize_weight_pair(w)
+            self._put(w, 1 - layout, recipe, stamp, copies[1 - layout])
+            return copies[layout]
+        return quantize_weight(w, layout, recipe)
 
     def _put(self, w: Tensor, layout: int, recipe: Float8Recipe, stamp, value: Fp8Weight) -> None:
         key = (id(w), layout, recipe.name)
@@ -587,15 +622,22 @@ class Fp8WeightCache:
 default_cache = Fp8WeightCache()
 one_layout_cache = Fp8WeightCache(keep_transposed=False)  # Config(fp8_cache="one")
 frozen_only_cache = Fp8WeightCache(hold_trainable=False)  # Config(fp8_cache="frozen"), the default
-# Config.fp8_cache: frozen_only_cache, default_cache, one_layout_cache, no cache
-CACHES = ("frozen", "both", "one", "none")
+hand_off_cache = Fp8WeightCache(hold_trainable=False, hand_off=True)  # Config(fp8_cache="handoff")
+# Config.fp8_cache: frozen_only_cache, default_cache, one_layout_cache, no cache, hand_off_cache
+CACHES = ("frozen", "both", "one", "none", "handoff")
 
 
 def cache_named(name: str) -> Optional[Fp8WeightCache]:
     """The weight cache a Config's fp8_cache names."""
     if name not in CACHES:
         raise ValueError(f"fp8_cache: expected one of {list(CACHES)}, got {name!r}")
-    return {"frozen": frozen_only_cache, "both": default_cache, "one": one_layout_cache, "none": None}[name]
+    return {
+        "frozen": frozen_only_cache,
+        "both": default_cache,
+        "one": one_layout_cache,
+        "none": None,
+        "handoff": hand_off_cache,
+    }[name]
 
 
 make_direct(globals())  # after every op's registrations (moe8._core: direct calls)

@@ -175,8 +175,10 @@ def _setup(ctx, inputs, output):
     ctx.precision, ctx.backend = precision, backend
     cache = from_code(precision).cache
     if w.requires_grad and (cache is None or not cache.hold_trainable):
-        # a weight that trains: nothing of it held to the backward, which quantises it again
-        copies = [None] * len(copies)
+        # a weight that trains: nothing of it held to the backward, which quantises it again, but for the
+        # dgrad's copy a hand_off cache made in the forward's pass
+        handed = cache is not None and cache.hand_off
+        copies = [None] * 3 + (list(copies[3:]) if handed else [None] * 3)
     ctx.save_for_backward(x, w, *copies)
 
 
@@ -197,8 +199,8 @@ def _dgrad_copy_cached(w: Tensor, recipe: Float8Recipe, cache: Fp8WeightCache) -
     transposes the forward's copy, a transient copy, rather than holding it from the forward on)."""
     if recipe.dgrad != "fp8" or not (w.requires_grad and torch.is_grad_enabled()):
         return False
-    if not cache.hold_trainable:  # the backward quantises it (Config.fp8_cache "frozen")
-        return False
+    if not cache.hold_trainable:  # the backward quantises it (Config.fp8_cache "frozen"), or takes the copy
+        return cache.hand_off and recipe.name == "blockwise"  # the forward's pass made ("handoff")
     return cache.keep_transposed or recipe.name != "blockwise"
 
 

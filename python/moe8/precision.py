@@ -34,6 +34,7 @@ from .fp8 import (
     frozen_only_cache,
     grouped_gemm_fp8,
     grouped_gemm_fp8_wgrad,
+    hand_off_cache,
     one_layout_cache,
     quantize_activation,
     quantize_cols_1x128,
@@ -92,7 +93,7 @@ class Bf16Gemms:
 BF16 = Bf16Gemms()
 
 
-_CACHES = (default_cache, one_layout_cache, None, frozen_only_cache)  # by code
+_CACHES = (default_cache, one_layout_cache, None, frozen_only_cache, hand_off_cache)  # by code
 _CACHE_CODES = {id(c): i for i, c in enumerate(_CACHES)}
 
 
@@ -177,7 +178,7 @@ Precision = Union[Bf16Gemms, Fp8Gemms]
 
 def precision(fp8=None, cache: Optional[Fp8WeightCache] = default_cache) -> Precision:
     """The strategy for `fp8`: None (or "none", "bf16") -> BF16; a recipe name or Float8Recipe -> Fp8Gemms
-    with `cache` (or the cache a Config's fp8_cache names: "frozen", "both", "one", "none"); a strategy object is
+    with `cache` (or the cache a Config's fp8_cache names: "frozen", "both", "one", "none", "handoff"); a strategy object is
     returned as it is."""
     if isinstance(cache, str):
         cache = cache_named(cache)
@@ -206,7 +207,7 @@ def from_code(code: int) -> Precision:
         return BF16
     name = next(n for n, i in RECIPES.items() if i == code & 3)
     fp8 = ("bf16", "fp8")
-    cache = _CACHES[code >> 4 & 3]
+    cache = _CACHES[code >> 4 & 7]
     return Fp8Gemms(Float8Recipe(name, fp8[code >> 2 & 1], fp8[code >> 3 & 1]), cache)
 
 

@@ -612,6 +612,10 @@ def test_bench_block_peers_pieces():
     for bad in ("blockwise+nope", "nope"):
         with pytest.raises(SystemExit, match="--fp8"):
             b.fp8_recipe(bad)
+    assert b.fp8_row("blockwise+dgrad@handoff") == (b.fp8_recipe("blockwise+dgrad"), "handoff")
+    assert b.fp8_row("blockwise") == (b.fp8_recipe("blockwise"), "frozen")
+    with pytest.raises(SystemExit, match="--fp8: 'blockwise@all'"):
+        b.fp8_row("blockwise@all")
     assert b.peer_list("none") == b.peer_list("") == []
     assert b.peer_list("sonicmoe,transformers") == [peers.SONICMOE, "transformers"]
     with pytest.raises(SystemExit, match="--peers: unknown"):
@@ -635,7 +639,7 @@ def test_bench_block_peers_tiny(tmp_path):
     the markdown. With the peers: transformers' row is the reference of every row's speed-up and difference, and
     a SonicMoE that is not importable is a row that says why."""
     out, md = tmp_path / "block.json", tmp_path / "block.md"
-    fp8 = ("blockwise", "blockwise+dgrad")
+    fp8 = ("blockwise", "blockwise+dgrad", "blockwise+dgrad@handoff")
     p = run(*"bench/bench_block_peers.py --tiny --routing skewed --peers none --fp8".split(), ",".join(fp8),
             "--json", out, "--md", md)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
@@ -646,14 +650,17 @@ def test_bench_block_peers_tiny(tmp_path):
     assert "speedup_vs_bf16" not in bf16 and "speedup_vs_transformers" not in bf16
     for spec in fp8:
         r = rows[f"moe8 FP8 {spec}"]
-        assert r["fp8"] == spec and r["fp8_cache"] == "frozen" and r["bf16_row"] == "moe8"
+        assert r["fp8"] == spec and r["fp8_cache"] == (spec.partition("@")[2] or "frozen")
+        assert r["bf16_row"] == "moe8"
         assert r["speedup_vs_bf16"] == pytest.approx(bf16["ms"] / r["ms"])
         assert 1e-3 < r["output_rel_error_vs_bf16"] < 0.15 and 1e-3 < r["grad_x_rel_error_vs_bf16"] < 0.15
         line = next(x for x in table.splitlines() if f"| moe8 FP8 {spec} |" in x)
         assert f"| {r['speedup_vs_bf16']:.2f}x |" in line and f"{r['grad_x_rel_error_vs_bf16']:.2e} |" in line
-    plain, dgrad = (rows[f"moe8 FP8 {s}"] for s in fp8)
+    plain, dgrad, handoff = (rows[f"moe8 FP8 {s}"] for s in fp8)
     assert plain["output_rel_error_vs_bf16"] == pytest.approx(dgrad["output_rel_error_vs_bf16"], rel=1e-6)
     assert plain["grad_x_rel_error_vs_bf16"] != pytest.approx(dgrad["grad_x_rel_error_vs_bf16"], rel=1e-3)
+    for key in ("output_rel_error_vs_bf16", "grad_x_rel_error_vs_bf16"):  # the same bits as frozen's
+        assert handoff[key] == dgrad[key]
     header = next(x for x in p.stdout.splitlines() if x.startswith("shape "))  # the table, printed last
     assert "vs bf16" in header and "out err" in header and "dx err" in header
 

@@ -289,9 +289,10 @@ def test_frozen_weights_survive_optimizer_steps():
 
 @pytest.mark.parametrize("device", devices())
 def test_fp8_cache_policies_same_bits_less_memory(device):
-    """Config.fp8_cache "frozen" / "both" / "one" / "none": the same outputs and gradients bit for bit; "one"
-    holds half of "both"'s bytes (one layout per weight), "none" nothing between calls, "frozen" (the default)
-    nothing of weights that train and both layouts of frozen ones."""
+    """Config.fp8_cache "frozen" / "both" / "one" / "none" / "handoff": the same outputs and gradients bit for
+    bit; "one" holds half of "both"'s bytes (one layout per weight), "none" nothing between calls, "frozen" (the
+    default) nothing of weights that train and both layouts of frozen ones, "handoff" the dgrad's copies from
+    the forward to the backward only."""
     torch.manual_seed(4)
     E, H, I, T = 4, 256, 128, 96
     x = torch.randn(T, H, device=device, requires_grad=True)
@@ -300,7 +301,8 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
     dn = (torch.randn(E, H, I, device=device) * 0.1).requires_grad_()
     r = Float8Recipe("blockwise", dgrad="fp8")
     results, held = [], {}
-    caches = (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache)
+    caches = (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache, fp8.hand_off_cache)
+    between = {}  # bytes held from the forward to the backward
 
     def run(name, weights_train=True):
         for c in caches:
@@ -308,6 +310,7 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
         cfg = moe8.Config(fp8=r, fp8_cache=name)
         a, b = (gu, dn) if weights_train else (gu.detach(), dn.detach())
         y = layer.experts_forward(x, ids, w, a, b, config=cfg)
+        between[name] = sum(c.nbytes() for c in caches)
         grads = torch.autograd.grad(y.square().sum(), [x, a, b] if weights_train else [x])
         return (y, *grads), sum(c.nbytes() for c in caches)
 
@@ -318,12 +321,46 @@ def test_fp8_cache_policies_same_bits_less_memory(device):
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     one_copy = sum(t.numel() for t in (gu, dn)) + 4 * 4 * (2 * 2 + 2 * 1)
-    assert held == {"frozen": 0, "both": 2 * one_copy, "one": one_copy, "none": 0}
+    assert held == {"frozen": 0, "both": 2 * one_copy, "one": one_copy, "none": 0, "handoff": 0}
+    assert between["handoff"] == one_copy and between["frozen"] == 0  # the dgrad's copies, taken by it
     frozen_out, frozen_held = run("frozen", weights_train=False)  # frozen weights: both layouts cached
     assert frozen_held == 2 * one_copy
     assert torch.equal(frozen_out[0], results[0][0]) and torch.equal(frozen_out[1], results[0][1])
     with pytest.raises(ValueError, match="fp8_cache: expected one of"):
         moe8.Config(fp8="blockwise", fp8_cache="all")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp8_cache_handoff_quantises_each_trained_weight_once(device, monkeypatch):
+    """fp8_cache="handoff": one pass over each expert weight per forward and backward with an FP8 dgrad (both
+    layouts from quantize_weight_128x128_pair), against two for "frozen" (the forward's layout, then the
+    dgrad's); a forward without grad, or with a bf16 dgrad, quantises one layout and hands nothing over."""
+    torch.manual_seed(6)
+    E, H, I, T = 4, 256, 128, 64
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    ids, w = torch.randint(0, E, (T, 2), device=device), torch.rand(T, 2, device=device)
+    gu = (torch.randn(E, 2 * I, H, device=device) * 0.1).requires_grad_()
+    dn = (torch.randn(E, H, I, device=device) * 0.1).requires_grad_()
+    calls = []
+    for name in ("quantize_weight_128x128", "quantize_weight_128x128_pair", "quantize_weight_128x128_t"):
+        op = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, op=op, name=name: calls.append(name) or op(*a))
+
+    def passes(cache, dgrad="fp8", grad=True):
+        calls.clear()
+        cfg = moe8.Config(fp8=Float8Recipe("blockwise", dgrad=dgrad), fp8_cache=cache)
+        with torch.set_grad_enabled(grad):
+            y = layer.experts_forward(x, ids, w, gu, dn, config=cfg)
+        if grad:
+            torch.autograd.grad(y.square().sum(), [x, gu, dn])
+        assert fp8.hand_off_cache.nbytes() == 0
+        return sorted(calls)
+
+    pair, fwd, t = "quantize_weight_128x128_pair", "quantize_weight_128x128", "quantize_weight_128x128_t"
+    assert passes("handoff") == [pair, pair]
+    assert passes("frozen") == sorted([fwd, fwd, t, t])
+    assert passes("handoff", grad=False) == [fwd, fwd]
+    assert passes("handoff", dgrad="bf16") == [fwd, fwd]
 
 
 # ------------------------------------------------------------------------------- per-call cost of fp8_linear
@@ -451,7 +488,8 @@ def test_fp8_linear_steady_state_profile(recipe, device):
 def test_fp8_linear_holds_no_copy_of_a_trainable_weight(recipe, device):
     """Config.fp8_cache "frozen" (the default) and "none": between an fp8_linear's forward and its backward
     nothing of a weight that trains is held in FP8 (the autograd graph saves no uint8 tensor; the FP8 dgrad
-    quantises the weight again), and the output and gradients are the bits "both" gives, which holds both."""
+    quantises the weight again), and the output and gradients are the bits "both" gives, which holds both;
+    "handoff" holds the dgrad's blockwise copy only (made in the forward's pass), as a saved tensor."""
     torch.manual_seed(5)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     x = torch.randn(32, 256, device=device, dtype=dt, requires_grad=True)
@@ -460,7 +498,7 @@ def test_fp8_linear_holds_no_copy_of_a_trainable_weight(recipe, device):
     r = Float8Recipe(recipe, dgrad="fp8")
     results, saved = {}, {}
     for name in fp8.CACHES:
-        for c in (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache):
+        for c in (fp8.default_cache, fp8.one_layout_cache, fp8.frozen_only_cache, fp8.hand_off_cache):
             c.clear()
         kept = []
 
@@ -477,3 +515,5 @@ def test_fp8_linear_holds_no_copy_of_a_trainable_weight(recipe, device):
         assert all(torch.equal(a, b) for a, b in zip(results[name], results["both"])), name
     assert torch.uint8 in saved["both"]
     assert torch.uint8 not in saved["frozen"] and torch.uint8 not in saved["none"]
+    assert (torch.uint8 in saved["handoff"]) == (recipe == "blockwise")
+    assert fp8.hand_off_cache.nbytes() == 0  # the forward's copy for the dgrad was handed to the op
