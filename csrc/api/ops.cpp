@@ -7,6 +7,7 @@
 
 #include "api/common.h"
 #include "core/check.h"
+#include "core/fp8.h"
 #include "cpu/ops.h"
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
@@ -475,13 +476,26 @@ void check_routed_backward(const TensorView& h, const TensorView& dout, const Te
 
 void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
                                 const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
-                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
-                                bool check_indices) {
+                                const TensorView& a_w, const TensorView& d_weights, intptr_t stream, bool check_indices,
+                                const TensorView& dh_q, const TensorView& dh_scale) {
   check_routed_backward(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, stream, check_indices);
+  const bool quantise = dh_q.present;
+  MOE8_CHECK(dh_q.present == dh_scale.present, "dh_q and dh_scale: expected both or neither, got ",
+             dh_q.present ? "dh_q only" : "dh_scale only");
+  if (quantise) {
+    check_tensor("dh_q", dh_q, "h", h);
+    check_dtype("dh_q", dh_q, {DType::kU8, DType::kF8E4M3});
+    check_shape("dh_q", dh_q, {h.size(0), h.size(1)});
+    check_tensor("dh_scale", dh_scale, "h", h);
+    check_dtype("dh_scale", dh_scale, {DType::kF32});
+    check_shape("dh_scale", dh_scale, {h.size(0), quant_blocks(h.size(1))});
+  }
   if (on_cuda(h, "activation_backward_routed")) {
-    cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream));
+    cuda::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights, as_ptr(stream), dh_q,
+                                     dh_scale);
   } else {
     cpu::activation_backward_routed(h, dout, weights, row_to_slot, p, dh, a_w, d_weights);
+    if (quantise) cpu::quantize_rows_1x128(dh, TensorView{}, 1, dh_q, dh_scale);
   }
 }
 

@@ -92,11 +92,14 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
 
 // The activation's backward with the routing weights applied here (semantics: cpu/ops.h): h [R,2I] (gated) or
 // [R,I]; dout, a_w [R,I] (a_w may be dout); dh like h (may be h); one float dtype; weights, d_weights [T*K]
-// float32; row_to_slot [R] int32 in [-1, T*K).
+// float32; row_to_slot [R] int32 in [-1, T*K). dh_q [R, W] uint8 and dh_scale [R, ceil(W/128)] float32 (optional,
+// together; W = h's width): d h quantised 1x128 as well, the bits quantize_rows_1x128(dh) gives (what an FP8 dgrad of
+// the up projection reads), on the GPU in the same pass where it can.
 void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
                                 const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
                                 const TensorView& a_w, const TensorView& d_weights, intptr_t stream,
-                                bool check_indices = true);
+                                bool check_indices = true, const TensorView& dh_q = {},
+                                const TensorView& dh_scale = {});
 
 // The down projection's input gradient followed by the routed activation backward:
 //   a_w = grouped_gemm(a, b, offsets, layout); activation_backward_routed(h, a_w, weights, row_to_slot, p, dh,

@@ -215,14 +215,15 @@ NB_MODULE(_C, m) {
   m.def(
       "activation_backward_routed",
       [](Array h, Array dout, Array weights, Array row_to_slot, int kind, bool interleaved, float alpha, float limit,
-         Array dh, Array a_w, Array d_weights, intptr_t stream, bool check_indices) {
+         Array dh, Array a_w, Array d_weights, intptr_t stream, bool check_indices, OptArray dh_q, OptArray dh_scale) {
         moe8::api::activation_backward_routed(V(h), V(dout), V(weights), V(row_to_slot),
                                               act_params(kind, interleaved, alpha, limit), V(dh), V(a_w), V(d_weights),
-                                              stream, check_indices);
+                                              stream, check_indices, V(dh_q), V(dh_scale));
       },
       nb::arg("h"), nb::arg("dout"), nb::arg("weights"), nb::arg("row_to_slot"), nb::arg("kind"),
       nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"), nb::arg("dh"), nb::arg("a_w"), nb::arg("d_weights"),
-      nb::arg("stream") = 0, nb::arg("check_indices") = true);
+      nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("dh_q").none() = nb::none(),
+      nb::arg("dh_scale").none() = nb::none());
   m.def(
       "grouped_gemm_act_backward",
       [](Array a, Array b, Array offsets, int layout, Array h, Array weights, Array row_to_slot, int kind,

@@ -15,6 +15,7 @@
 #include "cuda/activation.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/quant.cuh"
 #include "cuda/rowwise.cuh"
 
 namespace moe8::cuda {
@@ -134,12 +135,18 @@ __global__ void __launch_bounds__(kMaxThreads)
 // gradient is the warp's sum of act(h) * dout (a fixed order: deterministic).
 constexpr int kRoutedWarps = kMaxThreads / 32;
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kMaxThreads)
+// Quant: d h [gate | up] also quantised 1x128 as stored (rounded to T) into q [rows, 2I] and q_scale
+// [rows, 2I / 128], the bits quantize_rows_1x128(d h) gives. Needs V = 8 (a lane's pack is 8 columns, so
+// each half warp holds one 128-column block of d gate and one of d up at every step) and I % 128 == 0.
+// Quant's kernel is held to 64 registers (4 blocks an SM): at its natural 80 (3 blocks) it took as long as the
+// plain kernel and quantize_rows_1x128 after it (Mixtral-8x7B, H200: 2.63 ms against 1.69 + 0.88), at 64 2.28.
+template <typename T, int V, bool Quant>
+__global__ void __launch_bounds__(kMaxThreads, Quant ? 4 : 0)
     activation_backward_routed_kernel(const T* h, const T* dout, const float* __restrict__ weights,
                                       const int32_t* __restrict__ row_to_slot, ActParams p, Layout lay, int64_t rows,
                                       T* dh, T* a_w, float* __restrict__ d_weights,  // dh may be h, a_w dout
-                                      int64_t num_slots) {
+                                      int64_t num_slots, uint8_t* __restrict__ q, float* __restrict__ q_scale) {
+  static_assert(!Quant || V == quant::kLaneVals, "a lane's pack is 8 columns of one 128-column block");
   const int lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRoutedWarps + threadIdx.x / 32;
   if (r >= rows) return;
@@ -151,22 +158,47 @@ __global__ void __launch_bounds__(kMaxThreads)
   const T* dr = dout + r * lay.I;
   T* ar = a_w + r * lay.I;
   float dot = 0.f;
-  for (int64_t i0 = static_cast<int64_t>(lane) * V; i0 < lay.I; i0 += 32 * V) {
-    float g[V], u[V], dg[V], du[V];
-    load_inputs<T, V>(hr, lay, i0, g, u);
-    const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dr + i0);
-    Pack<T, V> o;
+  for (int64_t base = 0; base < lay.I; base += 32 * V) {  // the same steps on every lane (Quant's shuffles)
+    const int64_t i0 = base + static_cast<int64_t>(lane) * V;
+    const bool live = i0 < lay.I;
+    float dg[V] = {}, du[V] = {};
+    if (live) {
+      float g[V], u[V];
+      load_inputs<T, V>(hr, lay, i0, g, u);
+      const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dr + i0);
+      Pack<T, V> o;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float dj = to_float(d.v[j]), a = act_value_and_grad(p, g[j], u[j], w * dj, dg[j], du[j]);
-      dot += a * dj;
-      o.v[j] = from_float<T>(w * a);
+      for (int j = 0; j < V; ++j) {
+        const float dj = to_float(d.v[j]), a = act_value_and_grad(p, g[j], u[j], w * dj, dg[j], du[j]);
+        dot += a * dj;
+        o.v[j] = from_float<T>(w * a);
+      }
+      store_grads<T, V>(dhr, lay, i0, dg, du);
+      *reinterpret_cast<Pack<T, V>*>(ar + i0) = o;
     }
-    store_grads<T, V>(dhr, lay, i0, dg, du);
-    *reinterpret_cast<Pack<T, V>*>(ar + i0) = o;
+    if constexpr (Quant) {  // half h of the warp: block base / 128 + h of d gate, and of d up I / 128 further
+      float vg[V], vu[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {  // as stored
+        vg[j] = live ? to_float(from_float<T>(dg[j])) : 0.f;
+        vu[j] = live ? to_float(from_float<T>(du[j])) : 0.f;
+      }
+      const int64_t b = base / kQuantBlock + quant::half(), W = 2 * lay.I;
+      quant::quantize_block(vg, live, r, b, W, true, q, q_scale);
+      quant::quantize_block(vu, live, r, lay.I / kQuantBlock + b, W, true, q, q_scale);
+    }
   }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   if (lane == 0 && slot >= 0) d_weights[slot] = dot;
+}
+
+// The routed kernel of T's packs, with d h's quantisation where asked (only for packs of 8 values).
+template <typename T, int V>
+auto routed_kernel(bool with_codes) {
+  if constexpr (V == quant::kLaneVals) {
+    if (with_codes) return activation_backward_routed_kernel<T, V, true>;
+  }
+  return activation_backward_routed_kernel<T, V, false>;
 }
 
 }  // namespace
@@ -212,26 +244,34 @@ void activation_backward(const TensorView& h, const TensorView& dout, const ActP
 
 void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
                                 const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
-                                const TensorView& a_w, const TensorView& d_weights, void* stream) {
+                                const TensorView& a_w, const TensorView& d_weights, void* stream,
+                                const TensorView& dh_q, const TensorView& dh_scale) {
   const int64_t rows = dout.shape[0], I = dout.shape[1];
   if (rows == 0) return;
   cudaStream_t s = as_stream(stream);
   const Layout lay{is_gated(p.kind), p.interleaved, I};
   const unsigned grid = static_cast<unsigned>(ceil_div(rows, kRoutedWarps));
+  const bool quantise = dh_q.present;
+  bool quantised = false;
   MOE8_DISPATCH_FLOAT(h.dtype, "activation_backward_routed: h", [&] {
     using T = scalar_t;
     constexpr int V = 16 / sizeof(T);
     const auto launch = [&](auto kernel) {
       kernel<<<grid, kMaxThreads, 0, s>>>(h.ptr<T>(), dout.ptr<T>(), weights.ptr<float>(), row_to_slot.ptr<int32_t>(),
                                           p, lay, rows, dh.ptr<T>(), a_w.ptr<T>(), d_weights.ptr<float>(),
-                                          weights.shape[0]);
+                                          weights.shape[0], static_cast<uint8_t*>(dh_q.data),
+                                          static_cast<float*>(dh_scale.data));
     };
-    if (use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data}))
-      launch(activation_backward_routed_kernel<T, V>);
+    const bool packs = use_packs<T>(I, {h.data, dout.data, dh.data, a_w.data});
+    quantised = quantise && packs && V == quant::kLaneVals && lay.gated && !lay.interleaved && I % kQuantBlock == 0 &&
+                quant::aligned(dh_q.data, quant::kLaneVals);
+    if (packs)
+      launch(routed_kernel<T, V>(quantised));
     else
-      launch(activation_backward_routed_kernel<T, 1>);
+      launch(activation_backward_routed_kernel<T, 1, false>);
     check_launch("activation_backward_routed_kernel");
   });
+  if (quantise && !quantised) quantize_rows_1x128(dh, TensorView{}, TensorView{}, 1, dh_q, dh_scale, stream);
 }
 
 }  // namespace moe8::cuda

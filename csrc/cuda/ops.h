@@ -68,9 +68,12 @@ void activation_forward(const TensorView& h, const ActParams& p, const TensorVie
 void activation_backward(const TensorView& h, const TensorView& dout, const ActParams& p, const TensorView& dh,
                          void* stream);
 // cpu::activation_backward_routed on the GPU (one warp a row: the weight gradient's sum in a fixed order).
+// dh_q / dh_scale (optional, together): d h quantised 1x128 too, in the same pass where d h is [gate | up] of
+// 16-bit packs with I % 128 == 0, else by quantize_rows_1x128 after it (the same bits either way).
 void activation_backward_routed(const TensorView& h, const TensorView& dout, const TensorView& weights,
                                 const TensorView& row_to_slot, const ActParams& p, const TensorView& dh,
-                                const TensorView& a_w, const TensorView& d_weights, void* stream);
+                                const TensorView& a_w, const TensorView& d_weights, void* stream,
+                                const TensorView& dh_q = {}, const TensorView& dh_scale = {});
 
 // Rotary position embedding (rotate_half form), forward or backward: x [B,H,S,D] and out [B,H,S,D] strided
 // with a contiguous last dim, cos / sin [B,S,D] or [1,S,D] contiguous; see cpu/ops.h.

@@ -52,7 +52,8 @@ void activation_backward(const TensorView&, const TensorView&, const ActParams&,
   fail_without_cuda("activation_backward");
 }
 void activation_backward_routed(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
-                                const ActParams&, const TensorView&, const TensorView&, const TensorView&, void*) {
+                                const ActParams&, const TensorView&, const TensorView&, const TensorView&, void*,
+                                const TensorView&, const TensorView&) {
   fail_without_cuda("activation_backward_routed");
 }
 void cross_entropy_rows(const TensorView&, const TensorView&, int64_t, const TensorView&, void*) {

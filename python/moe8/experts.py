@@ -218,6 +218,17 @@ def experts_forward(
     w = weights.float().contiguous()  # [T, K]
     consume = cfg.consume_gate_up
     if cfg.routed_down and lora is None and down_bias is None:  # neither activations nor expert outputs kept
+        # the up projection's FP8 blockwise dgrad reads d h exactly as the down projection's backward writes it:
+        # quantised on the way there (without a bias between them, whose backward would make a new tensor)
+        r = getattr(prec, "recipe", None)
+        dh_codes = (
+            r is not None
+            and r.name == "blockwise"
+            and r.dgrad == "fp8"
+            and gate_up_bias is None
+            and x.requires_grad
+            and torch.is_grad_enabled()
+        )
         return fused.activation_down_combine(
             h,
             down,
@@ -230,6 +241,7 @@ def experts_forward(
             consume,
             prec_down,
             cfg.fused_act_dgrad,
+            dh_codes,
         )
     if lora is None:  # the activations [R, I] are recomputed in the backward, not kept
         o = fused.activation_linear(h, down, offsets, lay, down_bias, *act_args, consume, prec_down)

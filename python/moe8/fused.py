@@ -25,7 +25,7 @@ from ._core import C as _C
 from ._core import make_direct, sm90_workspace
 from ._core import stream as _stream
 from .ops import activation, activation_grad, combine_rows, gather_rows
-from .precision import BF16, Precision, add_bias, from_code
+from .precision import BF16, HANDED_CODES, Precision, add_bias, from_code
 
 
 def _out_cols(w_q: Optional[Tensor], w: Tensor, layout: int) -> int:
@@ -81,6 +81,7 @@ def _el_bwd(ctx, g):
     a, w, offsets = ctx.saved_tensors
     prec, g = from_code(ctx.precision), g.contiguous()
     da = prec.dgrad(g, w, offsets, ctx.layout) if ctx.needs_input_grad[0] else None
+    HANDED_CODES.clear()  # codes handed to this op's dgrad are taken or stale now
     dw = dbias = None
     if ctx.needs_input_grad[1] or (ctx.bias_dtype is not None and ctx.needs_input_grad[7]):
         dw, dbias = prec.wgrad(a, g, w, offsets, ctx.layout, ctx.bias_dtype)
@@ -170,6 +171,7 @@ def _gl_bwd(ctx, g):
     if ctx.needs_input_grad[0]:
         da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
         dx = combine_rows(da, slot_to_row.view(-1, k), None)  # the gather's backward: a token's k rows summed
+    HANDED_CODES.clear()  # codes handed to this op's dgrad are taken or stale now
     return (dx, dw, None, None, None, None, None, dbias) + (None,) * 5
 
 
@@ -336,7 +338,59 @@ def _(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit):
     return weights.new_empty(weights.shape)
 
 
-def _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, dh) -> Tensor:
+@torch.library.custom_op("moe8::activation_backward_routed_codes", mutates_args=("dout",))
+def activation_backward_routed_codes(
+    h: Tensor,
+    dout: Tensor,
+    weights: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """activation_backward_routed that also quantises d h 1x128 (what the up projection's FP8 blockwise dgrad
+    reads), on the GPU in the same pass: returns (d h, d weights, q [R, W] uint8, scale [R, ceil(W/128)] f32),
+    q and scale the bits fp8.quantize_rows_1x128(d h) gives."""
+    dh = torch.empty_like(h)
+    q, scale = _codes_of(h)
+    return dh, _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, dh, q, scale), q, scale
+
+
+@activation_backward_routed_codes.register_fake
+def _(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit):
+    return (torch.empty_like(h), weights.new_empty(weights.shape), *_codes_of(h))
+
+
+@torch.library.custom_op("moe8::activation_backward_routed_codes_", mutates_args=("h", "dout"))
+def activation_backward_routed_codes_(
+    h: Tensor,
+    dout: Tensor,
+    weights: Tensor,
+    row_to_slot: Tensor,
+    kind: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """activation_backward_routed_codes with d h written over h; returns (d weights, q, scale)."""
+    q, scale = _codes_of(h)
+    return _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, h, q, scale), q, scale
+
+
+@activation_backward_routed_codes_.register_fake
+def _(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit):
+    return (weights.new_empty(weights.shape), *_codes_of(h))
+
+
+def _codes_of(h: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty 1x128 codes and scales for a tensor of h's shape [R, W]: uint8 [R, W], f32 [R, ceil(W/128)]."""
+    rows, width = h.shape
+    blocks = -(-width // 128)
+    return h.new_empty(rows, width, dtype=torch.uint8), h.new_empty(rows, blocks, dtype=torch.float32)
+
+
+def _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, dh, q=None, scale=None) -> Tensor:
     d_weights = torch.zeros_like(weights)  # slots no row maps to (ids of -1) keep their 0
     w = weights.reshape(-1)
     _C.activation_backward_routed(
@@ -353,6 +407,8 @@ def _routed(h, dout, weights, row_to_slot, kind, interleaved, alpha, limit, dh) 
         d_weights.view(-1),
         _stream(h),
         False,
+        q,
+        scale,
     )
     return d_weights
 
@@ -457,14 +513,16 @@ def routed_down_backward(
     wgrad,
     need_w: bool,
     down: Optional[tuple] = None,
+    dh_codes: bool = False,
 ) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """Backward of y = combine(grouped_gemm(activation(h), W), weights) with the routing weights applied after
     the down projection's dgrad: the rows of dy are gathered unweighted, dgrad(rows) = rows · W^T gives d act
     of the unweighted outputs, and one pass (activation_backward_routed) recomputes act(h) and writes d h,
     w * act(h) over d act, and the weights' gradient <act(h), d act> (= <o, dy>: o is not kept from the forward).
     down (W, offsets, its dgrad's layout): the dgrad is the bf16 GEMM, and it runs with that pass in one call
-    (dgrad_activation_backward). wgrad(a_w, rows) is then W's gradient. Returns (d h, d W or None, d weights
-    [T, K] f32)."""
+    (dgrad_activation_backward). wgrad(a_w, rows) is then W's gradient. dh_codes (with down None): that pass
+    also quantises d h 1x128 and hands the codes to the up projection's FP8 dgrad (precision.HANDED_CODES).
+    Returns (d h, d W or None, d weights [T, K] f32)."""
     rows = gather_rows(g, row_to_slot, weights.shape[1], None, slot_to_row.view(-1))  # [R, H] unweighted
     if down is not None:
         if consume_h:
@@ -472,6 +530,14 @@ def routed_down_backward(
             dh = h
         else:
             a_w, dh, d_weights = dgrad_activation_backward(rows, *down, h, weights, row_to_slot, *act)
+    elif dh_codes:
+        a_w = dgrad(rows)
+        if consume_h:
+            d_weights, q, scale = activation_backward_routed_codes_(h, a_w, weights, row_to_slot, *act)
+            dh = h
+        else:
+            dh, d_weights, q, scale = activation_backward_routed_codes(h, a_w, weights, row_to_slot, *act)
+        HANDED_CODES.put(dh, q, scale)
     else:
         a_w = dgrad(rows)  # [R, I] d act, then w * act(h) written over it
         if consume_h:
@@ -503,6 +569,7 @@ def _activation_down_combine(
     limit: float,
     consume_h: bool,
     fuse_dgrad: bool,
+    dh_codes: bool,
 ) -> Tensor:
     act = (kind, interleaved, alpha, limit)
     o = from_code(precision).act_forward(h, w, (w_q, w_scale, w_row_scale), offsets, layout, act)
@@ -515,15 +582,15 @@ def _(h, w, w_q, w_scale, w_row_scale, offsets, layout, precision, weights, *res
 
 
 def _adc_setup(ctx, inputs, output):
-    h, w, _, _, _, offsets, layout, precision, weights, slot_to_row, row_to_slot, *act, consume_h, fuse = (
-        inputs
-    )
-    ctx.layout, ctx.precision, ctx.act, ctx.consume_h, ctx.fuse_dgrad = (
+    h, w, _, _, _, offsets, layout, precision, weights, slot_to_row, row_to_slot, *act = inputs
+    *act, consume_h, fuse, dh_codes = act
+    ctx.layout, ctx.precision, ctx.act, ctx.consume_h, ctx.fuse_dgrad, ctx.dh_codes = (
         layout,
         precision,
         act,
         consume_h,
         fuse,
+        dh_codes,
     )
     ctx.save_for_backward(h, w, offsets, weights, row_to_slot, slot_to_row)
 
@@ -545,8 +612,9 @@ def _adc_bwd(ctx, g):
         lambda a_w, rows: prec.wgrad(a_w, rows, w, offsets, lay)[0],
         ctx.needs_input_grad[1],
         (w.contiguous(), offsets, 1 - lay) if ctx.fuse_dgrad and prec is BF16 else None,
+        ctx.dh_codes,
     )
-    return (dh, dw) + (None,) * 6 + (d_weights,) + (None,) * 8
+    return (dh, dw) + (None,) * 6 + (d_weights,) + (None,) * 9
 
 
 _activation_down_combine.register_autograd(_adc_bwd, setup_context=_adc_setup)
@@ -567,15 +635,19 @@ def activation_down_combine(
     consume_h: bool,
     precision: Precision = BF16,
     fuse_dgrad: bool = False,
+    dh_codes: bool = False,
 ) -> Tensor:
     """combine(grouped_gemm(activation(h), w, offsets, layout), weights, ...) (the experts' down projection
     without a bias, and the weighted sum back to tokens) in `precision`: h [R, 2I], weights [T, K] f32 ->
     y [T, H]. Keeps neither the activations nor the expert outputs for the backward (routed_down_backward):
     one [R, H] and one [R, I] tensor less held, and no separate pass for the weights' gradient. consume_h: as
     in activation_linear (d h written over h). fuse_dgrad: in bf16, the backward's dgrad and activation
-    backward run as one call (dgrad_activation_backward)."""
+    backward run as one call (dgrad_activation_backward). dh_codes: h's gradient goes to an FP8 blockwise dgrad
+    next (the up projection's, in FP8 with an FP8 dgrad): the activation backward quantises it 1x128 on the way
+    and hands the codes over (routed_down_backward), so that dgrad does not read it to quantise it."""
     wq = precision.quantized(w, layout)
     act = (int(kind), bool(interleaved), float(alpha), float(limit), bool(consume_h), bool(fuse_dgrad))
+    act = (*act, bool(dh_codes))
     return _activation_down_combine(
         h.contiguous(), w, *wq, offsets, layout, precision.code, weights, slot_to_row, row_to_slot, *act
     )

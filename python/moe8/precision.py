@@ -104,6 +104,44 @@ def code_of(recipe: Float8Recipe, cache: Optional[Fp8WeightCache] = default_cach
     return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3 | c << 4
 
 
+class HandedCodes:
+    """A gradient's 1x128 FP8 codes made by the kernel that wrote the gradient (the routed activation backward
+    writes d h's: fused.activation_down_combine with dh_codes), for the blockwise FP8 dgrad that reads that
+    gradient next (the up projection's): one entry, taken once. The entry holds the gradient itself, so its
+    memory is not reused while the entry lives, and matches a tensor with its storage, shape, strides and
+    version: a gradient changed or replaced since then misses it and is quantised again (the same bits)."""
+
+    def __init__(self):
+        self._entry = None
+
+    def put(self, g: Tensor, q: Tensor, scale: Tensor) -> None:
+        self._entry = (g, g._version, q, scale)
+
+    def take(self, g: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+        """(q, scale) of g and the entry dropped, or None (the entry kept) when it is not g's."""
+        if self._entry is None:
+            return None
+        held, version, q, scale = self._entry
+        same = (
+            held.data_ptr() == g.data_ptr()
+            and held.device == g.device
+            and held.dtype == g.dtype
+            and held.shape == g.shape
+            and held.stride() == g.stride()
+            and version == g._version
+        )
+        if not same:
+            return None
+        self._entry = None
+        return q, scale
+
+    def clear(self) -> None:
+        self._entry = None
+
+
+HANDED_CODES = HandedCodes()
+
+
 class Fp8Gemms:
     """The grouped GEMMs in FP8 with `recipe` (a moe8.fp8 recipe name or Float8Recipe). cache: where the
     weights' FP8 copies come from (None: quantised at every call, forward and FP8 dgrad; the backward's copies
@@ -158,6 +196,11 @@ class Fp8Gemms:
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         if self.recipe.dgrad == "fp8":  # g quantised like an activation, w like a weight, transposed
             wt = self.quantized(w, 1 - layout)
+            codes = HANDED_CODES.take(g) if self.recipe.name == "blockwise" and gathered is None else None
+            if (
+                codes is not None
+            ):  # g's codes from the kernel that wrote g: the same bits as quantising it here
+                return grouped_gemm_fp8(*codes, wt.q, wt.scale, offsets, g.dtype)
             return _fp8_forward(g, wt, offsets, self.recipe, gathered)
         frozen = frozen_fp8(w)
         if frozen is not None:  # stored in FP8 only: the bf16 GEMM reads its values dequantised, [E, N, K]

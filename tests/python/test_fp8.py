@@ -862,3 +862,82 @@ def test_bench_fp8_convergence_tiny(tmp_path):
 def test_bench_fp8_convergence_without_data(tmp_path):
     p = _bench("bench/bench_fp8_convergence.py", "--out", tmp_path, "--data-dir", tmp_path / "none")
     assert p.returncode == 2 and "no corpus and Qwen3 tokenizer" in p.stderr and str(tmp_path) in p.stderr
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "act, interleaved, I",
+    [("swiglu", False, 256), ("swiglu", False, 384), ("swiglu", False, 96), ("swiglu_clamped", True, 256)],
+    ids=["I256", "I384-half-warp-idle", "I96-not-whole-blocks", "interleaved"],
+)
+@pytest.mark.parametrize("consume", [False, True])
+def test_routed_activation_backward_codes_are_the_quantised_dh(device, act, interleaved, I, consume):
+    """activation_backward_routed_codes(_): d h, w * act(h) and the routing weights' gradient as
+    activation_backward_routed gives them, and d h's 1x128 codes and scales the bits quantize_rows_1x128(d h)
+    gives (on a GPU quantised in the same pass for [gate | up] with I a multiple of 128, after it otherwise)."""
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    R, slots = 70, 160
+    h = torch.randn(R, 2 * I, generator=g).to(dtype).to(device)
+    dout = torch.randn(R, I, generator=g).to(dtype).to(device)
+    weights = torch.rand(slots // 2, 2, generator=g).to(device)
+    row_to_slot = torch.randperm(slots, generator=g)[:R].to(torch.int32)
+    row_to_slot[::9] = -1
+    row_to_slot = row_to_slot.to(device)
+    act_args = (moe8.ops.ACTIVATIONS[act], interleaved, 1.702, 7.0)
+    dh_ref, dw_ref = fused.activation_backward_routed(h, dout.clone(), weights, row_to_slot, *act_args)
+    a_w_ref = dout.clone()
+    fused.activation_backward_routed(h, a_w_ref, weights, row_to_slot, *act_args)
+    q_ref, s_ref = fp8.quantize_rows_1x128(dh_ref, None, 1)
+    a_w = dout.clone()
+    if consume:
+        dh = h.clone()
+        d_weights, q, s = fused.activation_backward_routed_codes_(dh, a_w, weights, row_to_slot, *act_args)
+    else:
+        dh, d_weights, q, s = fused.activation_backward_routed_codes(h, a_w, weights, row_to_slot, *act_args)
+    assert torch.equal(dh, dh_ref) and torch.equal(a_w, a_w_ref) and torch.equal(d_weights, dw_ref)
+    assert q.dtype == torch.uint8 and torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_dh_codes_handed_to_the_up_projections_fp8_dgrad(device, monkeypatch):
+    """With FP8 blockwise and an FP8 dgrad the down projection's backward quantises d h on the way and the up
+    projection's dgrad takes those codes (precision.HANDED_CODES): the same output and gradients, bit for bit,
+    as quantising d h in the dgrad; nothing is left handed over after the backward; no codes without an FP8
+    dgrad, or when x needs no gradient."""
+    torch.manual_seed(12)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    E, H, I, T = 4, 256, 128, 48
+    x = torch.randn(T, H, device=device, dtype=dt, requires_grad=True)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).int().to(device)
+    w = torch.rand(T, 2, device=device)
+    gu = (torch.randn(E, 2 * I, H, device=device) * 0.1).to(dt).requires_grad_()
+    dn = (torch.randn(E, H, I, device=device) * 0.1).to(dt).requires_grad_()
+    takes, put = [], precision.HANDED_CODES.put
+    take = precision.HANDED_CODES.take
+
+    def counted(g):
+        codes = take(g)
+        takes.append(codes is not None)
+        return codes
+
+    monkeypatch.setattr(precision.HANDED_CODES, "take", counted)
+
+    def step(dgrad="fp8", hand=True, inputs=(x, gu, dn)):
+        takes.clear()
+        monkeypatch.setattr(precision.HANDED_CODES, "put", put if hand else lambda *a: None)
+        cfg = moe8.Config(fp8=fp8.Float8Recipe("blockwise", dgrad=dgrad))
+        y = moe8.experts_forward(inputs[0], ids, w, *inputs[1:], config=cfg)
+        grads = torch.autograd.grad(y.square().sum(), [t for t in inputs if t.requires_grad])
+        assert precision.HANDED_CODES._entry is None
+        return (y, *grads)
+
+    handed = step()
+    assert takes == [True]  # the up projection's dgrad took d h's codes
+    quantised_again = step(hand=False)
+    assert takes == [False]
+    assert all(torch.equal(a, b) for a, b in zip(handed, quantised_again))
+    step(dgrad="bf16")
+    assert takes == []  # a bf16 dgrad asks for no codes
+    step(inputs=(x.detach(), gu, dn))
+    assert takes == []  # no input gradient: no dgrad

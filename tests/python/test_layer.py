@@ -200,12 +200,16 @@ def test_opcheck():
         (
             moe8.fused._activation_down_combine,
             (torch.randn(24, 12), torch.randn(4, 8, 6), None, None, None, offsets, 0, -1, torch.rand(12, 2))
-            + (s2r, r2s, 0, False, 1.702, 7.0, False, True),
+            + (s2r, r2s, 0, False, 1.702, 7.0, False, True, False),
         ),
-        (
-            moe8.fused.activation_backward_routed,
-            (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0),
-        ),
+        *[
+            (op, (torch.randn(24, 12), torch.randn(24, 6), torch.rand(12, 2), r2s, 0, False, 1.702, 7.0))
+            for op in (
+                moe8.fused.activation_backward_routed,
+                moe8.fused.activation_backward_routed_codes,
+                moe8.fused.activation_backward_routed_codes_,
+            )
+        ],
         *[
             (
                 op,
