@@ -22,7 +22,9 @@ FP8 rows (--fp8): the --moe8 row's Config with fp8 set (moe8.Config(fp8=...), wh
 fp8=...) attaches to a model), on the same block and inputs, timed and measured the same way. The expert
 weights train (requires_grad) and are quantised inside every step, as in training (fp8_cache="frozen", the
 default: no FP8 copy of a trained weight is kept between calls; RECIPE@handoff: the dgrad's copy made in the
-forward's pass and held to the backward). Each FP8 row gives its speed-up over its bf16
+forward's pass and held to the backward). RECIPE@both or @one keep copies until an optimizer step, and none runs
+here: those rows quantise the weights in their first step only (the bound of spreading that pass over many
+micro-batches). Each FP8 row gives its speed-up over its bf16
 row and the relative (Frobenius) error of its output and input gradient against that row's.
 --peers none times moe8's rows only (transformers still builds the block and its weights; SonicMoE is not
 imported).
@@ -362,7 +364,8 @@ def markdown(meta: dict, results: list) -> str:
         "| host issue | median time for the host to issue one step from an idle GPU (its last call returned, the GPU "
         "not yet done) |",
         "| FP8 rows | the bf16 row's Config with fp8 set (`moe8.Config(fp8=...)`); the expert weights train and are "
-        'quantised inside every step (`fp8_cache="frozen"`, or the cache after `@` in the row\'s name); vs bf16: '
+        'quantised inside every step (`fp8_cache="frozen"`, or the cache after `@` in the row\'s name; `@both` and '
+        "`@one` keep the first step's copies: no optimizer step runs here); vs bf16: "
         "its bf16 row's ms / its ms; errors: "
         "relative Frobenius, output and input gradient vs the bf16 row's |",
     ]
