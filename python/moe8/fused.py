@@ -25,7 +25,7 @@ from ._core import C as _C
 from ._core import make_direct, sm90_workspace
 from ._core import stream as _stream
 from .ops import activation, activation_grad, combine_rows, gather_rows
-from .precision import BF16, HANDED_CODES, Precision, add_bias, from_code
+from .precision import BF16, HANDED_CODES, Precision, add_bias, from_code, has_data
 
 
 def _out_cols(w_q: Optional[Tensor], w: Tensor, layout: int) -> int:
@@ -530,7 +530,7 @@ def routed_down_backward(
             dh = h
         else:
             a_w, dh, d_weights = dgrad_activation_backward(rows, *down, h, weights, row_to_slot, *act)
-    elif dh_codes:
+    elif dh_codes and has_data(h):  # the hand-over is eager only (precision.HandedCodes)
         a_w = dgrad(rows)
         if consume_h:
             d_weights, q, scale = activation_backward_routed_codes_(h, a_w, weights, row_to_slot, *act)

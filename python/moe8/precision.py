@@ -109,17 +109,19 @@ class HandedCodes:
     writes d h's: fused.activation_down_combine with dh_codes), for the blockwise FP8 dgrad that reads that
     gradient next (the up projection's): one entry, taken once. The entry holds the gradient itself, so its
     memory is not reused while the entry lives, and matches a tensor with its storage, shape, strides and
-    version: a gradient changed or replaced since then misses it and is quantised again (the same bits)."""
+    version: a gradient changed or replaced since then misses it and is quantised again (the same bits). Eager
+    only: in a traced backward (torch.compile) nothing is handed over and the dgrad quantises d h."""
 
     def __init__(self):
         self._entry = None
 
     def put(self, g: Tensor, q: Tensor, scale: Tensor) -> None:
-        self._entry = (g, g._version, q, scale)
+        if has_data(g):
+            self._entry = (g, g._version, q, scale)
 
     def take(self, g: Tensor) -> Optional[tuple[Tensor, Tensor]]:
         """(q, scale) of g and the entry dropped, or None (the entry kept) when it is not g's."""
-        if self._entry is None:
+        if self._entry is None or not has_data(g):
             return None
         held, version, q, scale = self._entry
         same = (
@@ -137,6 +139,15 @@ class HandedCodes:
 
     def clear(self) -> None:
         self._entry = None
+
+
+def has_data(t: Tensor) -> bool:
+    """Whether t has memory of its own: False for the fake and functional tensors of a traced graph."""
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 HANDED_CODES = HandedCodes()
