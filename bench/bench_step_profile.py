@@ -206,7 +206,8 @@ def fusions_of(spec: str) -> dict:
 
 
 def measure(model, ids, steps, warmup, device):
-    """Median step seconds, peak GiB, losses, and the profiled step's breakdown (ms per category)."""
+    """Median step seconds, peak GiB, losses, the profiled step's breakdown (ms per category), the peak per
+    phase, and that step's GPU idle time by CPU op (the longest first)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     model.train()
 
@@ -236,11 +237,13 @@ def measure(model, ids, steps, warmup, device):
     vocab = model.config.vocab_size
     hooks = region_hooks(model)
     try:
-        split = profile_breakdown(step, (vocab, padded_vocab(vocab)))
+        gaps = {}
+        split = profile_breakdown(step, (vocab, padded_vocab(vocab)), gaps=gaps)
     finally:
         for h in hooks:
             h.remove()
-    return statistics.median(times), peak, [float(x) for x in losses], split, phases
+    idle = gaps.get("idle_by_op", [])
+    return statistics.median(times), peak, [float(x) for x in losses], split, phases, idle
 
 
 def phase_peaks(model, ids, opt) -> dict:
@@ -394,7 +397,7 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         )
         ids = ids.to(device)
         print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
-        sec, peak, losses, split, phases = measure(model, ids, a.steps, a.warmup, device)
+        sec, peak, losses, split, phases, idle = measure(model, ids, a.steps, a.warmup, device)
     except Exception as e:  # noqa: BLE001  (a peer that fails is reported, the other rows still run)
         if impl in ("transformers", "moe8"):
             raise
@@ -412,6 +415,7 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         peak_phases_gib=phases,  # CUDA: forward / backward_start / backward / optimizer (phase_peaks)
         losses=losses,
         profile_ms=split,
+        idle_by_op=idle,  # the profiled step's GPU idle time by the CPU op covering it (profiling.gpu_gaps)
     )
     if info is not None:
         row["liger"] = info

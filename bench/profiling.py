@@ -4,6 +4,7 @@ training step's time goes by category (classify_trace, for bench_step_profile.py
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 
 def _sync() -> None:
@@ -386,9 +387,9 @@ def classify_trace(trace: dict, vocab: tuple) -> dict:
     return out
 
 
-def profile_breakdown(step, vocab: tuple, path=None) -> dict:
+def profile_breakdown(step, vocab: tuple, path=None, gaps: Optional[dict] = None) -> dict:
     """One more step() under torch.profiler (shapes recorded), classified by classify_trace; the Chrome trace
-    is kept at path when given."""
+    is kept at path when given; `gaps` (a dict) is filled with gpu_gaps of the same trace."""
     import json
     import os
     import tempfile
@@ -403,7 +404,10 @@ def profile_breakdown(step, vocab: tuple, path=None) -> dict:
     try:
         prof.export_chrome_trace(str(path or tmp))
         with open(path or tmp) as f:
-            return classify_trace(json.load(f), vocab)
+            trace = json.load(f)
+        if gaps is not None:
+            gaps.update(gpu_gaps(trace, top=6))
+        return classify_trace(trace, vocab)
     finally:
         os.unlink(tmp)
 

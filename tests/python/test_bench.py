@@ -379,6 +379,7 @@ def test_bench_step_profile_tiny(tmp_path):
         assert prof["experts"] > 0 and prof["LM head + loss"] > 0 and prof["optimizer"] > 0
         assert sum(prof[c] for c in cats) == pytest.approx(prof["busy"], rel=1e-3)  # trace times: ~1e15 us
         assert r["step_ms"] > 0 and len(r["losses"]) == 1 and r["vocab"] == 517
+        assert all(x["cpu_op"] and x["idle_us"] >= 0 for x in r["idle_by_op"])  # a CPU trace: maybe none
     for hf_row, m8 in zip(rows[0::2], rows[1::2]):
         assert hf_row["speedup_vs_transformers"] == 1.0
         assert m8["speedup_vs_transformers"] == pytest.approx(hf_row["step_ms"] / m8["step_ms"])
