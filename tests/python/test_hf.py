@@ -435,6 +435,34 @@ def test_fused_rope_matches_transformers(family, monkeypatch):
     assert mod.apply_rotary_pos_emb is own
 
 
+@pytest.mark.parametrize("device", devices())
+def test_load_balancing_loss_without_a_sync_is_transformers(device):
+    """accelerate() points a family's load_balancing_loss_func at moe8's (the top-k counted by scatter_add_,
+    not torch.bincount, which reads the ids' maximum back to the host): the same loss bit for bit, with and
+    without an attention mask, and the same gradient of the router logits; disable() restores transformers'."""
+    import importlib
+
+    from moe8.hf.forward import load_balancing_loss_func as ours
+
+    mod = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    own = mod.load_balancing_loss_func
+    g = torch.Generator().manual_seed(7)
+    logits = tuple(torch.randn(40, 16, generator=g).to(device).requires_grad_() for _ in range(3))
+    mask = (torch.rand(4, 10, generator=g) > 0.3).to(device)
+    for m in (None, mask):
+        a, b = own(logits, 16, 4, m), ours(logits, 16, 4, m)
+        assert torch.equal(a, b)
+        assert all(
+            torch.equal(x, y) for x, y in zip(torch.autograd.grad(a, logits), torch.autograd.grad(b, logits))
+        )
+    assert ours(None, 16, 4) == own(None, 16, 4) == 0
+    acc = hf.accelerate(build("qwen3_moe"))
+    assert mod.load_balancing_loss_func is ours
+    del acc
+    hf.disable()
+    assert mod.load_balancing_loss_func is own
+
+
 @pytest.mark.parametrize("family", sorted(hf.MLPS))
 def test_fused_mlp_matches_transformers(family, monkeypatch):
     """fuse_mlp=True: each gated dense MLP (shared experts, dense layers) runs gate+up as one GEMM and moe8's

@@ -136,3 +136,39 @@ def mlp_forward(self, x):
     h = F.linear(x.reshape(-1, x.shape[-1]), torch.cat([gate.weight, up.weight]))  # [T, 2I]: gate | up
     a = ops.activation(h, ops.ACTIVATIONS["swiglu"], False, 0.0, 0.0)  # [T, I]
     return self.down_proj(a.view(*x.shape[:-1], a.shape[-1]))
+
+
+def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' load_balancing_loss_func (Switch Transformer's auxiliary loss, the same in every family moe8
+    patches, transformers 5.17) with each layer's top-k counted by scatter_add_ of ones instead of
+    torch.bincount, which reads the ids' maximum back to the host (a synchronisation per layer): the same
+    float32 counts (whole numbers below 2^24, exact in any order), so the same loss."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    device = gate_logits[0].device
+    tokens_per_expert_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    router_prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    total_rows = 0.0
+    if attention_mask is not None:
+        flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_gate in gate_logits:
+        routing_weights = F.softmax(layer_gate.to(device), dim=-1)
+        _, selected = torch.topk(routing_weights, top_k, dim=-1)
+        picks = selected.reshape(-1)
+        if attention_mask is None:
+            ones = torch.ones(picks.shape, dtype=torch.float32, device=device)
+            counts = torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(0, picks, ones)
+            tokens_per_expert_sum = tokens_per_expert_sum + counts
+            router_prob_sum = router_prob_sum + routing_weights.float().sum(dim=0)
+            total_rows = total_rows + routing_weights.shape[0]
+        else:  # as transformers: the counts and sums weighted by the mask (no bincount there)
+            counts = torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(
+                0, picks, flat_mask.repeat_interleave(top_k)
+            )
+            tokens_per_expert_sum = tokens_per_expert_sum + counts
+            router_prob_sum = router_prob_sum + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            total_rows = total_rows + flat_mask.sum()
+    tokens_per_expert = tokens_per_expert_sum / total_rows
+    router_prob_per_expert = router_prob_sum / total_rows
+    overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
+    return overall_loss * num_experts

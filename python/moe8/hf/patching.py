@@ -78,10 +78,26 @@ def _patch_modules(families, name: str, replacement) -> None:
     """Point the modeling modules of these families at `replacement` in place of their function `name`
     (process-wide: the modules' code looks the function up by name); disable() puts their own back."""
     for family in families:
-        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        mod = _modeling(family)
         if (mod, name) not in registry.module_patches:
             registry.module_patches[mod, name] = getattr(mod, name)
             setattr(mod, name, replacement)
+
+
+def _sync_free_aux_loss(families) -> None:
+    """load_balancing_loss_func of these families as moe8.hf.forward's, which counts without a host
+    synchronisation (the same loss)."""
+    from .forward import load_balancing_loss_func
+
+    _patch_modules(
+        [f for f in families if f in FAMILIES and hasattr(_modeling(f), "load_balancing_loss_func")],
+        "load_balancing_loss_func",
+        load_balancing_loss_func,
+    )
+
+
+def _modeling(family):
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
 
 def _fuse_rope(families) -> None:
@@ -141,6 +157,7 @@ def _apply(model, cfg: Config) -> None:
         if is_experts_module(m) or m in registry.fused:
             m._moe8 = cfg  # a plain attribute, as _moe8_config
             registry.configured.add(m)
+    _sync_free_aux_loss([model.config.model_type])
     if cfg.fuse_rope:
         _fuse_rope([model.config.model_type])
     if cfg.fuse_attention:
