@@ -66,19 +66,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             beyond = (target >= vocab) & (target != ignore_index)  # still out of range (NaN) after padding
             target = torch.where(beyond, padded + int(ignore_index == padded), target)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, n, chunk):
-            h = hidden[s : s + chunk]
+        dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        dw = None  # float32 [padded, H], the first chunk's d weight then the sum
+        for s, rows in _chunks(n, chunk):
+            h = hidden[s : s + rows]
             d = h @ weight.t()  # the chunk's logits [rows, padded], then (in place) d sum / d logits
             if padded != vocab:
                 d[:, vocab:] = float("-inf")  # no probability, so softmax - onehot is exactly 0 there
-            total += cross_entropy_rows(d, target[s : s + chunk], ignore_index).sum()
+            total += cross_entropy_rows(d, target[s : s + rows], ignore_index).sum()
             if need_h:
-                dh[s : s + chunk] = d @ weight
+                torch.mm(d, weight, out=dh[s : s + rows])
             if need_w:
-                dw.add_(d.t() @ h)
+                dw = _add_wgrad(dw, d, h)
             del d
+        if need_w and dw is None:  # no rows: a zero gradient
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(dh, dw[:vocab] if dw is not None else None)
         ctx.weight_dtype = weight.dtype
         return total
@@ -87,8 +89,35 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dh, dw = ctx.saved_tensors
         dh = dh * grad if dh is not None else None  # in float32, rounded once to dh's dtype
-        dw = (dw * grad).to(ctx.weight_dtype) if dw is not None else None
+        if dw is not None:  # one pass: the float32 sum times grad, rounded once to the weight's dtype
+            dw = torch.mul(dw, grad, out=torch.empty(dw.shape, dtype=ctx.weight_dtype, device=dw.device))
         return dh, dw, None, None, None
+
+
+def _chunks(n: int, chunk: int):
+    """(start, rows) of the fewest chunks of at most `chunk` rows that cover n rows, of equal size (the last
+    takes what is left): 8,192 rows at 7,040 a chunk are two of 4,096, not 7,040 and 1,152, whose small
+    GEMMs and wave tails run below the large ones' rate. Above 128 rows a chunk is a multiple of 128."""
+    count = -(-n // chunk) if n else 0
+    rows = -(-n // count) if count else 0
+    if rows > 128:
+        rows = min(chunk, -(-rows // 128) * 128)
+    return [(s, min(rows, n - s)) for s in range(0, n, rows)] if rows else []
+
+
+def _add_wgrad(dw: Optional[Tensor], d: Tensor, h: Tensor) -> Tensor:
+    """dw + d.T @ h in float32 (d.T @ h alone for dw None). On CUDA the GEMM reads bf16/fp16 operands, keeps its
+    float32 accumulator and adds it to dw in its epilogue (cuBLAS with a float32 C): no [V, H] product in the
+    operands' dtype, rounded and then added by a second kernel. Elsewhere the product is rounded to the operands'
+    dtype first (torch's CPU matmul has no float32 output for them)."""
+    f32 = torch.float32
+    if d.dtype == f32:
+        return torch.mm(d.t(), h) if dw is None else dw.addmm_(d.t(), h)
+    if d.is_cuda:
+        if dw is None:
+            return torch.mm(d.t(), h, out_dtype=f32)
+        return torch.addmm(dw, d.t(), h, out_dtype=f32, out=dw)
+    return (d.t() @ h).to(f32) if dw is None else dw.add_(d.t() @ h)
 
 
 ALIGN_ROWS = 128

@@ -686,3 +686,18 @@ def test_run_info_records_moe8_commit_when_set(monkeypatch):
     assert run_info.commit() == "0123abc+changes"
     monkeypatch.delenv("MOE8_COMMIT")
     assert run_info.commit() != "0123abc+changes"
+
+
+def test_bench_loss_tiny(tmp_path):
+    out = tmp_path / "loss.json"
+    p = run("bench/bench_loss.py", "--tiny", "--iters", "1", "--profile", "3", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["shape"] for r in rows] == ["tiny", "tiny-odd"]
+    for r in rows:  # float32 on the CPU: the fused loss is the unfused one up to summation order
+        assert (
+            r["moe8_loss_rel_diff"] < 1e-5 and r["moe8_dh_rel_err"] < 1e-5 and r["moe8_dw_rel_err"] < 1e-5
+        ), r
+        assert r["moe8_ms"] > 0 and r["unfused_ms"] > 0 and len(r["moe8_top_kernels"]) == 3
+    bad = run("bench/bench_loss.py", "--shapes", "qwen3,nope")
+    assert bad.returncode == 2 and "--shapes: unknown ['nope']" in bad.stderr

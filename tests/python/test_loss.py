@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import devices
+from conftest import _cuda, devices
 
 from moe8.loss import chunked_cross_entropy, hidden_states_as_logits
 
@@ -223,3 +223,45 @@ def test_cross_entropy_rows_op():
     torch.library.opcheck(cross_entropy_rows, (logits.clone(), target, -100))
     assert chunk_rows(torch.empty(151936, 8, dtype=torch.bfloat16)) == 7040
     assert chunk_rows(torch.empty(10**7, 8, dtype=torch.float32)) == 1024
+
+
+def test_chunks_are_the_fewest_of_equal_size():
+    from moe8.loss import _chunks
+
+    assert _chunks(8192, 7040) == [(0, 4096), (4096, 4096)]
+    assert _chunks(8193, 7040) == [(0, 4224), (4224, 3969)]
+    assert _chunks(1000, 1024) == [(0, 1000)]
+    assert _chunks(50, 7) == [(s, 7) for s in range(0, 49, 7)] + [(49, 1)]
+    assert _chunks(3, 1) == [(0, 1), (1, 1), (2, 1)] and _chunks(0, 64) == []
+    for n, chunk in ((8192, 7040), (20000, 1024), (129, 128), (300, 200)):
+        parts = _chunks(n, chunk)
+        assert sum(r for _, r in parts) == n and all(r <= chunk for _, r in parts)
+        assert len(parts) == -(-n // chunk) and [s for s, _ in parts] == [
+            sum(r for _, r in parts[:i]) for i in range(len(parts))
+        ]
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA build or no GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [151936, 50304, 120007, 200000])
+def test_cross_entropy_rows_long_rows_on_cuda(dtype, vocab):
+    """Rows longer than the kernel stages in shared memory (Qwen3's 151,936 and 200,000 ids: part of the row
+    read again from global memory), a row that fits (50,304 bf16), and one that is no whole number of
+    16-byte packs (120,007: nothing staged): the loss and the gradient as torch computes them in float32."""
+    from moe8.loss import cross_entropy_rows
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = (torch.randn(9, vocab, device="cuda", generator=g) * 4).to(dtype)
+    target = torch.randint(0, vocab, (9,), device="cuda", generator=g)
+    target[2], target[5], target[7] = -100, vocab - 1, 0
+    ref = logits.float()
+    want_loss = F.cross_entropy(ref, target, reduction="none")
+    want_grad = torch.softmax(ref, -1) - F.one_hot(target.clamp_min(0), vocab)
+    want_grad[2] = 0
+    d = logits.clone()
+    torch.testing.assert_close(cross_entropy_rows(d, target, -100), want_loss, rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-7)
+    torch.testing.assert_close(d, want_grad.to(dtype), **tol)
+    again = logits.clone()
+    cross_entropy_rows(again, target, -100)
+    assert torch.equal(again, d)  # run to run, bitwise
