@@ -1,11 +1,13 @@
 // loss.cu — cross-entropy rows of the chunked LM loss (semantics: cpu/ops.h): a block per row, two passes
 // over it. Pass 1 keeps a running (max, sum of exp(x - max)) per thread over V-element packs (one rescale
-// per pack whose max is new, one expf per value), combined across the block, and copies the row's first
+// per pack whose max is new, one exponential per value), combined across the block, and copies the row's first
 // packs (up to kStageBytes) into shared memory; pass 2 overwrites the row with exp(x - lse) - [j == target],
 // reading the staged packs from shared memory and the rest again from global memory. The row's target logit
 // is read between the passes. A Qwen3 row (151,936 bf16 logits, 297 KiB) stages 192 KiB: a block fills an
 // SM's shared memory, so ~132 rows are in flight and the ~105 KiB each reads twice (14 MB) stays in L2: the
-// row crosses DRAM about once each way instead of reading it twice. Float32 math; expf / logf, so not
+// row crosses DRAM about once each way instead of reading it twice. The per-value exponentials are __expf
+// (ex2.approx of x log2 e, 2 ulp near the row's max, where the terms that matter are): with expf's ~20
+// instructions a value the kernel was instruction-bound, below half the memory rate. Float32 math, so not
 // bitwise the CPU reference.
 #include <algorithm>
 #include <cmath>
@@ -73,12 +75,12 @@ __global__ void __launch_bounds__(kThreads)
       nan |= isnan(v[k]);
     }
     if (pm > acc.m) {
-      acc.s *= expf(acc.m - pm);
+      acc.s *= __expf(acc.m - pm);
       acc.m = pm;
     }
     if (acc.m != -INFINITY) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc.s += expf(v[k] - acc.m);
+      for (int k = 0; k < V; ++k) acc.s += __expf(v[k] - acc.m);
     }
   }
 #pragma unroll
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
     Pack<T, V> out;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float g = ignored ? 0.f : in_range ? expf(v[k] - lse) - (j + k == t ? 1.f : 0.f) : NAN;
+      const float g = ignored ? 0.f : in_range ? __expf(v[k] - lse) - (j + k == t ? 1.f : 0.f) : NAN;
       out.v[k] = from_float<T>(g);
     }
     if (vec && j + V <= C) {
