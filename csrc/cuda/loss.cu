@@ -6,9 +6,8 @@
 // is read between the passes. A Qwen3 row (151,936 bf16 logits, 297 KiB) stages 192 KiB: a block fills an
 // SM's shared memory, so ~132 rows are in flight and the ~105 KiB each reads twice (14 MB) stays in L2: the
 // row crosses DRAM about once each way instead of reading it twice. The per-value exponentials are __expf
-// (ex2.approx of x log2 e, 2 ulp near the row's max, where the terms that matter are): with expf's ~20
-// instructions a value the kernel was instruction-bound, below half the memory rate. Float32 math, so not
-// bitwise the CPU reference.
+// (ex2.approx of x log2 e, 2 ulp near the row's max, where the terms that matter are): 14% faster than expf
+// on 8,192 Qwen3 rows (bench/results/loss_h200.md). Float32 math, so not bitwise the CPU reference.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
