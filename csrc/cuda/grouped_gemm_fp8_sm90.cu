@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "core/fp8.h"
+#include "cuda/blockwise_promotion_sm90.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 #include "cuda/sm90_util.cuh"
@@ -87,8 +88,9 @@ using TileSmall = TileConfig<Shape<_64, _128, _128>, Shape<_1, _2, _1>,
                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
 // D[g] (M x N, row-major, bf16) = A[g] (M x K, row-major) · B[g] (N x K, row-major)^T with block scales.
-// NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0.
-template <class Config, class Scales = ScaleConfig>
+// NOTES: C is void, so the epilogue never reads a source; alpha = 1 and beta = 0. kOverlap: the consumers
+// promote each K tile while the next one's wgmma runs (blockwise_promotion_sm90.cuh), the same bits.
+template <class Config, class Scales = ScaleConfig, bool kOverlap = false>
 struct Fp8Gemm {
   using ScaleCfg = Scales;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
@@ -108,13 +110,14 @@ struct Fp8Gemm {
       typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using SerialMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,     //
       ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,  //
       ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB,  //
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<kOverlap, OverlappedPromotionMainloop<SerialMainloop>, SerialMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -133,6 +136,8 @@ struct Fp8Tiles {
   using Solo = Fp8Gemm<TileLargeSolo, Scales>;
   using M2 = Fp8Gemm<TileM2, Scales>;
   using Small = Fp8Gemm<TileSmall, Scales>;
+  using LargeOverlap = Fp8Gemm<TileLarge, Scales, true>;
+  using SmallOverlap = Fp8Gemm<TileSmall, Scales, true>;
 };
 
 using FwdLarge = Fp8Tiles<ScaleConfig>::Large;
@@ -160,6 +165,17 @@ void launch_tile(heuristics::Fp8Tile tile, Launch&& launch) {
       break;
   }
   launch(typename C::Large{});
+}
+
+// The same with the consumers' promotion (heuristics::fp8_promotion: kOverlap only on kLarge and kSmall).
+template <class Scales, class Launch>
+void launch_tile(heuristics::Fp8Tile tile, heuristics::Fp8Promotion promotion, Launch&& launch) {
+  using C = Fp8Tiles<Scales>;
+  if (promotion == heuristics::Fp8Promotion::kOverlap) {
+    if (tile == heuristics::Fp8Tile::kLarge) return launch(typename C::LargeOverlap{});
+    if (tile == heuristics::Fp8Tile::kSmall) return launch(typename C::SmallOverlap{});
+  }
+  launch_tile<Scales>(tile, launch);
 }
 
 // What the scale pointers of the prep kernels assume.
@@ -357,7 +373,8 @@ size_t grouped_gemm_fp8_sm90_workspace_bytes(int num_experts) {
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
   using C = Fp8Tiles<ScaleConfig>;
-  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm>(num_experts, sms);
+  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm,
+                                         C::LargeOverlap::Gemm, C::SmallOverlap::Gemm>(num_experts, sms);
   return kAlignWs /* base alignment slack */ + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -400,7 +417,9 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  launch_tile<ScaleConfig>(heuristics::fp8_forward_tile(n, rows, groups, heuristics::sm90_overrides()), launch);
+  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
+  const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
+  launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, env), launch);
 }
 
 bool grouped_gemm_fp8_wgrad_sm90_available(int device) {
@@ -413,7 +432,8 @@ size_t grouped_gemm_fp8_wgrad_sm90_workspace_bytes(int num_experts) {
   const DeviceFacts f = device_facts(current_device("grouped_gemm_fp8_wgrad_sm90: cudaGetDevice"));
   const int sms = f.sms > 0 ? f.sms : 1;
   using C = Fp8Tiles<ScaleConfigWgrad>;
-  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm>(num_experts, sms);
+  const size_t cut = max_workspace_bytes<C::Large::Gemm, C::Solo::Gemm, C::M2::Gemm, C::Small::Gemm,
+                                         C::LargeOverlap::Gemm, C::SmallOverlap::Gemm>(num_experts, sms);
   return kAlignWs + group_arrays_bytes(num_experts) + align_up(cut, kAlignWs);
 }
 
@@ -441,7 +461,9 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
     if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
   };
-  launch_tile<ScaleConfigWgrad>(heuristics::fp8_wgrad_tile(heuristics::sm90_overrides()), launch);
+  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
+  const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
+  launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, env), launch);
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs

@@ -34,6 +34,11 @@ enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kSmall, kThin };
 // without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
 enum class Fp8Tile { kLarge, kSolo, kM2, kSmall };
 
+// How the FP8 blockwise consumers promote each K tile's partial sum (blockwise_promotion_sm90.cuh): after its
+// wgmma and before the next tile's (kSerial, CUTLASS's), or while the next tile's wgmma runs (kOverlap: kLarge
+// and kSmall only; the same bits).
+enum class Fp8Promotion { kSerial, kOverlap };
+
 enum class Cluster { k1x2, k2x1, kAuto };
 enum class Balance { kAuto, kBalanced, kSkewed };
 
@@ -63,12 +68,13 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;         // MOE8_SM90_TILE=large|solo|m2|pong128|tall: every bf16 GEMM's large tile
-  Override<Fp8Tile> fp8_tile;  // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
-  Override<Cluster> cluster;   // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
-  Override<bool> along_n;      // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
-  Override<int> swizzle;       // MOE8_SM90_SWIZZLE=1|2|4|8: cluster columns per band of that order
-  Override<Balance> balance;   // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
+  Override<Tile> tile;                   // MOE8_SM90_TILE=large|solo|m2|pong128|tall: every bf16 GEMM's large tile
+  Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
+  Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
+  Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
+  Override<bool> along_n;                // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
+  Override<int> swizzle;                 // MOE8_SM90_SWIZZLE=1|2|4|8: cluster columns per band of that order
+  Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -94,6 +100,8 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
                                                      {"tall", Tile::kTall}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
+  constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},
+                                                                     {"overlap", Fp8Promotion::kOverlap}};
   constexpr std::pair<const char*, Cluster> kClusters[] = {
       {"1x2", Cluster::k1x2}, {"2x1", Cluster::k2x1}, {"auto", Cluster::kAuto}};
   constexpr std::pair<const char*, bool> kRaster[] = {{"m", false}, {"n", true}};
@@ -104,6 +112,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
   o.fp8_tile = read("MOE8_SM90_FP8_TILE", kFp8Tiles);
+  o.fp8_promotion = read("MOE8_SM90_FP8_PROMOTION", kFp8Promotions);
   o.cluster = read("MOE8_SM90_CLUSTER", kClusters);
   o.along_n = read("MOE8_SM90_RASTER", kRaster);
   o.swizzle = read("MOE8_SM90_SWIZZLE", kSwizzle);
@@ -225,6 +234,13 @@ inline Fp8Tile fp8_forward_tile(int64_t n, int64_t rows, int groups, const Sm90O
   if (const std::optional<Fp8Tile> forced = env.fp8_tile.get()) return *forced;
   if (groups > 0 && rows <= kFp8SmallRowsPerGroup * groups) return Fp8Tile::kSmall;
   return ((n + 127) / 128) % 2 == 1 ? Fp8Tile::kSolo : Fp8Tile::kLarge;  // odd 128-wide tiles: no cluster
+}
+
+// The FP8 GEMMs' promotion on `tile` (the one fp8_forward_tile or fp8_wgrad_tile chose): serial unless overridden, as
+// the overlapped consumer has not been timed against CUTLASS's yet; tiles without an overlapped build stay serial.
+inline Fp8Promotion fp8_promotion(Fp8Tile tile, const Sm90Overrides& env) {
+  const Fp8Promotion p = env.fp8_promotion.get().value_or(Fp8Promotion::kSerial);
+  return tile == Fp8Tile::kLarge || tile == Fp8Tile::kSmall ? p : Fp8Promotion::kSerial;
 }
 
 // The FP8 weight gradient keeps the 1x2 cluster at every shape (robust under skewed routing).

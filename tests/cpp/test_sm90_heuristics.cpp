@@ -13,6 +13,7 @@ namespace moe8::test {
 namespace {
 
 namespace h = cuda::sm90_heuristics;
+using h::Fp8Promotion;
 using h::Fp8Tile;
 using h::Tile;
 
@@ -110,6 +111,21 @@ TEST(Sm90Heuristics, Fp8Tiles) {
   EXPECT_EQ(h::fp8_forward_tile(1536, rows, 128, overrides({{"MOE8_SM90_TILE", "wide"}})), Fp8Tile::kLarge);
 }
 
+TEST(Sm90Heuristics, Fp8Promotion) {
+  // Serial (CUTLASS's consumer) unless MOE8_SM90_FP8_PROMOTION asks; overlapped only where it is built.
+  for (Fp8Tile t : {Fp8Tile::kLarge, Fp8Tile::kSolo, Fp8Tile::kM2, Fp8Tile::kSmall})
+    EXPECT_EQ(h::fp8_promotion(t, kNone), Fp8Promotion::kSerial);
+  const h::Sm90Overrides overlap = overrides({{"MOE8_SM90_FP8_PROMOTION", "overlap"}});
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, overlap), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSmall, overlap), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSolo, overlap), Fp8Promotion::kSerial);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kM2, overlap), Fp8Promotion::kSerial);
+  // Mixtral's gate_up forward at 16,384 tokens, top-2, takes the large tile and, asked, overlaps.
+  EXPECT_EQ(h::fp8_promotion(h::fp8_forward_tile(28672, 2 * 16384, 8, overlap), overlap), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, overrides({{"MOE8_SM90_FP8_PROMOTION", "serial"}})),
+            Fp8Promotion::kSerial);
+}
+
 TEST(Sm90Heuristics, Schedules) {
   // Mixtral's gate_up forward (N 28672): bands of 8 clusters once an expert has >= 2048 rows on average.
   h::Schedule s = h::rows_schedule(28672, 8 * 4096, 8);
@@ -143,6 +159,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   };
   const h::Sm90Overrides bad = overrides({{"MOE8_SM90_TILE", "wide"},
                                           {"MOE8_SM90_FP8_TILE", "huge"},
+                                          {"MOE8_SM90_FP8_PROMOTION", "eager"},
                                           {"MOE8_SM90_RASTER", "k"},
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
@@ -150,6 +167,8 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
             "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
+  EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, bad); }),
+            "MOE8_SM90_FP8_PROMOTION: expected one of serial, overlap, got 'eager'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
