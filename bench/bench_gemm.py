@@ -18,6 +18,8 @@ csrc/cuda/grouped_gemm_sm90.cu) and prints the fastest per GEMM: the data behind
 --schedules times every sm_90a GEMM (bf16 and FP8, default tiles) under each order of the persistent tile
 scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizzle 1|2|4|8
 (MOE8_SM90_SWIZZLE), e.g. m1 (CUTLASS's grouped default) or n8; see sm90_util.cuh.
+--fp8-promotions serial,overlap times the FP8 GEMMs with each consumer promotion (MOE8_SM90_FP8_PROMOTION: each
+128-wide K tile promoted after its wgmma, or while the next tile's runs; blockwise_promotion_sm90.cuh).
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -146,6 +148,8 @@ def bench(shape, dims, routing, args, device, gen):
             var = "MOE8_SM90_TILE" if ceil == "bf16" else "MOE8_SM90_FP8_TILE"
             cands |= {f"tile {t}": with_env(mine, {var: t}) for t in forced}
             cands |= {f"schedule {o}": with_env(mine, schedule_env(o)) for o in args.schedules}
+            promotions = args.fp8_promotions if ceil != "bf16" else []
+            cands |= {f"promotion {p}": with_env(mine, {"MOE8_SM90_FP8_PROMOTION": p}) for p in promotions}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
                 if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
@@ -159,6 +163,8 @@ def bench(shape, dims, routing, args, device, gen):
                 row["tiles_ms"] = {t: ms[f"tile {t}"] for t in forced}
             if args.schedules:
                 row["schedules_ms"] = {o: ms[f"schedule {o}"] for o in args.schedules}
+            if promotions:
+                row["promotions_ms"] = {p: ms[f"promotion {p}"] for p in promotions}
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -172,6 +178,7 @@ FP8_TILES = ("large", "solo", "m2", "small")
 
 
 SCHEDULES = tuple(r + z for r in "mn" for z in "1248")
+FP8_PROMOTIONS = ("serial", "overlap")
 
 
 def schedule_env(order: str) -> dict:
@@ -230,7 +237,8 @@ def interleaved_ms(fns: dict, device, warmup: int, iters: int) -> dict:
 
 
 def best_tile(r, key="tiles_ms"):
-    """(tile, ms) of the fastest forced tile (key="schedules_ms": scheduler order) of row r, or None."""
+    """(tile, ms) of the fastest forced tile (key="schedules_ms": scheduler order, "promotions_ms": FP8
+    promotion) of row r, or None."""
     timed = [(ms, t) for t, ms in r.get(key, {}).items() if isinstance(ms, float)]
     return (min(timed)[1], min(timed)[0]) if timed else None
 
@@ -251,7 +259,7 @@ def line(r) -> str:
 
 def tiles_text(r) -> str:
     text = ""
-    for key, label in (("tiles_ms", "tiles"), ("schedules_ms", "schedules")):
+    for key, label in (("tiles_ms", "tiles"), ("schedules_ms", "schedules"), ("promotions_ms", "promotions")):
         if key not in r:
             continue
         parts = [f"{t} {ms:.3f}" if isinstance(ms, float) else f"{t} error" for t, ms in r[key].items()]
@@ -291,11 +299,18 @@ def main() -> int:
         help=f"comma-separated, from {SCHEDULES}: also time every sm_90a GEMM under each tile-scheduler order "
         "(raster m|n then swizzle: MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE)",
     )
+    ap.add_argument(
+        "--fp8-promotions",
+        default="",
+        help=f"comma-separated, from {FP8_PROMOTIONS}: also time the FP8 GEMMs with each consumer promotion "
+        "(MOE8_SM90_FP8_PROMOTION)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.tiles = [t for t in args.tiles.split(",") if t]
     args.fp8_tiles = [t for t in args.fp8_tiles.split(",") if t]
     args.schedules = [t for t in args.schedules.split(",") if t]
+    args.fp8_promotions = [t for t in args.fp8_promotions.split(",") if t]
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -307,6 +322,7 @@ def main() -> int:
         ("--tiles", args.tiles, TILES),
         ("--fp8-tiles", args.fp8_tiles, FP8_TILES),
         ("--schedules", args.schedules, SCHEDULES),
+        ("--fp8-promotions", args.fp8_promotions, FP8_PROMOTIONS),
     ):
         bad = [x for x in given if x not in allowed]
         if bad:

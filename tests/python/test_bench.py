@@ -63,6 +63,23 @@ def test_bench_gemm_tiny(tmp_path):
     assert "fp8_wgrad schedules, total time / default's (2 GEMMs): n8" in p.stdout
     bad = run("bench/bench_gemm.py", "--tiny", "--schedules", "n3")
     assert bad.returncode != 0 and "--schedules: unknown ['n3']" in bad.stderr
+    # --fp8-promotions: the FP8 GEMMs also timed with each consumer promotion; the bf16 ones are not
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd,fp8_fwd,fp8_wgrad --routing balanced --iters 2".split(),
+        "--fp8-promotions",
+        "serial,overlap",
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    fp8_rows = [r for r in rows if r["kind"].startswith("fp8_")]
+    assert len(fp8_rows) == 4 and all(set(r["promotions_ms"]) == {"serial", "overlap"} for r in fp8_rows)
+    assert all(ms > 0 for r in fp8_rows for ms in r["promotions_ms"].values())
+    assert all("promotions_ms" not in r for r in rows if r["kind"] == "fwd")
+    assert "promotions ms: serial" in p.stdout
+    bad = run("bench/bench_gemm.py", "--tiny", "--fp8-promotions", "eager")
+    assert bad.returncode != 0 and "--fp8-promotions: unknown ['eager']" in bad.stderr
 
 
 def test_bench_fp8_refresh_tiny(tmp_path):
