@@ -1,7 +1,7 @@
 // cuda/gathered_rows_sm90.cuh — CUTLASS sm_90a ptr-array mainloops whose operand from the tokens is gathered into
 // expert order inside the operand load: the rows of group e are x[row_to_slot[r] / k] for offsets[e] <= r <
 // offsets[e + 1], so no permuted copy of x ([R, K]) is ever written.
-//   GatheredRowsMainloop   A is the rows (M, K-major): the forward, a dgrad
+//   GatheredRowsMainloop   A is the rows (M, K-major): the forward, a dgrad; copied by one producer warp or two
 //   GatheredKRowsMainloop  B is the rows along K (N-major): the weight gradient db[e] = dc^T . rows
 //
 // Each is CUTLASS's TMA warp-specialised mainloop (`Base`, a CollectiveMma) with its producer's load of the
@@ -20,6 +20,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
 
 namespace moe8::cuda::sm90 {
@@ -132,8 +133,18 @@ constexpr uint32_t kTmaStageBytes =
     static_cast<uint32_t>(cute::size<2>(typename Base::TileShape{})) *
     static_cast<uint32_t>(sizeof(std::conditional_t<kOperand == 0, typename Base::ElementA, typename Base::ElementB>));
 
-// A gathered: the forward's (and any GEMM's) M rows are the tokens' rows, K-major.
-template <class Base>
+// The dispatch policy of a mainloop that also loads from the producer warpgroup's second warp: CUTLASS's ptr-array
+// kernels then run its load_auxiliary() there (the MainloopAux warp, which the FP8 blockwise mainloop uses for its
+// scales), with the same pipeline and tile order as load(). Everything else is Policy's.
+template <class Policy>
+struct AuxLoadPolicy : Policy {};
+
+// A gathered: the forward's (and any GEMM's) M rows are the tokens' rows, K-major. kLoadWarps 2: the producer
+// warpgroup's first warp (load) copies the tile's first half of rows and issues B, its second (load_auxiliary) the
+// other half; per stage both warps meet at a named barrier after their copies' arrivals and before B is issued, so
+// the stage cannot complete (B's bytes landed, no arrival pending) before the second warp's arrivals are counted
+// in, and neither warp runs a stage ahead of the other.
+template <class Base, int kLoadWarps = 1>
 struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>> {
   using Common = GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>>;
   using typename Base::MainloopPipeline;
@@ -143,19 +154,26 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
   using TileShape = typename Base::TileShape;
   using SmemLayoutA = typename Base::SmemLayoutA;
   using ElementA = typename Base::ElementA;
+  using DispatchPolicy =
+      std::conditional_t<kLoadWarps == 2, AuxLoadPolicy<typename Base::DispatchPolicy>, typename Base::DispatchPolicy>;
   using Common::kNoRow;
 
   static constexpr int kBlockM = cute::size<0>(TileShape{});
   static constexpr int kBlockK = cute::size<2>(TileShape{});
-  static constexpr int kChunkElems = 16 / sizeof(ElementA);  // one cp.async: 16 bytes
-  static constexpr int kChunks = kBlockK / kChunkElems;      // 16-byte chunks of a row of a stage
-  static constexpr int kRowsPerLane = kBlockM / 16;          // two lanes a row: rows lane / 2 + 16 j
-  static_assert(kBlockM % 16 == 0 && kChunks % 2 == 0, "the producer warp's lane pairs take the tile's rows");
+  static constexpr int kChunkElems = 16 / sizeof(ElementA);           // one cp.async: 16 bytes
+  static constexpr int kChunks = kBlockK / kChunkElems;               // 16-byte chunks of a row of a stage
+  static constexpr int kRowsPerLane = kBlockM / 16;                   // two lanes a row: rows lane / 2 + 16 j
+  static constexpr int kRowsPerWarpLane = kRowsPerLane / kLoadWarps;  // warp w: j in [w, w + 1) * this
+  static_assert(kLoadWarps == 1 || kLoadWarps == 2, "one or two loading warps");
+  static_assert(kBlockM % (16 * kLoadWarps) == 0 && kChunks % 2 == 0,
+                "the producer warps' lane pairs take the tile's rows");
   static_assert(kBlockK * sizeof(ElementA) == 128, "one row of a stage is one 128-byte swizzle row");
   static_assert(cute::size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1,
                 "gathered rows are not multicast: no cluster along N");
   static_assert(cute::cosize_v<SmemLayoutA> == kBlockM * kBlockK * Base::DispatchPolicy::Stages,
                 "the stages of A are their rows back to back");
+  // NOTES: user barrier 0 (CUTLASS's reserved ones come first); the cooperative kernel and its epilogue use none.
+  static constexpr uint32_t kLoadBarrier = 0;
 
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
@@ -163,7 +181,38 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
                            cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps, BlockCoord const& blk_coord,
                            KTileIterator k_tile_iter, int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
                            TensorStorage& shared_tensors) {
+    load_rows<0>(params, pipeline, smem_pipe_write, load_inputs, &input_tensormaps, blk_coord, k_tile_iter,
+                 k_tile_count, block_rank_in_cluster, shared_tensors);
+  }
+
+  // The second loading warp (kLoadWarps 2): the tile's other half of rows, no B.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                                     cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                                     KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                                     uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    static_assert(kLoadWarps == 2, "load_auxiliary runs only with a second loading warp");
+    load_rows<1>(params, pipeline, smem_pipe_write, load_inputs, static_cast<const cute::tuple<int, int>*>(nullptr),
+                 blk_coord, k_tile_iter, k_tile_count, block_rank_in_cluster, shared_tensors);
+  }
+
+  // The second loading warp gets no tensormap update from the kernel, only this, before each group's loads.
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& params,
+                                                     ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
+    this->group_ = next_batch;
+    return Base::tensors_perform_update(input_tensors, params, problem_shape_mnkl, next_batch);
+  }
+
+ private:
+  // Warp kPart's rows of each stage (all of them with one loading warp); warp 0 also issues B by TMA.
+  template <int kPart, class TensorA, class TensorB, class TensorMaps, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_rows(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                                cute::tuple<TensorA, TensorB> const& load_inputs, const TensorMaps* input_tensormaps,
+                                BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                                uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     using namespace cute;
+    constexpr bool kIssueB = kPart == 0;
     const int lane = static_cast<int>(threadIdx.x % 32);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     int32_t begin, end;
@@ -176,10 +225,12 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
     // Qwen3-30B-A3B up projection's shape).
     const auto* x = static_cast<const ElementA*>(params.x);
     const int half = lane % 2;
-    uint32_t row_off[kRowsPerLane];
+    constexpr int kFirstRow = kPart * kRowsPerWarpLane;  // j of this warp's first row
+    uint32_t row_off[kRowsPerWarpLane];
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kRowsPerLane; ++j)
-      row_off[j] = Common::row_offset(params, begin + static_cast<int64_t>(m_coord) * kBlockM + lane / 2 + 16 * j, end);
+    for (int j = 0; j < kRowsPerWarpLane; ++j)
+      row_off[j] = Common::row_offset(
+          params, begin + static_cast<int64_t>(m_coord) * kBlockM + lane / 2 + 16 * (kFirstRow + j), end);
 
     // B by TMA; in a cluster of CTAs paired along M (they share the weight's tile) multicast, each loading its
     // slice into both, as CUTLASS's mainloop does. The rows of A are each CTA's own.
@@ -201,8 +252,8 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
-      // Lane 0, the pipeline's leader, arrives expecting B's bytes; each lane's arrival on A's copies (which
-      // counts itself in) comes before B is issued, so the stage completes only once both have landed.
+      // Lane 0 of warp 0, the pipeline's leader, arrives expecting B's bytes; each lane's arrival on A's copies
+      // (which counts itself in) comes before B is issued, so the stage completes only once both have landed.
       pipeline.producer_acquire(smem_pipe_write);
       __syncwarp();
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
@@ -212,10 +263,10 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
       const ElementA* x_col = x + col0;
       const uint32_t stage_a = smem_a + static_cast<uint32_t>(stage * kBlockM * kBlockK * sizeof(ElementA));
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kRowsPerLane; ++j) {
+      for (int j = 0; j < kRowsPerWarpLane; ++j) {
         const bool row = row_off[j] != kNoRow;
         const ElementA* src_row = Common::row_address(x_col, row ? row_off[j] : 0u);
-        const uint32_t row_dst = stage_a + (lane / 2 + 16 * j) * (kBlockK * sizeof(ElementA));
+        const uint32_t row_dst = stage_a + (lane / 2 + 16 * (kFirstRow + j)) * (kBlockK * sizeof(ElementA));
         CUTLASS_PRAGMA_UNROLL
         for (int pair = 0; pair < kChunks / 2; ++pair) {
           // invalid: no bytes read (src-size 0), the address left in the row, so each copy is the row's
@@ -226,9 +277,12 @@ struct GatheredRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 1>
       }
       cutlass::arch::cpasync_barrier_arrive(reinterpret_cast<uint64_t const*>(barrier));
       __syncwarp();
-      if (lane == 0)
-        copy(params.tma_load_b.with(get<1>(input_tensormaps), *barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
-             tBsB(_, _, _, stage));
+      if constexpr (kLoadWarps == 2) cutlass::arch::NamedBarrier::arrive_and_wait(64, kLoadBarrier);
+      if constexpr (kIssueB) {
+        if (lane == 0)
+          copy(params.tma_load_b.with(get<1>(*input_tensormaps), *barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
+               tBsB(_, _, _, stage));
+      }
       ++k_tile_iter;
       ++smem_pipe_write;
     }
@@ -350,3 +404,9 @@ struct GatheredKRowsMainloop : GatheredMainloopBase<Base, kTmaStageBytes<Base, 0
 };
 
 }  // namespace moe8::cuda::sm90
+
+// CUTLASS's kernels run load_auxiliary() in the MainloopAux warp for the policies this trait names.
+namespace cutlass::gemm::kernel::detail {
+template <class Policy>
+struct HasAuxiliaryLoad<moe8::cuda::sm90::AuxLoadPolicy<Policy>> : cute::true_type {};
+}  // namespace cutlass::gemm::kernel::detail

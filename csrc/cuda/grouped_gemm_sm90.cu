@@ -48,8 +48,9 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
     if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
       bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}));
       bytes = std::max(
-          bytes, sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredWgradGemm<T>::Gemm>(
-                     num_experts, sms));
+          bytes,
+          sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredFwdGemmTwoWarps<T>::Gemm,
+                                         typename GatheredWgradGemm<T>::Gemm>(num_experts, sms));
     }
     return bytes;
   };
@@ -138,13 +139,19 @@ void grouped_gemm_gathered_sm90(const TensorView& x, const TensorView& row_to_sl
   MOE8_CHECK(reinterpret_cast<uintptr_t>(c.data) % 16 == 0, what, ": c must be 16-byte aligned");
   const Checked ck = check_call(what, x, groups, workspace, workspace_bytes);
   cudaStream_t s = as_stream(stream);
-  using G = GatheredFwdGemm<cutlass::bfloat16_t>;
-  prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
-      offsets.ptr<int32_t>(), groups, rows, n, kd, kd, x.data, b.data, c.data, ck.w, true);
-  check_launch("grouped_gemm_gathered_sm90: prep_rows_kernel");
-  if (groups == 0 || rows == 0) return;
-  const GatherSource src = gather_source(x, row_to_slot, top_k, offsets, rows);
-  run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, &src);
+  auto launch = [&](auto g) {
+    using G = decltype(g);
+    prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, n, kd, kd, x.data, b.data, c.data, ck.w, true);
+    check_launch("grouped_gemm_gathered_sm90: prep_rows_kernel");
+    if (groups == 0 || rows == 0) return;
+    const GatherSource src = gather_source(x, row_to_slot, top_k, offsets, rows);
+    run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, &src);
+  };
+  if (heuristics::gather_load_warps(heuristics::sm90_overrides()) == 2)
+    launch(GatheredFwdGemmTwoWarps<cutlass::bfloat16_t>{});
+  else
+    launch(GatheredFwdGemm<cutlass::bfloat16_t>{});
 }
 
 bool grouped_gemm_wgrad_gathered_sm90_supported(const TensorView& x, const TensorView& dc, const TensorView& db) {

@@ -126,8 +126,15 @@ struct GatheredGemm {
 // The forward GEMM of rows gathered from the tokens inside the A load: the 128x256 cooperative tile without a
 // cluster (the gathered rows are not multicast; CTAs paired along M to share the weight's tile measured no
 // faster: 1.49 ms against 1.48 for the gather and the GEMM at Qwen3-30B-A3B's up projection). bf16 only.
+// The rows copied by one producer warp or two (sm90_heuristics::gather_load_warps).
+template <class Base>
+using GatheredRowsOneWarp = GatheredRowsMainloop<Base, 1>;
+template <class Base>
+using GatheredRowsTwoWarps = GatheredRowsMainloop<Base, 2>;
 template <class T>
-using GatheredFwdGemm = GatheredGemm<FwdGemm<T, TileLargeSolo>, GatheredRowsMainloop>;
+using GatheredFwdGemm = GatheredGemm<FwdGemm<T, TileLargeSolo>, GatheredRowsOneWarp>;
+template <class T>
+using GatheredFwdGemmTwoWarps = GatheredGemm<FwdGemm<T, TileLargeSolo>, GatheredRowsTwoWarps>;
 
 // The weight gradient whose B (the tokens' rows along each group's K) is gathered inside its load: the 128x256
 // cooperative tile, CTAs paired along N so dc's tile is multicast. bf16 only.

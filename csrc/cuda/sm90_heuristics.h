@@ -75,6 +75,7 @@ struct Sm90Overrides {
   Override<bool> along_n;                // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
   Override<int> swizzle;                 // MOE8_SM90_SWIZZLE=1|2|4|8: cluster columns per band of that order
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
+  Override<int> gather_warps;  // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -108,6 +109,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, int> kSwizzle[] = {{"1", 1}, {"2", 2}, {"4", 4}, {"8", 8}};
   constexpr std::pair<const char*, Balance> kBalance[] = {
       {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
+  constexpr std::pair<const char*, int> kGatherWarps[] = {{"1", 1}, {"2", 2}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
@@ -117,6 +119,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.along_n = read("MOE8_SM90_RASTER", kRaster);
   o.swizzle = read("MOE8_SM90_SWIZZLE", kSwizzle);
   o.balance = read("MOE8_SM90_BALANCE", kBalance);
+  o.gather_warps = read("MOE8_SM90_GATHER_WARPS", kGatherWarps);
   return o;
 }
 
@@ -245,6 +248,12 @@ inline Fp8Promotion fp8_promotion(Fp8Tile tile, const Sm90Overrides& env) {
 
 // The FP8 weight gradient keeps the 1x2 cluster at every shape (robust under skewed routing).
 inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.get().value_or(Fp8Tile::kLarge); }
+
+// ------------------------------------------------------------------------------------ gathered rows
+
+// The producer warps that copy the rows of the forward GEMM gathered inside its load (gathered_rows_sm90.cuh):
+// one (the mainloop warp) unless overridden, as the second warp's copies have not been timed yet.
+inline int gather_load_warps(const Sm90Overrides& env) { return env.gather_warps.get().value_or(1); }
 
 // ------------------------------------------------------------------------------------ tile order
 

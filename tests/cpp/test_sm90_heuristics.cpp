@@ -126,6 +126,12 @@ TEST(Sm90Heuristics, Fp8Promotion) {
             Fp8Promotion::kSerial);
 }
 
+TEST(Sm90Heuristics, GatherLoadWarps) {
+  EXPECT_EQ(h::gather_load_warps(kNone), 1);
+  EXPECT_EQ(h::gather_load_warps(overrides({{"MOE8_SM90_GATHER_WARPS", "2"}})), 2);
+  EXPECT_EQ(h::gather_load_warps(overrides({{"MOE8_SM90_GATHER_WARPS", "1"}})), 1);
+}
+
 TEST(Sm90Heuristics, Schedules) {
   // Mixtral's gate_up forward (N 28672): bands of 8 clusters once an expert has >= 2048 rows on average.
   h::Schedule s = h::rows_schedule(28672, 8 * 4096, 8);
@@ -160,6 +166,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   const h::Sm90Overrides bad = overrides({{"MOE8_SM90_TILE", "wide"},
                                           {"MOE8_SM90_FP8_TILE", "huge"},
                                           {"MOE8_SM90_FP8_PROMOTION", "eager"},
+                                          {"MOE8_SM90_GATHER_WARPS", "4"},
                                           {"MOE8_SM90_RASTER", "k"},
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
@@ -169,6 +176,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, bad); }),
             "MOE8_SM90_FP8_PROMOTION: expected one of serial, overlap, got 'eager'");
+  EXPECT_EQ(message([&] { h::gather_load_warps(bad); }), "MOE8_SM90_GATHER_WARPS: expected one of 1, 2, got '4'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));

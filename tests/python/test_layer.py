@@ -6,7 +6,7 @@ import torch
 from conftest import devices
 
 import moe8
-from moe8 import layer
+from moe8 import build_info, layer
 from moe8 import reference as ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -432,6 +432,52 @@ def test_gathered_grouped_gemm_is_the_gemm_of_the_permuted_rows(device, T, H, N,
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     exact = torch.cat([(rows[offsets[e] : offsets[e + 1]].double() @ w[e].double().t()) for e in range(E)])
     torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(
+    not (
+        moe8.cuda_available()
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and build_info.read().cutlass_version
+    ),
+    reason="needs an sm_90 GPU and moe8's sm90a CUTLASS kernels",
+)
+@pytest.mark.parametrize(
+    "T, H, N, E, K", [(37, 72, 136, 5, 2), (300, 128, 256, 8, 4), (1, 64, 64, 3, 1), (900, 256, 512, 6, 8)]
+)
+def test_gathered_grouped_gemm_two_load_warps_give_the_same_bits(monkeypatch, T, H, N, E, K):
+    """MOE8_SM90_GATHER_WARPS=2 (the rows copied by two producer warps, gathered_rows_sm90.cuh): the sm_90a
+    gathered kernel runs at every shape (H a multiple of 8), gives the one warp's bits, rows of slot -1 zero, two
+    calls alike; a bad value raises naming the variable."""
+    from moe8._core import C, sm90_workspace
+    from moe8._core import stream as current_stream
+
+    x, w, offsets, row_to_slot, _ = _gathered_problem("cuda", T, H, N, E, K, 5, unmapped_every=5)
+    mapped = row_to_slot >= 0
+
+    def run(warps):
+        monkeypatch.setenv("MOE8_SM90_GATHER_WARPS", warps)
+        C.reload_sm90_overrides()
+        c = x.new_full((row_to_slot.shape[0], N), float("nan"))
+        ran = C.gathered_grouped_gemm(
+            x, row_to_slot, K, w, offsets, 0, c, current_stream(x), False, sm90_workspace(x, E)
+        )
+        torch.cuda.synchronize()
+        assert ran, "the sm_90a gathered kernel did not take the call"
+        return c
+
+    try:
+        one, two = run("1"), run("2")
+        assert torch.equal(one, two)
+        assert torch.equal(two, run("2"))
+        assert not two.isnan().any()
+        assert torch.equal(two[~mapped], torch.zeros_like(two[~mapped]))
+        with pytest.raises(Exception, match="MOE8_SM90_GATHER_WARPS: expected one of 1, 2, got '3'"):
+            run("3")
+    finally:
+        monkeypatch.delenv("MOE8_SM90_GATHER_WARPS")
+        C.reload_sm90_overrides()
 
 
 @pytest.mark.parametrize("device", devices())
