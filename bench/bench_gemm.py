@@ -20,6 +20,9 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 (MOE8_SM90_SWIZZLE), e.g. m1 (CUTLASS's grouped default) or n8; see sm90_util.cuh.
 --fp8-promotions serial,overlap times the FP8 GEMMs with each consumer promotion (MOE8_SM90_FP8_PROMOTION: each
 128-wide K tile promoted after its wgmma, or while the next tile's runs; blockwise_promotion_sm90.cuh).
+--quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
+(quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
+in ms and GB/s moved.
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -28,6 +31,7 @@ random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -150,6 +154,9 @@ def bench(shape, dims, routing, args, device, gen):
             cands |= {f"schedule {o}": with_env(mine, schedule_env(o)) for o in args.schedules}
             promotions = args.fp8_promotions if ceil != "bf16" else []
             cands |= {f"promotion {p}": with_env(mine, {"MOE8_SM90_FP8_PROMOTION": p}) for p in promotions}
+            quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
+            quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
+            cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
                 if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
@@ -165,6 +172,12 @@ def bench(shape, dims, routing, args, device, gen):
                 row["schedules_ms"] = {o: ms[f"schedule {o}"] for o in args.schedules}
             if promotions:
                 row["promotions_ms"] = {p: ms[f"promotion {p}"] for p in promotions}
+            if quant_cols:
+                row["quant_cols_ms"] = {q: ms[f"quant_cols {q}"] for q in quant_cols}
+                moved = quant_cols_bytes(R, kd, n, E)
+                row["quant_cols_gbps"] = {
+                    q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
+                }
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -179,6 +192,21 @@ FP8_TILES = ("large", "solo", "m2", "small")
 
 SCHEDULES = tuple(r + z for r in "mn" for z in "1248")
 FP8_PROMOTIONS = ("serial", "overlap")
+
+
+QUANT_COLS = ("packed", "staged")
+
+
+def quantize_wgrad_operands(dc, a, offsets):
+    """What the FP8 weight gradient reads besides its GEMM: both operands quantised down their rows."""
+    return fp8.quantize_cols_1x128(dc, offsets), fp8.quantize_cols_1x128(a, offsets)
+
+
+def quant_cols_bytes(R: int, K: int, N: int, E: int) -> int:
+    """Bytes the two column quantisations of a weight gradient move: dc [R, N] and a [R, K] read as bf16, their
+    codes written (a byte each) and their fp32 scales (one per 128-row block of an expert and column)."""
+    blocks = -(-R // 128) + E
+    return 3 * R * (N + K) + 4 * blocks * (N + K)
 
 
 def schedule_env(order: str) -> dict:
@@ -259,12 +287,19 @@ def line(r) -> str:
 
 def tiles_text(r) -> str:
     text = ""
-    for key, label in (("tiles_ms", "tiles"), ("schedules_ms", "schedules"), ("promotions_ms", "promotions")):
+    for key, label in (
+        ("tiles_ms", "tiles"),
+        ("schedules_ms", "schedules"),
+        ("promotions_ms", "promotions"),
+        ("quant_cols_ms", "column quantisation"),
+    ):
         if key not in r:
             continue
         parts = [f"{t} {ms:.3f}" if isinstance(ms, float) else f"{t} error" for t, ms in r[key].items()]
         best = best_tile(r, key)
         vs = f", best {best[0]}: {r['torch_ms'] / best[1]:.2f}x torch" if best and "torch_ms" in r else ""
+        if key == "quant_cols_ms":
+            vs = " (GB/s: " + ", ".join(f"{q} {g:.0f}" for q, g in r["quant_cols_gbps"].items()) + ")"
         text += f"\n    {label} ms: " + ", ".join(parts) + vs
     return text
 
@@ -305,12 +340,19 @@ def main() -> int:
         help=f"comma-separated, from {FP8_PROMOTIONS}: also time the FP8 GEMMs with each consumer promotion "
         "(MOE8_SM90_FP8_PROMOTION)",
     )
+    ap.add_argument(
+        "--quant-cols",
+        default="",
+        help=f"comma-separated, from {QUANT_COLS}: also time the FP8 weight gradient's column quantisation of "
+        "both operands with each kernel (MOE8_QUANT_COLS)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.tiles = [t for t in args.tiles.split(",") if t]
     args.fp8_tiles = [t for t in args.fp8_tiles.split(",") if t]
     args.schedules = [t for t in args.schedules.split(",") if t]
     args.fp8_promotions = [t for t in args.fp8_promotions.split(",") if t]
+    args.quant_cols = [t for t in args.quant_cols.split(",") if t]
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -323,6 +365,7 @@ def main() -> int:
         ("--fp8-tiles", args.fp8_tiles, FP8_TILES),
         ("--schedules", args.schedules, SCHEDULES),
         ("--fp8-promotions", args.fp8_promotions, FP8_PROMOTIONS),
+        ("--quant-cols", args.quant_cols, QUANT_COLS),
     ):
         bad = [x for x in given if x not in allowed]
         if bad:

@@ -39,6 +39,10 @@ enum class Fp8Tile { kLarge, kSolo, kM2, kSmall };
 // and kSmall only; the same bits).
 enum class Fp8Promotion { kSerial, kOverlap };
 
+// The FP8 column quantisation's kernel (quant_cols.cu): 16-byte packs, 128 columns a block (kPacked, for 2-byte
+// inputs whose rows move as packs), or one element a load, 64 columns a block (kStaged, any input).
+enum class QuantCols { kPacked, kStaged };
+
 enum class Cluster { k1x2, k2x1, kAuto };
 enum class Balance { kAuto, kBalanced, kSkewed };
 
@@ -75,7 +79,8 @@ struct Sm90Overrides {
   Override<bool> along_n;                // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
   Override<int> swizzle;                 // MOE8_SM90_SWIZZLE=1|2|4|8: cluster columns per band of that order
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
-  Override<int> gather_warps;  // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
+  Override<int> gather_warps;      // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
+  Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -110,6 +115,8 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Balance> kBalance[] = {
       {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
   constexpr std::pair<const char*, int> kGatherWarps[] = {{"1", 1}, {"2", 2}};
+  constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
+                                                              {"staged", QuantCols::kStaged}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
@@ -120,6 +127,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.swizzle = read("MOE8_SM90_SWIZZLE", kSwizzle);
   o.balance = read("MOE8_SM90_BALANCE", kBalance);
   o.gather_warps = read("MOE8_SM90_GATHER_WARPS", kGatherWarps);
+  o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   return o;
 }
 
@@ -254,6 +262,13 @@ inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.ge
 // The producer warps that copy the rows of the forward GEMM gathered inside its load (gathered_rows_sm90.cuh):
 // one (the mainloop warp) unless overridden, as the second warp's copies have not been timed yet.
 inline int gather_load_warps(const Sm90Overrides& env) { return env.gather_warps.get().value_or(1); }
+
+// ------------------------------------------------------------------------------------ column quantisation
+
+// The packed kernel wherever it applies (quant_cols.cu decides that), unless overridden for a comparison.
+inline QuantCols quant_cols_kernel(const Sm90Overrides& env) {
+  return env.quant_cols.get().value_or(QuantCols::kPacked);
+}
 
 // ------------------------------------------------------------------------------------ tile order
 

@@ -167,29 +167,41 @@ TEST_F(CudaTest, QuantColsMatchesCpuBitExact) {
   std::vector<int> many(64);
   for (int e = 0; e < 64; ++e) many[e] = (e * 37) % 300;
   const ColCase cases[] = {
-      {"ragged", {0, 1, 127, 128, 129, 300, 0}, 5, 70}, {"all_empty", {0, 0, 0}, 9, 65},
-      {"padded_to_128", {128, 0, 256, 128}, 0, 2048},   {"tail_only", {0}, 300, 8},
-      {"many_groups_unaligned_rows", many, 3, 130},     {"odd_rows", {3, 5}, 1, 1},
+      {"ragged", {0, 1, 127, 128, 129, 300, 0}, 5, 70},
+      {"all_empty", {0, 0, 0}, 9, 65},
+      {"padded_to_128", {128, 0, 256, 128}, 0, 2048},
+      {"tail_only", {0}, 300, 8},
+      {"many_groups_unaligned_rows", many, 3, 130},
+      {"odd_rows", {3, 5}, 1, 1},
+      // K a multiple of 8: the packed kernel for 2-byte x (a partial 128-column tile in the first two)
+      {"ragged_packed", {0, 1, 127, 128, 129, 300, 0}, 5, 136},
+      {"many_groups_packed", many, 3, 264},
+      {"odd_rows_packed", {3, 5}, 1, 8},
+      {"wide_packed", {128, 129}, 2, 1024},
   };
   Rng rng(103);
-  for (DType dt : kFloatTypes)
-    for (const ColCase& c : cases) {
-      SCOPED_TRACE(std::string(c.name) + " " + name_of(dt));
-      const std::vector<int> off = offsets_of(c.counts);
-      const int64_t R = off.back() + c.tail, E = static_cast<int64_t>(c.counts.size());
-      const int64_t NB = api::col_scale_blocks(R, static_cast<int>(E));
-      HostTensor x = spread(dt, {R, c.K}, rng), offs = ints({E + 1}, off);
-      auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
-        Runner r(gpu);
-        api::quantize_cols_1x128(r.in(x), r.in(offs), r.out(q), r.out(sc), 0);
-        r.finish();
-      };
-      HostTensor qg = u8({c.K, R}), sg = f32({NB, c.K}), qc = qg, sc = sg;
-      run(true, qg, sg);
-      run(false, qc, sc);
-      EXPECT_TRUE(same(qg, qc, "q_t"));
-      EXPECT_TRUE(same(sg, sc, "scale"));
-    }
+  // Both kernels where both apply (MOE8_QUANT_COLS), each against the CPU.
+  for (const char* kernel : {"packed", "staged"})
+    for (DType dt : kFloatTypes)
+      for (const ColCase& c : cases) {
+        SCOPED_TRACE(std::string(c.name) + " " + name_of(dt) + " MOE8_QUANT_COLS=" + kernel);
+        set_override("MOE8_QUANT_COLS", kernel);
+        const std::vector<int> off = offsets_of(c.counts);
+        const int64_t R = off.back() + c.tail, E = static_cast<int64_t>(c.counts.size());
+        const int64_t NB = api::col_scale_blocks(R, static_cast<int>(E));
+        HostTensor x = spread(dt, {R, c.K}, rng), offs = ints({E + 1}, off);
+        auto run = [&](bool gpu, HostTensor& q, HostTensor& sc) {
+          Runner r(gpu);
+          api::quantize_cols_1x128(r.in(x), r.in(offs), r.out(q), r.out(sc), 0);
+          r.finish();
+        };
+        HostTensor qg = u8({c.K, R}), sg = f32({NB, c.K}), qc = qg, sc = sg;
+        run(true, qg, sg);
+        run(false, qc, sc);
+        EXPECT_TRUE(same(qg, qc, "q_t"));
+        EXPECT_TRUE(same(sg, sc, "scale"));
+      }
+  set_override("MOE8_QUANT_COLS", nullptr);
 }
 
 TEST_F(CudaTest, RowwiseTensorwiseDequantizeMatchCpuBitExact) {

@@ -132,6 +132,12 @@ TEST(Sm90Heuristics, GatherLoadWarps) {
   EXPECT_EQ(h::gather_load_warps(overrides({{"MOE8_SM90_GATHER_WARPS", "1"}})), 1);
 }
 
+TEST(Sm90Heuristics, QuantColsKernel) {
+  EXPECT_EQ(h::quant_cols_kernel(kNone), h::QuantCols::kPacked);
+  EXPECT_EQ(h::quant_cols_kernel(overrides({{"MOE8_QUANT_COLS", "staged"}})), h::QuantCols::kStaged);
+  EXPECT_EQ(h::quant_cols_kernel(overrides({{"MOE8_QUANT_COLS", "packed"}})), h::QuantCols::kPacked);
+}
+
 TEST(Sm90Heuristics, Schedules) {
   // Mixtral's gate_up forward (N 28672): bands of 8 clusters once an expert has >= 2048 rows on average.
   h::Schedule s = h::rows_schedule(28672, 8 * 4096, 8);
@@ -167,6 +173,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_FP8_TILE", "huge"},
                                           {"MOE8_SM90_FP8_PROMOTION", "eager"},
                                           {"MOE8_SM90_GATHER_WARPS", "4"},
+                                          {"MOE8_QUANT_COLS", "fast"},
                                           {"MOE8_SM90_RASTER", "k"},
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
@@ -177,6 +184,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, bad); }),
             "MOE8_SM90_FP8_PROMOTION: expected one of serial, overlap, got 'eager'");
   EXPECT_EQ(message([&] { h::gather_load_warps(bad); }), "MOE8_SM90_GATHER_WARPS: expected one of 1, 2, got '4'");
+  EXPECT_EQ(message([&] { h::quant_cols_kernel(bad); }), "MOE8_QUANT_COLS: expected one of packed, staged, got 'fast'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));

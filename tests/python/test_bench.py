@@ -80,6 +80,23 @@ def test_bench_gemm_tiny(tmp_path):
     assert "promotions ms: serial" in p.stdout
     bad = run("bench/bench_gemm.py", "--tiny", "--fp8-promotions", "eager")
     assert bad.returncode != 0 and "--fp8-promotions: unknown ['eager']" in bad.stderr
+    # --quant-cols: beside each FP8 weight gradient, its operands' column quantisation with each kernel
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd,fp8_wgrad --routing balanced --iters 2".split(),
+        "--quant-cols",
+        "packed,staged",
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    wgrad_rows = [r for r in rows if r["kind"] == "fp8_wgrad"]
+    assert len(wgrad_rows) == 2 and all(set(r["quant_cols_ms"]) == {"packed", "staged"} for r in wgrad_rows)
+    assert all(g > 0 for r in wgrad_rows for g in r["quant_cols_gbps"].values())
+    assert all("quant_cols_ms" not in r for r in rows if r["kind"] == "fwd")
+    assert "column quantisation ms: packed" in p.stdout
+    bad = run("bench/bench_gemm.py", "--tiny", "--quant-cols", "fast")
+    assert bad.returncode != 0 and "--quant-cols: unknown ['fast']" in bad.stderr
 
 
 def test_bench_fp8_refresh_tiny(tmp_path):
