@@ -18,7 +18,7 @@
 #   --benchmarks LIST    comma-separated, from speed (the *Speed* gtests' TFLOP/s tables), layer, gemm,
 #                        hf_train, fp8_refresh, lora_30b, lowrank, rmsnorm, host, clocks, and (each writing into
 #                        OUT/<name>/) step_profile, loss_parity, recipes, recipes_full, fp8_step, fp8_dense,
-#                        fp8_convergence (default speed,layer,gemm)
+#                        fp8_convergence, variants (default speed,layer,gemm)
 #   --prebuilt DIR       use DIR/_C*.so and DIR/moe8_tests, built elsewhere for this Python, instead of
 #                        building (DIR.tgz is unpacked when DIR is missing; docs/developing.md)
 #   --wheels DIR         pinned wheels to install into /tmp/moe8-site and put on PYTHONPATH
@@ -68,7 +68,7 @@ done
 for b in ${BENCHMARKS//,/ }; do
   case "$b" in
     speed | layer | gemm | hf_train | fp8_refresh | lora_30b | lowrank | rmsnorm | host | clocks) ;;
-    step_profile | loss_parity | recipes | recipes_full | fp8_step | fp8_dense | fp8_convergence) ;;
+    step_profile | loss_parity | recipes | recipes_full | fp8_step | fp8_dense | fp8_convergence | variants) ;;
     *) die "--benchmarks: unknown '$b' (see --help)" ;;
   esac
 done
@@ -89,6 +89,24 @@ fi
 export PYTHONPATH=python${SITE:+:$SITE}
 export PYTHONUNBUFFERED=1
 limit() { if [ "$TIMEOUT" != 0 ]; then timeout "$TIMEOUT" "$@"; else "$@"; fi; }
+# The opt-in kernel variants against their defaults, each where it would be used (OUT/variants/): the FP8
+# GEMMs' promotion and the column quantisation alone (bench_gemm), the gathered forward's one or two loading
+# warps in the block (gather_in_gemm=1 beside the default), and the FP8 block with each promotion.
+variants() {
+  local dir=$1 w p
+  mkdir -p "$dir"
+  limit $PY bench/bench_gemm.py --shapes mixtral,qwen3 --kinds fp8_fwd,fp8_wgrad --fp8-promotions serial,overlap \
+    --quant-cols packed,staged --json "$dir/gemm_fp8_variants.json" || return
+  for w in 1 2; do
+    MOE8_SM90_GATHER_WARPS=$w limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none \
+      --moe8 default,gather_in_gemm=1 --back-to-back 5 --profile 12 --json "$dir/block_gather_warps_$w.json" || return
+  done
+  for p in serial overlap; do
+    MOE8_SM90_FP8_PROMOTION=$p limit $PY bench/bench_block_peers.py --shapes mixtral,qwen3 --routing balanced \
+      --peers none --fp8 blockwise+dgrad@handoff,blockwise+dgrad+wgrad@handoff --back-to-back 5 --profile 16 \
+      --json "$dir/block_fp8_promotion_$p.json" || return
+  done
+}
 has_cuda() { $PY -c "import moe8, sys; sys.exit(0 if moe8.cuda_available() else 1)" 2>/dev/null; }
 FAILED=0
 t0=$(date +%s)
@@ -187,6 +205,7 @@ if [ -n "$BENCH" ]; then
       fp8_step) limit $PY bench/bench_fp8_step.py --out "$OUT/$b" >"$log" 2>&1 ;;
       fp8_dense) limit $PY bench/bench_fp8_dense.py --memory --out "$OUT/$b" >"$log" 2>&1 ;;
       fp8_convergence) limit $PY bench/bench_fp8_convergence.py --out "$OUT/$b" >"$log" 2>&1 ;;
+      variants) variants "$OUT/$b" >"$log" 2>&1 ;;
     esac
     rc=$?
     [ $rc = 0 ] || { FAILED=1; echo "$b: failed (rc $rc), see $log"; }
