@@ -419,7 +419,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
   };
   const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
-  launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, env), launch);
+  launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, false, env), launch);
 }
 
 bool grouped_gemm_fp8_wgrad_sm90_available(int device) {
@@ -463,7 +463,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
   };
   const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
-  launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, env), launch);
+  launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, true, env), launch);
 }
 
 #else  // !MOE8_WITH_CUTLASS: stubs

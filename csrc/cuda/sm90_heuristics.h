@@ -247,10 +247,12 @@ inline Fp8Tile fp8_forward_tile(int64_t n, int64_t rows, int groups, const Sm90O
   return ((n + 127) / 128) % 2 == 1 ? Fp8Tile::kSolo : Fp8Tile::kLarge;  // odd 128-wide tiles: no cluster
 }
 
-// The FP8 GEMMs' promotion on `tile` (the one fp8_forward_tile or fp8_wgrad_tile chose): serial unless overridden, as
-// the overlapped consumer has not been timed against CUTLASS's yet; tiles without an overlapped build stay serial.
-inline Fp8Promotion fp8_promotion(Fp8Tile tile, const Sm90Overrides& env) {
-  const Fp8Promotion p = env.fp8_promotion.get().value_or(Fp8Promotion::kSerial);
+// The FP8 GEMMs' promotion on `tile` (the one fp8_forward_tile or fp8_wgrad_tile chose): overlapped for the weight
+// gradient (whose operands both carry scales, twice the forward's promotion work: 6-12% faster on an H100 at
+// Mixtral-8x7B's and Qwen3-30B-A3B's shapes), serial for the forward and dgrad (level there), unless overridden;
+// tiles without an overlapped build stay serial.
+inline Fp8Promotion fp8_promotion(Fp8Tile tile, bool wgrad, const Sm90Overrides& env) {
+  const Fp8Promotion p = env.fp8_promotion.get().value_or(wgrad ? Fp8Promotion::kOverlap : Fp8Promotion::kSerial);
   return tile == Fp8Tile::kLarge || tile == Fp8Tile::kSmall ? p : Fp8Promotion::kSerial;
 }
 

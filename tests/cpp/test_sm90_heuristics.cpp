@@ -112,18 +112,23 @@ TEST(Sm90Heuristics, Fp8Tiles) {
 }
 
 TEST(Sm90Heuristics, Fp8Promotion) {
-  // Serial (CUTLASS's consumer) unless MOE8_SM90_FP8_PROMOTION asks; overlapped only where it is built.
+  // The weight gradient overlapped and the forward / dgrad serial (CUTLASS's consumer) unless
+  // MOE8_SM90_FP8_PROMOTION says otherwise; overlapped only where it is built.
   for (Fp8Tile t : {Fp8Tile::kLarge, Fp8Tile::kSolo, Fp8Tile::kM2, Fp8Tile::kSmall})
-    EXPECT_EQ(h::fp8_promotion(t, kNone), Fp8Promotion::kSerial);
+    EXPECT_EQ(h::fp8_promotion(t, false, kNone), Fp8Promotion::kSerial);
+  EXPECT_EQ(h::fp8_promotion(h::fp8_wgrad_tile(kNone), true, kNone), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSmall, true, kNone), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSolo, true, kNone), Fp8Promotion::kSerial);
   const h::Sm90Overrides overlap = overrides({{"MOE8_SM90_FP8_PROMOTION", "overlap"}});
-  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, overlap), Fp8Promotion::kOverlap);
-  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSmall, overlap), Fp8Promotion::kOverlap);
-  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSolo, overlap), Fp8Promotion::kSerial);
-  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kM2, overlap), Fp8Promotion::kSerial);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, false, overlap), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSmall, false, overlap), Fp8Promotion::kOverlap);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kSolo, false, overlap), Fp8Promotion::kSerial);
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kM2, true, overlap), Fp8Promotion::kSerial);
   // Mixtral's gate_up forward at 16,384 tokens, top-2, takes the large tile and, asked, overlaps.
-  EXPECT_EQ(h::fp8_promotion(h::fp8_forward_tile(28672, 2 * 16384, 8, overlap), overlap), Fp8Promotion::kOverlap);
-  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, overrides({{"MOE8_SM90_FP8_PROMOTION", "serial"}})),
-            Fp8Promotion::kSerial);
+  EXPECT_EQ(h::fp8_promotion(h::fp8_forward_tile(28672, 2 * 16384, 8, overlap), false, overlap),
+            Fp8Promotion::kOverlap);
+  const h::Sm90Overrides serial = overrides({{"MOE8_SM90_FP8_PROMOTION", "serial"}});
+  EXPECT_EQ(h::fp8_promotion(Fp8Tile::kLarge, true, serial), Fp8Promotion::kSerial);
 }
 
 TEST(Sm90Heuristics, GatherLoadWarps) {
@@ -181,7 +186,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
             "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
-  EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, bad); }),
+  EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
             "MOE8_SM90_FP8_PROMOTION: expected one of serial, overlap, got 'eager'");
   EXPECT_EQ(message([&] { h::gather_load_warps(bad); }), "MOE8_SM90_GATHER_WARPS: expected one of 1, 2, got '4'");
   EXPECT_EQ(message([&] { h::quant_cols_kernel(bad); }), "MOE8_QUANT_COLS: expected one of packed, staged, got 'fast'");
