@@ -262,10 +262,9 @@ void quantize_cols_1x128(const TensorView& x, const TensorView& offsets, const T
   if (K == 0 || nblocks == 0) return;
   MOE8_DISPATCH_FLOAT(x.dtype, "quantize_cols_1x128: x", [&] {
     using T = scalar_t;
-    const bool packed = sizeof(T) == 2 && use_packs<T>(K, {x.data}) &&
-                        heuristics::quant_cols_kernel(heuristics::sm90_overrides()) == heuristics::QuantCols::kPacked;
     if constexpr (sizeof(T) == 2) {
-      if (packed) {
+      if (use_packs<T>(K, {x.data}) &&
+          heuristics::quant_cols_kernel(heuristics::sm90_overrides()) == heuristics::QuantCols::kPacked) {
         const dim3 grid(static_cast<unsigned>(nblocks), static_cast<unsigned>(ceil_div(K, kPackCols)));
         quantize_cols_packed_kernel<T><<<grid, kThreads, 0, as_stream(stream)>>>(
             x.ptr<T>(), offsets.ptr<int32_t>(), groups, R, K, nblocks, q_t.ptr<uint8_t>(), scale.ptr<float>());
