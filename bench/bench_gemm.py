@@ -23,6 +23,9 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
+--bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
+and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
+GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -46,6 +49,7 @@ from moe8 import fp8, ops
 
 SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
     "qwen3": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8),
     "mixtral": (4096, 14336, 8, 2),
     "deepseek": (7168, 2048, 256, 8),
     "gptoss": (2880, 2880, 32, 4),
@@ -130,6 +134,39 @@ def cases(a, w, dc, offsets, ends, E, kinds):
     return out
 
 
+def bound_cases(a, w, dc, E, kinds) -> dict:
+    """{kind: {"dense": fn, "batched": fn}} for the bf16 kinds: the same FLOPs as one dense GEMM (fwd: [R, K] x
+    [K, N]; dgrad: [R, N] x [N, K]; wgrad: the experts' [N, R / E] operands stacked along M, x [R / E, K]) and, when
+    the R rows split into E equal groups, as one strided-batched GEMM. Operands are laid out before timing."""
+    R, K = a.shape
+    N = w.shape[1]
+    even = R % E == 0
+    g = R // E
+    out = {}
+    if "fwd" in kinds:
+        wt = w[0].t()  # [K, N]
+        out["fwd"] = {"dense": lambda: torch.mm(a, wt)}
+        if even:
+            a3, w3 = a.view(E, g, K), w.transpose(1, 2)
+            out["fwd"]["batched"] = lambda: torch.bmm(a3, w3)  # [E, g, N]
+    if "dgrad" in kinds:
+        w0 = w[0]  # [N, K]
+        out["dgrad"] = {"dense": lambda: torch.mm(dc, w0)}
+        if even:
+            dc3 = dc.view(E, g, N)
+            out["dgrad"]["batched"] = lambda: torch.bmm(dc3, w)  # [E, g, K]
+    if "wgrad" in kinds and even:
+        dct = dc.view(E, g, N).transpose(1, 2)  # [E, N, g]
+        dc_stacked = dct.reshape(E * N, g)  # a copy: the experts' operands one above the other
+        a0 = a[:g]
+        a3 = a.view(E, g, K)
+        out["wgrad"] = {
+            "dense": lambda: torch.mm(dc_stacked, a0),  # [E * N, K]
+            "batched": lambda: torch.bmm(dct, a3),  # [E, N, K]
+        }
+    return out
+
+
 def bench(shape, dims, routing, args, device, gen):
     H, I, E, k = dims
     R = args.tokens * k
@@ -144,6 +181,7 @@ def bench(shape, dims, routing, args, device, gen):
         a = torch.randn(R, kd, **bf16)
         w = torch.randn(E, n, kd, **bf16).mul_(kd**-0.5)
         dc = torch.randn(R, n, **bf16)
+        bounds = bound_cases(a, w, dc, E, args.kinds) if args.bounds else {}
         for kind, (mine, theirs, flops, ceil) in cases(a, w, dc, offsets, ends, E, args.kinds).items():
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())
@@ -157,6 +195,9 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
+            if routing != "balanced":  # the batched bound needs equal groups; dense needs none
+                bounds.get(kind, {}).pop("batched", None)
+            cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
                 if isinstance(ms.get(who), str):  # one failing kernel must not lose the other rows
@@ -178,6 +219,8 @@ def bench(shape, dims, routing, args, device, gen):
                 row["quant_cols_gbps"] = {
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
+            if bounds.get(kind):
+                row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
             if "moe8_ms" in row and "torch_ms" in row:
                 row["ratio"] = row["torch_ms"] / row["moe8_ms"]
             rows.append(row)
@@ -292,6 +335,7 @@ def tiles_text(r) -> str:
         ("schedules_ms", "schedules"),
         ("promotions_ms", "promotions"),
         ("quant_cols_ms", "column quantisation"),
+        ("bounds_ms", "same FLOPs"),
     ):
         if key not in r:
             continue
@@ -300,6 +344,18 @@ def tiles_text(r) -> str:
         vs = f", best {best[0]}: {r['torch_ms'] / best[1]:.2f}x torch" if best and "torch_ms" in r else ""
         if key == "quant_cols_ms":
             vs = " (GB/s: " + ", ".join(f"{q} {g:.0f}" for q, g in r["quant_cols_gbps"].items()) + ")"
+        if key == "bounds_ms":
+            parts = [
+                f"{b} {ms:.3f} ({2 * r['rows'] * r['K'] * r['N'] / ms / 1e9:.0f} TF/s)"
+                if isinstance(ms, float)
+                else f"{b} error"
+                for b, ms in r[key].items()
+            ]
+            vs = ""
+            if "moe8_ms" in r:
+                vs = "; moe8 / " + ", ".join(
+                    f"{b} {r['moe8_ms'] / ms:.2f}x" for b, ms in r[key].items() if isinstance(ms, float)
+                )
         text += f"\n    {label} ms: " + ", ".join(parts) + vs
     return text
 
@@ -345,6 +401,12 @@ def main() -> int:
         default="",
         help=f"comma-separated, from {QUANT_COLS}: also time the FP8 weight gradient's column quantisation of "
         "both operands with each kernel (MOE8_QUANT_COLS)",
+    )
+    ap.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also time each bf16 GEMM's FLOPs as one dense cuBLAS GEMM and, with balanced routing, as one "
+        "strided-batched GEMM (what grouping costs)",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -415,6 +477,18 @@ def main() -> int:
                 f"{o} {sum(r['schedules_ms'][o] for r in sched) / base:.3f}" for o in args.schedules
             )
             print(f"{kind} schedules, total time / default's ({len(sched)} GEMMs): {parts}")
+    for b in ("dense", "batched"):  # moe8's time over the bound's, per kind
+        for kind in ("fwd", "dgrad", "wgrad"):
+            over = [
+                r["moe8_ms"] / r["bounds_ms"][b]
+                for r in rows
+                if r["kind"] == kind and "moe8_ms" in r and isinstance(r.get("bounds_ms", {}).get(b), float)
+            ]
+            if over:
+                print(
+                    f"{kind} moe8 / {b} GEMM of the same FLOPs: min {min(over):.2f}x, "
+                    f"median {statistics.median(over):.2f}x, max {max(over):.2f}x ({len(over)} GEMMs)"
+                )
     for kind in ("fp8_fwd", "fp8_wgrad"):
         tf = [
             2 * r["rows"] * r["K"] * r["N"] / b[1] / 1e9

@@ -26,6 +26,29 @@ def run(*args, timeout=300):
     )
 
 
+def test_bench_gemm_bounds_tiny(tmp_path):
+    """--bounds: each bf16 GEMM beside one dense GEMM of its FLOPs and, balanced, the batched GEMM of its groups."""
+    out = tmp_path / "gemm.json"
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd,dgrad,wgrad,fp8_fwd --iters 2 --warmup 0 --bounds".split(),
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    for r in rows:
+        if r["kind"] == "fp8_fwd":
+            assert "bounds_ms" not in r
+            continue
+        want = {"dense", "batched"} if r["routing"] == "balanced" else {"dense"}
+        if r["kind"] == "wgrad" and r["rows"] % r["experts"]:
+            want = set()
+        assert set(r.get("bounds_ms", {})) == want, r
+        assert all(ms > 0 for ms in r.get("bounds_ms", {}).values())
+    assert "fwd moe8 / batched GEMM of the same FLOPs" in p.stdout
+    assert "wgrad moe8 / dense GEMM of the same FLOPs" in p.stdout
+
+
 def test_bench_gemm_tiny(tmp_path):
     out = tmp_path / "gemm.json"
     p = run("bench/bench_gemm.py", "--tiny", "--iters", "1", "--warmup", "0", "--json", out)
