@@ -11,6 +11,8 @@ written to a file. --cold: each timed launch after 256 MiB written elsewhere, so
 Cases (balanced routing, 16,384 tokens):
   fp8_mixtral   Mixtral-8x7B gate_up forward, FP8 blockwise (moe8 only)
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
+  fwd_qwen3     Qwen3-30B-A3B up-projection forward, bf16: moe8, torch._grouped_mm, then cuBLAS on the same FLOPs
+                as one strided-batched GEMM (torch.bmm) and as one dense GEMM (torch.mm): what grouping costs
   act_dgrad_qwen3  Qwen3-30B-A3B down-projection dgrad with the routed activation backward in its epilogue
                 (moe8.fused.dgrad_activation_backward, the sm_90a fused kernel), then the plain dgrad and the
                 separate pass it replaces (activation_backward_routed)
@@ -32,7 +34,7 @@ import json
 import statistics
 
 import torch
-from bench_gemm import balanced_cases  # this folder is on sys.path
+from bench_gemm import balanced_cases, bound_cases  # this folder is on sys.path
 
 import moe8
 from moe8 import ops
@@ -40,6 +42,7 @@ from moe8 import ops
 CASES = (
     "fp8_mixtral",
     "dgrad_qwen3",
+    "fwd_qwen3",
     "act_dgrad_qwen3",
     "gathered_qwen3",
     "gathered_wgrad_qwen3",
@@ -109,6 +112,13 @@ def calls(case: str, device) -> list:
             lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
             lambda: ops.grouped_gemm_wgrad(rows, dc, offsets, 0, E, False),
         ]
+    if case == "fwd_qwen3":  # a [131072, 2048] . w[e] [1536, 2048]^T, 1,024 rows an expert
+        R, H, N, E = 131072, 2048, 1536, 128
+        mine, theirs, _, _ = balanced_cases(R, H, N, E, ["fwd"], device)["fwd"]
+        a = torch.randn(R, H, device=device, dtype=torch.bfloat16)
+        w = torch.randn(E, N, H, device=device, dtype=torch.bfloat16) * H**-0.5
+        bound = bound_cases(a, w, None, E, ["fwd"])["fwd"]
+        return [mine, theirs, bound["batched"], bound["dense"]]
     # dgrad_qwen3: dc [131072, 2048] . w[e] [2048, 768] -> [131072, 768]
     mine, theirs, _, _ = balanced_cases(131072, 768, 2048, 128, ["dgrad"], device)["dgrad"]
     return [mine, theirs]
