@@ -5,11 +5,16 @@ keeps that last figure when the clock drops). For telling a power-lowered clock 
 
     PYTHONPATH=python python bench/bench_clocks.py --json bench/results/clocks_h200.json
 
-Cases (Mixtral-8x7B gate_up forward, balanced routing, 16,384 tokens, top-2: [32768, 4096] x 8 x [28672, 4096]):
+Shapes (--shape; the gate_up forward, balanced routing, 16,384 tokens):
+  mixtral  Mixtral-8x7B, top-2: [32768, 4096] x 8 x [28672, 4096] (default)
+  qwen3    Qwen3-30B-A3B, top-8: [131072, 2048] x 128 x [1536, 2048] (1,024 rows an expert)
+Cases:
   fp8_blockwise  moe8's FP8 blockwise grouped GEMM (quantisation not timed)
   fp8_rowwise    torch._scaled_grouped_mm, rowwise scales, fast accumulation (as bench_gemm.py compares)
   bf16           moe8's bf16 grouped GEMM
   bf16_torch     torch._grouped_mm
+  bf16_batched   cuBLAS, the same groups as one strided-batched GEMM (torch.bmm; bench_gemm.py --bounds)
+  bf16_dense     cuBLAS, the same FLOPs as one dense GEMM (torch.mm)
 """
 
 from __future__ import annotations
@@ -20,21 +25,32 @@ import subprocess
 import time
 
 import torch
-from bench_gemm import balanced_cases  # this folder is on sys.path
+from bench_gemm import balanced_cases, bound_cases  # this folder is on sys.path
 from run_info import run_info
 
 import moe8
 
-CASES = ("fp8_blockwise", "fp8_rowwise", "bf16", "bf16_torch")
-R, K, N, E = 32768, 4096, 28672, 8
+CASES = ("fp8_blockwise", "fp8_rowwise", "bf16", "bf16_torch", "bf16_batched", "bf16_dense")
+DEFAULT_CASES = CASES[:4]
+SHAPES = {  # name: (rows R, K, N, experts E) of the gate_up forward
+    "mixtral": (32768, 4096, 28672, 8),
+    "qwen3": (131072, 2048, 1536, 128),
+}
 
 
-def make_cases(names, device) -> dict:
-    """{case: fn} from bench_gemm.py's fwd (moe8, torch) and fp8_fwd (moe8 blockwise, torch rowwise) GEMMs."""
+def make_cases(names, shape, device) -> dict:
+    """{case: fn} from bench_gemm.py's fwd (moe8, torch) and fp8_fwd (moe8 blockwise, torch rowwise) GEMMs
+    and its bounds (cuBLAS batched and dense) at shape (R, K, N, E)."""
+    R, K, N, E = shape
     torch.manual_seed(0)
     c = balanced_cases(R, K, N, E, ["fwd", "fp8_fwd"], device)
     (bf16, bf16_torch, _, _), (fp8_blockwise, fp8_rowwise, _, _) = c["fwd"], c["fp8_fwd"]
     every = dict(fp8_blockwise=fp8_blockwise, fp8_rowwise=fp8_rowwise, bf16=bf16, bf16_torch=bf16_torch)
+    if {"bf16_batched", "bf16_dense"} & set(names):
+        a = torch.randn(R, K, device=device, dtype=torch.bfloat16)
+        w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16).mul_(K**-0.5)
+        bound = bound_cases(a, w, None, E, ["fwd"])["fwd"]
+        every |= dict(bf16_batched=bound["batched"], bf16_dense=bound["dense"])
     missing = [name for name in names if every[name] is None]
     if missing:
         raise SystemExit(f"bench_clocks: {missing} need torch._scaled_grouped_mm, which this torch lacks")
@@ -77,7 +93,14 @@ def run_case(fn, seconds: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
+    ap.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated, from {CASES} (default: the first four)",
+    )
+    ap.add_argument(
+        "--shape", default="mixtral", choices=sorted(SHAPES), help="the gate_up forward of this model"
+    )
     ap.add_argument(
         "--seconds", type=float, default=3.0, help="seconds of back-to-back calls per case (default 3)"
     )
@@ -91,7 +114,8 @@ def main() -> int:
         raise SystemExit(f"--seconds: expected > 0, got {args.seconds}")
     if not (torch.cuda.is_available() and moe8.cuda_available()):
         raise SystemExit("bench_clocks: needs a CUDA GPU and moe8 built with CUDA")
-    fns = make_cases(names, torch.device("cuda"))
+    R, K, N, E = SHAPES[args.shape]
+    fns = make_cases(names, SHAPES[args.shape], torch.device("cuda"))
     flops = 2 * R * K * N
     rows = []
     for name in names:
@@ -133,7 +157,7 @@ def main() -> int:
     if args.json:
         meta = dict(
             **run_info("cuda"),
-            shape=dict(rows=R, K=K, N=N, experts=E),
+            shape=dict(model=args.shape, rows=R, K=K, N=N, experts=E),
         )
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, cases=rows), f, indent=1)

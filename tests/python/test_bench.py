@@ -523,6 +523,9 @@ def test_bench_clocks_arguments():
     assert bad.returncode != 0 and "--cases: unknown ['nope']" in bad.stderr
     bad = run("bench/bench_clocks.py", "--seconds", "0")
     assert bad.returncode != 0 and "--seconds: expected > 0, got 0.0" in bad.stderr
+    assert "bf16_batched" in p.stdout and "qwen3" in p.stdout
+    bad = run("bench/bench_clocks.py", "--shape", "olmo")
+    assert bad.returncode != 0 and "--shape: invalid choice: 'olmo'" in bad.stderr
 
 
 def test_carry_prebuilt_arguments():
