@@ -26,6 +26,9 @@ in ms and GB/s moved.
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
+--experts 1,8,128 runs each shape again with that many experts in place of its own (the same rows, widths and
+FLOPs, R / E rows an expert): at 1 expert moe8's kernel computes one dense GEMM, so the sweep parts what the
+groups cost from what the kernel's tiles cost at these widths.
 
 Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
 random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
@@ -320,7 +323,7 @@ def line(r) -> str:
 
     err = "  " + "; ".join(r[k] for k in ("moe8_error", "torch_error") if k in r)
     return (
-        f"{r['shape']:<9} {r['routing']:<9} {r['gemm']:<8} {r['kind']:<8} "
+        f"{r['shape']:<9} E {r['experts']:<3} {r['routing']:<9} {r['gemm']:<8} {r['kind']:<8} "
         f"{num('moe8_ms', '8.3f')} ms {num('moe8_tflops', '6.0f')} TF/s {num('moe8_pct_of_ceiling', '4.0f')}% | "
         f"torch {num('torch_ms', '8.3f')} ms {num('torch_tflops', '6.0f')} TF/s | {num('ratio', '5.2f')}x"
         + (err if err.strip() else "")
@@ -408,6 +411,11 @@ def main() -> int:
         help="also time each bf16 GEMM's FLOPs as one dense cuBLAS GEMM and, with balanced routing, as one "
         "strided-batched GEMM (what grouping costs)",
     )
+    ap.add_argument(
+        "--experts",
+        default="",
+        help="comma-separated expert counts: run each shape with each in place of its own (same rows and FLOPs)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.tiles = [t for t in args.tiles.split(",") if t]
@@ -415,6 +423,12 @@ def main() -> int:
     args.schedules = [t for t in args.schedules.split(",") if t]
     args.fp8_promotions = [t for t in args.fp8_promotions.split(",") if t]
     args.quant_cols = [t for t in args.quant_cols.split(",") if t]
+    try:
+        args.experts = [int(e) for e in args.experts.split(",") if e]
+    except ValueError:
+        raise SystemExit(f"--experts: expected comma-separated integers, got {args.experts!r}") from None
+    if any(not 1 <= e <= 512 for e in args.experts):
+        raise SystemExit(f"--experts: expected counts in 1..512, got {args.experts}")
     shapes = TINY if args.tiny else SHAPES
     names = list(shapes) if args.tiny else args.shapes.split(",")
     args.kinds = args.kinds.split(",")
@@ -451,7 +465,9 @@ def main() -> int:
     rows = []
     for name in names:
         for routing in routings:
-            rows += bench(name, shapes[name], routing, args, device, gen)
+            H, I, E, k = shapes[name]
+            for e in args.experts or [E]:
+                rows += bench(name, (H, I, e, k), routing, args, device, gen)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(dict(meta=meta, gemms=rows), f, indent=1)

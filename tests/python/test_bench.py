@@ -47,6 +47,17 @@ def test_bench_gemm_bounds_tiny(tmp_path):
         assert all(ms > 0 for ms in r.get("bounds_ms", {}).values())
     assert "fwd moe8 / batched GEMM of the same FLOPs" in p.stdout
     assert "wgrad moe8 / dense GEMM of the same FLOPs" in p.stdout
+    # --experts: the same rows and FLOPs over other expert counts (1: one dense GEMM through moe8's kernel)
+    p = run(
+        *"bench/bench_gemm.py --tiny --kinds fwd --routing balanced --iters 1 --experts 1,4".split(),
+        "--json",
+        out,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["gemms"]
+    assert sorted({r["experts"] for r in rows}) == [1, 4] and len({r["rows"] for r in rows}) == 1
+    bad = run("bench/bench_gemm.py", "--tiny", "--experts", "0")
+    assert bad.returncode != 0 and "--experts: expected counts in 1..512, got [0]" in bad.stderr
 
 
 def test_bench_gemm_tiny(tmp_path):
