@@ -232,7 +232,7 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
-TILES = ("large", "solo", "m2", "pong128", "tall")
+TILES = ("large", "solo", "m2", "pong128", "tall", "epi64")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 

@@ -65,6 +65,22 @@ using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
 // 256x128 cooperative tile, CTAs paired along N (a sweep candidate, MOE8_SM90_TILE=tall).
 using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
 using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
+// kLarge whose epilogue stores the 128x256 tile in four 128x64 subtiles instead of CUTLASS's eight 128x32 ones: half
+// the epilogue's barriers and store waits per tile, for the short-K GEMMs of fine-grained experts (a sweep
+// candidate, MOE8_SM90_TILE=epi64).
+struct TileLargeEpi64 : TileLarge {
+  using EpilogueTile = Shape<_128, _64>;
+};
+
+// A configuration's epilogue subtile: its EpilogueTile where it names one, else CUTLASS's choice.
+template <class Config, class = void>
+struct EpilogueTileOf {
+  using type = cutlass::epilogue::collective::EpilogueTileAuto;
+};
+template <class Config>
+struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
+  using type = typename Config::EpilogueTile;
+};
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
 // what Fusion (an epilogue visitor taking the accumulators) makes of it.
@@ -80,9 +96,9 @@ struct GroupedGemm {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
-      void, LayoutD*, kAlign,                                         // C: none
-      T, LayoutD*, kAlign,                                            // D
+      typename EpilogueTileOf<Config>::type, float, float,  //
+      void, LayoutD*, kAlign,                               // C: none
+      T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -153,6 +169,7 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
     if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
+    if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});

@@ -26,9 +26,10 @@ namespace moe8::cuda::sm90_heuristics {
 //   kM2      kLarge with the CTAs paired along M (2x1: the weight tile is shared)        bf16 only
 //   kPong128 128x128 ping-pong, 2x1 cluster                                               bf16 only
 //   kTall    256x128 cooperative, 1x2 cluster                                             bf16 only
+//   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32) bf16 only
 //   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
 //   kThin    128x32 cooperative, no cluster (an N of a LoRA rank)                         bf16 only
-enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kSmall, kThin };
+enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kEpi64, kSmall, kThin };
 
 // The FP8 configurations (grouped_gemm_fp8_sm90.cu): 128x128x128 cooperative with a 1x2 cluster (kLarge),
 // without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
@@ -72,8 +73,8 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;                   // MOE8_SM90_TILE=large|solo|m2|pong128|tall: every bf16 GEMM's large tile
-  Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
+  Override<Tile> tile;         // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64: every bf16 GEMM's large tile
+  Override<Fp8Tile> fp8_tile;  // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
   Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
   Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
   Override<bool> along_n;                // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
@@ -99,11 +100,9 @@ Override<E> parse_choice(const char* var, const char* v, const std::pair<const c
 // getenv: const char* (const char* name), null when unset.
 template <class Getenv>
 Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
-  constexpr std::pair<const char*, Tile> kTiles[] = {{"large", Tile::kLarge},
-                                                     {"solo", Tile::kSolo},
-                                                     {"m2", Tile::kM2},
-                                                     {"pong128", Tile::kPong128},
-                                                     {"tall", Tile::kTall}};
+  constexpr std::pair<const char*, Tile> kTiles[] = {{"large", Tile::kLarge}, {"solo", Tile::kSolo},
+                                                     {"m2", Tile::kM2},       {"pong128", Tile::kPong128},
+                                                     {"tall", Tile::kTall},   {"epi64", Tile::kEpi64}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
   constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},
@@ -197,7 +196,8 @@ inline Tile large_tile(bool bf16, int64_t n, int64_t k, bool pong, const Sm90Ove
 inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
   if (bf16) {
     if (n <= kThinN) return Tile::kThin;
-    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall)) return large;
+    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall || large == Tile::kEpi64))
+      return large;
   }
   if (small) return Tile::kSmall;
   return large == Tile::kSolo ? Tile::kSolo : Tile::kLarge;

@@ -61,6 +61,9 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, tall), Tile::kTall);
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "solo"}})), Tile::kSolo);
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "pong128"}})), Tile::kPong128);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kLarge);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
 }
@@ -183,7 +186,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
