@@ -26,16 +26,17 @@ def run(*args, timeout=300):
     )
 
 
+def gemm_rows(out, args: str):
+    """bench_gemm.py run with args (a string) writing its JSON to out: (the process, its rows)."""
+    p = run("bench/bench_gemm.py", *args.split(), "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p, json.loads(out.read_text())["gemms"]
+
+
 def test_bench_gemm_bounds_tiny(tmp_path):
     """--bounds: each bf16 GEMM beside one dense GEMM of its FLOPs and, balanced, the batched GEMM of its groups."""
     out = tmp_path / "gemm.json"
-    p = run(
-        *"bench/bench_gemm.py --tiny --kinds fwd,dgrad,wgrad,fp8_fwd --iters 2 --warmup 0 --bounds".split(),
-        "--json",
-        out,
-    )
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads(out.read_text())["gemms"]
+    p, rows = gemm_rows(out, "--tiny --kinds fwd,dgrad,wgrad,fp8_fwd --iters 2 --warmup 0 --bounds")
     for r in rows:
         if r["kind"] == "fp8_fwd":
             assert "bounds_ms" not in r
@@ -48,13 +49,7 @@ def test_bench_gemm_bounds_tiny(tmp_path):
     assert "fwd moe8 / batched GEMM of the same FLOPs" in p.stdout
     assert "wgrad moe8 / dense GEMM of the same FLOPs" in p.stdout
     # --experts: the same rows and FLOPs over other expert counts (1: one dense GEMM through moe8's kernel)
-    p = run(
-        *"bench/bench_gemm.py --tiny --kinds fwd --routing balanced --iters 1 --experts 1,4".split(),
-        "--json",
-        out,
-    )
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads(out.read_text())["gemms"]
+    _, rows = gemm_rows(out, "--tiny --kinds fwd --routing balanced --iters 1 --experts 1,4")
     assert sorted({r["experts"] for r in rows}) == [1, 4] and len({r["rows"] for r in rows}) == 1
     bad = run("bench/bench_gemm.py", "--tiny", "--experts", "0")
     assert bad.returncode != 0 and "--experts: expected counts in 1..512, got [0]" in bad.stderr
