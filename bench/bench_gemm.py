@@ -232,7 +232,7 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
-TILES = ("large", "solo", "m2", "pong128", "tall", "epi64")
+TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 

@@ -71,6 +71,9 @@ using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 struct TileLargeEpi64 : TileLarge {
   using EpilogueTile = Shape<_128, _64>;
 };
+struct TileLargeSoloEpi64 : TileLargeSolo {
+  using EpilogueTile = Shape<_128, _64>;
+};
 
 // A configuration's epilogue subtile: its EpilogueTile where it names one, else CUTLASS's choice.
 template <class Config, class = void>
@@ -170,6 +173,7 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
     if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
+    if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});

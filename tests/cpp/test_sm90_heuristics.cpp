@@ -64,6 +64,15 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kLarge);
+  // MOE8_SM90_EPILOGUE=64: the heuristics' 128x256 tile, paired or not, with 128x64 epilogue subtiles; others kept.
+  const h::Sm90Overrides e64 = overrides({{"MOE8_SM90_EPILOGUE", "64"}});
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e64), Tile::kEpi64);
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e64), Tile::kEpi64Solo);  // 3 tiles along N: no pair
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, e64), Tile::kSmall);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, e64), Tile::kLarge);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, e64), Tile::kPong128);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, false, e64), Tile::kEpi64);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_EPILOGUE", "32"}})), Tile::kLarge);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
 }
@@ -186,13 +195,17 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
             "MOE8_SM90_FP8_PROMOTION: expected one of serial, overlap, got 'eager'");
   EXPECT_EQ(message([&] { h::gather_load_warps(bad); }), "MOE8_SM90_GATHER_WARPS: expected one of 1, 2, got '4'");
   EXPECT_EQ(message([&] { h::quant_cols_kernel(bad); }), "MOE8_QUANT_COLS: expected one of packed, staged, got 'fast'");
+  EXPECT_EQ(message([&] {
+              h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
+            }),
+            "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
