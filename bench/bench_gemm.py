@@ -30,8 +30,10 @@ GEMM of the same groups (torch.bmm: a weight per expert, every group the same si
 FLOPs, R / E rows an expert): at 1 expert moe8's kernel computes one dense GEMM, so the sweep parts what the
 groups cost from what the kernel's tiles cost at these widths.
 
-Rows per expert: balanced = R / E each; zipf = proportional to 1 / rank^s (s = --zipf, experts in a
-random order), rounded to multiples of 16 (torch's FP8 grouped GEMM wants aligned groups); R = tokens x k.
+Rows per expert: balanced = R / E each; uniform = each token's k experts drawn uniformly at random (the counts of
+a well-balanced router: ragged by a few percent, so most experts end in a partial tile); zipf = proportional to
+1 / rank^s (s = --zipf, experts in a random order); uniform and zipf rounded to multiples of 16 (torch's FP8
+grouped GEMM wants aligned groups); R = tokens x k.
 """
 
 from __future__ import annotations
@@ -62,10 +64,22 @@ CEILING = {"bf16": 780e12, "fp8": 1418e12}
 KINDS = ("fwd", "dgrad", "wgrad", "fp8_fwd", "fp8_wgrad")
 
 
-def counts_for(routing: str, rows: int, experts: int, s: float, gen: torch.Generator) -> torch.Tensor:
+def counts_for(
+    routing: str, rows: int, experts: int, s: float, gen: torch.Generator, top_k: int = 1
+) -> torch.Tensor:
     if routing == "balanced":
         c = torch.full((experts,), rows // experts, dtype=torch.long)
         c[: rows - int(c.sum())] += 1
+        return c
+    if (
+        routing == "uniform"
+    ):  # each token's top_k experts drawn uniformly: what a trained router's balance looks like
+        ids = torch.rand(rows // top_k, experts, generator=gen).topk(top_k, dim=1).indices
+        drawn = torch.bincount(ids.flatten(), minlength=experts)
+        c = drawn // 16 * 16  # rounded to 16 by largest remainders, so the total stays R
+        more = (rows - int(c.sum())) // 16
+        c[torch.argsort(drawn % 16, descending=True, stable=True)[:more]] += 16
+        c[0] += rows - int(c.sum())
         return c
     w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
     c = (w / w.sum() * rows / 16).floor().long() * 16
@@ -173,7 +187,7 @@ def bound_cases(a, w, dc, E, kinds) -> dict:
 def bench(shape, dims, routing, args, device, gen):
     H, I, E, k = dims
     R = args.tokens * k
-    counts = counts_for(routing, R, E, args.zipf, gen)
+    counts = counts_for(routing, R, E, args.zipf, gen, k)
     ends = counts.cumsum(0).to(device, torch.int32)
     offsets = torch.cat([ends.new_zeros(1), ends])
     rows = []
@@ -366,7 +380,9 @@ def tiles_text(r) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {sorted(SHAPES)}")
-    ap.add_argument("--routing", default="balanced,zipf", help="comma-separated, from balanced, zipf")
+    ap.add_argument(
+        "--routing", default="balanced,zipf", help="comma-separated, from balanced, uniform, zipf"
+    )
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {KINDS}")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens (rows = tokens x top-k; default 16384)")
     ap.add_argument(
@@ -436,7 +452,7 @@ def main() -> int:
     for flag, given, allowed in (
         ("--shapes", names, shapes),
         ("--kinds", args.kinds, KINDS),
-        ("--routing", routings, ("balanced", "zipf")),
+        ("--routing", routings, ("balanced", "uniform", "zipf")),
         ("--tiles", args.tiles, TILES),
         ("--fp8-tiles", args.fp8_tiles, FP8_TILES),
         ("--schedules", args.schedules, SCHEDULES),

@@ -108,7 +108,7 @@ variants() {
       --peers none --fp8 blockwise+dgrad@handoff,blockwise+dgrad+wgrad@handoff --back-to-back 5 --profile 16 \
       --json "$dir/block_fp8_promotion_$p.json" || return
   done
-  limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,zipf --kinds fwd,dgrad,wgrad \
+  limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,uniform,zipf --kinds fwd,dgrad,wgrad \
     --tiles large,solo,epi64,epi64solo --bounds --json "$dir/gemm_epilogue_tiles.json" || return
   for run in 1 2; do
     for e in 32 64; do

@@ -53,6 +53,25 @@ def test_bench_gemm_bounds_tiny(tmp_path):
     assert sorted({r["experts"] for r in rows}) == [1, 4] and len({r["rows"] for r in rows}) == 1
     bad = run("bench/bench_gemm.py", "--tiny", "--experts", "0")
     assert bad.returncode != 0 and "--experts: expected counts in 1..512, got [0]" in bad.stderr
+    # --routing uniform: each token's experts drawn uniformly, the rows per expert rounded to 16 with the total kept
+    _, rows = gemm_rows(out, "--tiny --kinds fwd --routing uniform --iters 1 --bounds")
+    assert rows and all(r["routing"] == "uniform" and set(r["bounds_ms"]) == {"dense"} for r in rows)
+
+
+def test_uniform_routing_counts():
+    import torch
+
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gemm import counts_for
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, experts, k in ((131072, 128, 8), (32768, 8, 2), (1000, 7, 3)):
+        c = counts_for("uniform", rows, experts, 1.0, gen, k)
+        assert int(c.sum()) == rows and len(c) == experts
+        assert bool((c[1:] % 16 == 0).all())
+    c = counts_for("uniform", 131072, 128, 1.0, gen, 8)
+    assert 0.85 * 1024 < int(c.min()) <= int(c.max()) < 1.15 * 1024  # ragged by a few percent, not skewed
 
 
 def test_bench_gemm_tiny(tmp_path):
