@@ -71,9 +71,7 @@ def counts_for(
         c = torch.full((experts,), rows // experts, dtype=torch.long)
         c[: rows - int(c.sum())] += 1
         return c
-    if (
-        routing == "uniform"
-    ):  # each token's top_k experts drawn uniformly: what a trained router's balance looks like
+    if routing == "uniform":  # each token's top_k experts drawn uniformly: a well-balanced router's counts
         ids = torch.rand(rows // top_k, experts, generator=gen).topk(top_k, dim=1).indices
         drawn = torch.bincount(ids.flatten(), minlength=experts)
         c = drawn // 16 * 16  # rounded to 16 by largest remainders, so the total stays R
@@ -151,36 +149,37 @@ def cases(a, w, dc, offsets, ends, E, kinds):
     return out
 
 
-def bound_cases(a, w, dc, E, kinds) -> dict:
+def bound_cases(a, w, dc, E, kinds, batched: bool = True) -> dict:
     """{kind: {"dense": fn, "batched": fn}} for the bf16 kinds: the same FLOPs as one dense GEMM (fwd: [R, K] x
     [K, N]; dgrad: [R, N] x [N, K]; wgrad: the experts' [N, R / E] operands stacked along M, x [R / E, K]) and, when
-    the R rows split into E equal groups, as one strided-batched GEMM. Operands are laid out before timing."""
+    batched and the R rows split into E equal groups, as one strided-batched GEMM (the groups the GEMMs being timed
+    have: balanced routing). Operands are laid out before timing."""
     R, K = a.shape
     N = w.shape[1]
     even = R % E == 0
+    batched = batched and even
     g = R // E
     out = {}
     if "fwd" in kinds:
         wt = w[0].t()  # [K, N]
         out["fwd"] = {"dense": lambda: torch.mm(a, wt)}
-        if even:
+        if batched:
             a3, w3 = a.view(E, g, K), w.transpose(1, 2)
             out["fwd"]["batched"] = lambda: torch.bmm(a3, w3)  # [E, g, N]
     if "dgrad" in kinds:
         w0 = w[0]  # [N, K]
         out["dgrad"] = {"dense": lambda: torch.mm(dc, w0)}
-        if even:
+        if batched:
             dc3 = dc.view(E, g, N)
             out["dgrad"]["batched"] = lambda: torch.bmm(dc3, w)  # [E, g, K]
     if "wgrad" in kinds and even:
         dct = dc.view(E, g, N).transpose(1, 2)  # [E, N, g]
         dc_stacked = dct.reshape(E * N, g)  # a copy: the experts' operands one above the other
         a0 = a[:g]
-        a3 = a.view(E, g, K)
-        out["wgrad"] = {
-            "dense": lambda: torch.mm(dc_stacked, a0),  # [E * N, K]
-            "batched": lambda: torch.bmm(dct, a3),  # [E, N, K]
-        }
+        out["wgrad"] = {"dense": lambda: torch.mm(dc_stacked, a0)}  # [E * N, K]
+        if batched:
+            a3 = a.view(E, g, K)
+            out["wgrad"]["batched"] = lambda: torch.bmm(dct, a3)  # [E, N, K]
     return out
 
 
@@ -198,7 +197,7 @@ def bench(shape, dims, routing, args, device, gen):
         a = torch.randn(R, kd, **bf16)
         w = torch.randn(E, n, kd, **bf16).mul_(kd**-0.5)
         dc = torch.randn(R, n, **bf16)
-        bounds = bound_cases(a, w, dc, E, args.kinds) if args.bounds else {}
+        bounds = bound_cases(a, w, dc, E, args.kinds, routing == "balanced") if args.bounds else {}
         for kind, (mine, theirs, flops, ceil) in cases(a, w, dc, offsets, ends, E, args.kinds).items():
             row = dict(shape=shape, routing=routing, gemm=proj, kind=kind, rows=R, K=kd, N=n, experts=E)
             row["max_rows_per_expert"] = int(counts.max())
@@ -212,8 +211,6 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
-            if routing != "balanced":  # the batched bound needs equal groups; dense needs none
-                bounds.get(kind, {}).pop("batched", None)
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
