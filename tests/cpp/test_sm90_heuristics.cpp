@@ -73,6 +73,17 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, e64), Tile::kPong128);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, false, e64), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_EPILOGUE", "32"}})), Tile::kLarge);
+  // MOE8_SM90_EPILOGUE=128: 128x128 subtiles, the same tiles replaced; MOE8_SM90_TILE forces the one-buffer variant.
+  const h::Sm90Overrides e128 = overrides({{"MOE8_SM90_EPILOGUE", "128"}});
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e128), Tile::kEpi128);
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e128), Tile::kEpi128Solo);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, e128), Tile::kPong128);
+  EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, e128), Tile::kEpi128);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, e128), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi128one"}})), Tile::kEpi128One);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128,
+                         overrides({{"MOE8_SM90_TILE", "epi128one"}, {"MOE8_SM90_EPILOGUE", "64"}})),
+            Tile::kEpi128One);  // a forced tile is kept
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
 }
@@ -195,7 +206,8 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, epi128, epi128solo, "
+            "epi128one, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
@@ -205,7 +217,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   EXPECT_EQ(message([&] {
               h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
             }),
-            "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
+            "MOE8_SM90_EPILOGUE: expected one of 32, 64, 128, got '48'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
