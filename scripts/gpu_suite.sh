@@ -109,7 +109,7 @@ variants() {
       --json "$dir/block_fp8_promotion_$p.json" || return
   done
   limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,uniform,zipf --kinds fwd,dgrad,wgrad \
-    --tiles large,solo,epi64,epi64solo,epi128,epi128solo,epi128one --bounds --json "$dir/gemm_epilogue_tiles.json" || return
+    --tiles large,solo,epi64,epi64solo,epi128,epi128solo,epi128one,pong256 --bounds --json "$dir/gemm_epilogue_tiles.json" || return
   for run in 1 2; do
     for e in 32 64 128; do
       MOE8_SM90_EPILOGUE=$e limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \

@@ -64,6 +64,10 @@ using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
 // mainloop, CTAs paired along M (the weight gradient's default for experts with small weights); and a
 // 256x128 cooperative tile, CTAs paired along N (a sweep candidate, MOE8_SM90_TILE=tall).
 using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
+// bf16 only: each consumer warpgroup owns a 64x256 tile (kLarge's per-warpgroup share, the same operand bytes per
+// MMA), the epilogue hidden behind the other's mainloop; CTAs paired along M so the weight's tile is multicast (a
+// sweep candidate, MOE8_SM90_TILE=pong256).
+using TilePong256 = PingpongTile<Shape<_64, _256, _64>, Shape<_2, _1, _1>>;
 using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 // kLarge whose epilogue stores the 128x256 tile in four 128x64 subtiles instead of CUTLASS's eight 128x32 ones: half
 // the epilogue's barriers and store waits per tile, for the short-K GEMMs of fine-grained experts (a sweep
@@ -212,6 +216,7 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kThin) return launch(Gemm<T, TileThin>{});
     if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
     if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
+    if (tile == Tile::kPong256) return launch(Gemm<T, TilePong256>{});
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
     if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
     if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});

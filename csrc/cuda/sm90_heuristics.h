@@ -25,6 +25,7 @@ namespace moe8::cuda::sm90_heuristics {
 //   kSolo    kLarge without the cluster
 //   kM2      kLarge with the CTAs paired along M (2x1: the weight tile is shared)        bf16 only
 //   kPong128 128x128 ping-pong, 2x1 cluster                                               bf16 only
+//   kPong256 64x256 ping-pong, 2x1 cluster                                                bf16 only
 //   kTall    256x128 cooperative, 1x2 cluster                                             bf16 only
 //   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32) bf16 only
 //   kEpi64Solo  kEpi64 without the cluster                                                bf16 only
@@ -38,6 +39,7 @@ enum class Tile {
   kSolo,
   kM2,
   kPong128,
+  kPong256,
   kTall,
   kEpi64,
   kEpi64Solo,
@@ -90,9 +92,9 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;         // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo|epi128|epi128solo|epi128one:
-                               // every bf16 GEMM's large tile
-  Override<Fp8Tile> fp8_tile;  // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
+  Override<Tile> tile;                   // MOE8_SM90_TILE=large|solo|m2|pong128|pong256|tall|epi64|epi64solo|epi128|
+                                         // epi128solo|epi128one: every bf16 GEMM's large tile
+  Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
   Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
   Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
   Override<bool> along_n;                // MOE8_SM90_RASTER=m|n: tile order down M (false) or along N first
@@ -120,10 +122,10 @@ Override<E> parse_choice(const char* var, const char* v, const std::pair<const c
 template <class Getenv>
 Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Tile> kTiles[] = {
-      {"large", Tile::kLarge},         {"solo", Tile::kSolo},     {"m2", Tile::kM2},
-      {"pong128", Tile::kPong128},     {"tall", Tile::kTall},     {"epi64", Tile::kEpi64},
-      {"epi64solo", Tile::kEpi64Solo}, {"epi128", Tile::kEpi128}, {"epi128solo", Tile::kEpi128Solo},
-      {"epi128one", Tile::kEpi128One}};
+      {"large", Tile::kLarge},         {"solo", Tile::kSolo},      {"m2", Tile::kM2},
+      {"pong128", Tile::kPong128},     {"tall", Tile::kTall},      {"epi64", Tile::kEpi64},
+      {"epi64solo", Tile::kEpi64Solo}, {"epi128", Tile::kEpi128},  {"epi128solo", Tile::kEpi128Solo},
+      {"epi128one", Tile::kEpi128One}, {"pong256", Tile::kPong256}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
   constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},

@@ -84,6 +84,7 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128,
                          overrides({{"MOE8_SM90_TILE", "epi128one"}, {"MOE8_SM90_EPILOGUE", "64"}})),
             Tile::kEpi128One);  // a forced tile is kept
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "pong256"}})), Tile::kPong256);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
 }
@@ -207,7 +208,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
             "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, epi128, epi128solo, "
-            "epi128one, got 'wide'");
+            "epi128one, pong256, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
