@@ -243,7 +243,7 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
-TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "epi128", "epi128solo", "epi128one", "pong256")
+TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 

@@ -92,8 +92,8 @@ limit() { if [ "$TIMEOUT" != 0 ]; then timeout "$TIMEOUT" "$@"; else "$@"; fi; }
 # The opt-in kernel variants against their defaults, each where it would be used (OUT/variants/): the FP8
 # GEMMs' promotion and the column quantisation alone (bench_gemm), the gathered forward's one or two loading
 # warps in the block (gather_in_gemm=1 beside the default), the FP8 block with each promotion, and the bf16
-# 128x256 tiles' 128x64 and 128x128 epilogue subtiles alone (beside cuBLAS's bound) and in the block
-# (MOE8_SM90_EPILOGUE, twice each way, alternated).
+# 128x256 tiles' 128x64 epilogue subtiles (the default) against CUTLASS's 128x32 alone (beside cuBLAS's bound) and
+# in the block (MOE8_SM90_EPILOGUE, twice each way, alternated).
 variants() {
   local dir=$1 w p
   mkdir -p "$dir"
@@ -109,9 +109,9 @@ variants() {
       --json "$dir/block_fp8_promotion_$p.json" || return
   done
   limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,uniform,zipf --kinds fwd,dgrad,wgrad \
-    --tiles large,solo,epi64,epi64solo,epi128,epi128solo,epi128one,pong256 --bounds --json "$dir/gemm_epilogue_tiles.json" || return
+    --tiles large,solo,epi64,epi64solo --bounds --json "$dir/gemm_epilogue_tiles.json" || return
   for run in 1 2; do
-    for e in 32 64 128; do
+    for e in 32 64; do
       MOE8_SM90_EPILOGUE=$e limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
         --profile 12 --json "$dir/block_epilogue_${e}_$run.json" || return
     done

@@ -64,35 +64,15 @@ using TileSmall = PingpongTile<Shape<_64, _128, _64>, Shape<_1, _2, _1>>;
 // mainloop, CTAs paired along M (the weight gradient's default for experts with small weights); and a
 // 256x128 cooperative tile, CTAs paired along N (a sweep candidate, MOE8_SM90_TILE=tall).
 using TilePong128 = PingpongTile<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
-// bf16 only: each consumer warpgroup owns a 64x256 tile (kLarge's per-warpgroup share, the same operand bytes per
-// MMA), the epilogue hidden behind the other's mainloop; CTAs paired along M so the weight's tile is multicast (a
-// sweep candidate, MOE8_SM90_TILE=pong256).
-using TilePong256 = PingpongTile<Shape<_64, _256, _64>, Shape<_2, _1, _1>>;
 using TileTall = CooperativeTile<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 // kLarge whose epilogue stores the 128x256 tile in four 128x64 subtiles instead of CUTLASS's eight 128x32 ones: half
-// the epilogue's barriers and store waits per tile, for the short-K GEMMs of fine-grained experts (a sweep
-// candidate, MOE8_SM90_TILE=epi64).
+// the epilogue's barriers and store waits per tile. What the rules pick in place of kLarge and kSolo for bf16
+// (sm90_heuristics::with_epilogue; MOE8_SM90_EPILOGUE=32 or a forced tile gives CUTLASS's subtiles).
 struct TileLargeEpi64 : TileLarge {
   using EpilogueTile = Shape<_128, _64>;
 };
 struct TileLargeSoloEpi64 : TileLargeSolo {
   using EpilogueTile = Shape<_128, _64>;
-};
-
-// kLarge storing its tile in two 128x128 subtiles: two barriers per subtile as for any width, so four per tile
-// against sixteen, and each subtile its own store buffer (64 KB, leaving three 48 KB mainloop stages of four), so
-// no subtile waits for an earlier one's store to leave shared memory (a sweep candidate, MOE8_SM90_TILE=epi128).
-struct TileLargeEpi128 : TileLarge {
-  using EpilogueTile = Shape<_128, _128>;
-};
-struct TileLargeSoloEpi128 : TileLargeSolo {
-  using EpilogueTile = Shape<_128, _128>;
-};
-// The same subtiles through one store buffer (32 KB, as epi64's two: the mainloop keeps its four stages), the
-// second subtile waiting for the first's store to read it out (MOE8_SM90_TILE=epi128one).
-struct TileLargeEpi128OneBuffer : TileLarge {
-  using EpilogueTile = Shape<_128, _128>;
-  static constexpr int kStoreBuffers = 1;
 };
 
 // A configuration's epilogue subtile: its EpilogueTile where it names one, else CUTLASS's choice.
@@ -103,36 +83,6 @@ struct EpilogueTileOf {
 template <class Config>
 struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
   using type = typename Config::EpilogueTile;
-};
-
-// The epilogue of T's D under Config and Fusion: CUTLASS's builder, or, where Config names kStoreBuffers, the
-// builder's own implementation with that many store buffers (the builder gives min(subtiles, 2)). C is void.
-template <class T, class Config, class Fusion, class = void>
-struct EpilogueFor {
-  static constexpr int kAlign = 16 / sizeof(T);
-  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      typename EpilogueTileOf<Config>::type, float, float,  //
-      void, cutlass::layout::RowMajor*, kAlign,             // C: none
-      T, cutlass::layout::RowMajor*, kAlign,                // D
-      typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
-};
-template <class T, class Config, class Fusion>
-struct EpilogueFor<T, Config, Fusion, std::void_t<decltype(Config::kStoreBuffers)>> {
-  static_assert(
-      std::is_same_v<typename Config::EpilogueSchedule, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>,
-      "kStoreBuffers: cooperative tiles only (the fragment size below assumes two consumer warpgroups)");
-  static constexpr int kAlign = 16 / sizeof(T);
-  using Tile = typename Config::Tile;
-  using Sub = typename Config::EpilogueTile;
-  static constexpr int kSubtiles = (size<0>(Tile{}) / size<0>(Sub{})) * (size<1>(Tile{}) / size<1>(Sub{}));
-  using Policy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
-      std::min(kSubtiles, 4) /* C stages, unused */, Config::kStoreBuffers, size(Sub{}) / 256 /* per thread */,
-      false /* no C to reuse */, false /* ptr-array: no delayed store */,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative::NumEpilogueWarpGroups>;
-  using type = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      Tile, Sub, float, float, void, cutlass::layout::RowMajor*, kAlign, T, cutlass::layout::RowMajor*, kAlign, Fusion,
-      Policy>::CollectiveOp;
 };
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
@@ -147,7 +97,12 @@ struct GroupedGemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
 
-  using Epilogue = typename EpilogueFor<T, Config, Fusion>::type;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      typename EpilogueTileOf<Config>::type, float, float,  //
+      void, LayoutD*, kAlign,                               // C: none
+      T, LayoutD*, kAlign,                                  // D
+      typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
@@ -216,13 +171,9 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kThin) return launch(Gemm<T, TileThin>{});
     if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
     if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
-    if (tile == Tile::kPong256) return launch(Gemm<T, TilePong256>{});
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
     if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
     if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});
-    if (tile == Tile::kEpi128) return launch(Gemm<T, TileLargeEpi128>{});
-    if (tile == Tile::kEpi128Solo) return launch(Gemm<T, TileLargeSoloEpi128>{});
-    if (tile == Tile::kEpi128One) return launch(Gemm<T, TileLargeEpi128OneBuffer>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});

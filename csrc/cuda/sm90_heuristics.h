@@ -21,34 +21,18 @@
 namespace moe8::cuda::sm90_heuristics {
 
 // The bf16 / f16 tile configurations (grouped_gemm_sm90.cu defines them): CTA tile, cluster, kernel.
-//   kLarge   128x256 cooperative, 1x2 cluster (CTAs paired along N: the A tile is multicast)
+//   kLarge   128x256 cooperative, 1x2 cluster (CTAs paired along N: the A tile is multicast), CUTLASS's 128x32
+//            epilogue subtiles
 //   kSolo    kLarge without the cluster
 //   kM2      kLarge with the CTAs paired along M (2x1: the weight tile is shared)        bf16 only
 //   kPong128 128x128 ping-pong, 2x1 cluster                                               bf16 only
-//   kPong256 64x256 ping-pong, 2x1 cluster                                                bf16 only
 //   kTall    256x128 cooperative, 1x2 cluster                                             bf16 only
-//   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32) bf16 only
+//   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32): the bf16
+//            default in kLarge's place (with_epilogue)                                    bf16 only
 //   kEpi64Solo  kEpi64 without the cluster                                                bf16 only
-//   kEpi128  kLarge storing its tile in two 128x128 subtiles, a store buffer each           bf16 only
-//   kEpi128Solo  kEpi128 without the cluster                                              bf16 only
-//   kEpi128One  kEpi128 through one store buffer (the mainloop keeps its fourth stage)    bf16 only
 //   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
 //   kThin    128x32 cooperative, no cluster (an N of a LoRA rank)                         bf16 only
-enum class Tile {
-  kLarge,
-  kSolo,
-  kM2,
-  kPong128,
-  kPong256,
-  kTall,
-  kEpi64,
-  kEpi64Solo,
-  kEpi128,
-  kEpi128Solo,
-  kEpi128One,
-  kSmall,
-  kThin
-};
+enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kEpi64, kEpi64Solo, kSmall, kThin };
 
 // The FP8 configurations (grouped_gemm_fp8_sm90.cu): 128x128x128 cooperative with a 1x2 cluster (kLarge),
 // without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
@@ -92,8 +76,7 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;                   // MOE8_SM90_TILE=large|solo|m2|pong128|pong256|tall|epi64|epi64solo|epi128|
-                                         // epi128solo|epi128one: every bf16 GEMM's large tile
+  Override<Tile> tile;  // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo: every bf16 GEMM's large tile
   Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
   Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
   Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
@@ -102,7 +85,7 @@ struct Sm90Overrides {
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
   Override<int> gather_warps;      // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
-  Override<int> epilogue;          // MOE8_SM90_EPILOGUE=32|64|128: the bf16 128x256 tiles' epilogue subtile width (32)
+  Override<int> epilogue;  // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -122,10 +105,9 @@ Override<E> parse_choice(const char* var, const char* v, const std::pair<const c
 template <class Getenv>
 Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Tile> kTiles[] = {
-      {"large", Tile::kLarge},         {"solo", Tile::kSolo},      {"m2", Tile::kM2},
-      {"pong128", Tile::kPong128},     {"tall", Tile::kTall},      {"epi64", Tile::kEpi64},
-      {"epi64solo", Tile::kEpi64Solo}, {"epi128", Tile::kEpi128},  {"epi128solo", Tile::kEpi128Solo},
-      {"epi128one", Tile::kEpi128One}, {"pong256", Tile::kPong256}};
+      {"large", Tile::kLarge},        {"solo", Tile::kSolo}, {"m2", Tile::kM2},
+      {"pong128", Tile::kPong128},    {"tall", Tile::kTall}, {"epi64", Tile::kEpi64},
+      {"epi64solo", Tile::kEpi64Solo}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
   constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},
@@ -137,7 +119,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Balance> kBalance[] = {
       {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
   constexpr std::pair<const char*, int> kGatherWarps[] = {{"1", 1}, {"2", 2}};
-  constexpr std::pair<const char*, int> kEpilogue[] = {{"32", 32}, {"64", 64}, {"128", 128}};
+  constexpr std::pair<const char*, int> kEpilogue[] = {{"32", 32}, {"64", 64}};
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
@@ -221,18 +203,26 @@ inline Tile large_tile(bool bf16, int64_t n, int64_t k, bool pong, const Sm90Ove
 inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
   if (bf16) {
     if (n <= kThinN) return Tile::kThin;
-    if (!small && large != Tile::kLarge && large != Tile::kSolo) return large;
+    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall || large == Tile::kEpi64 ||
+                   large == Tile::kEpi64Solo))
+      return large;
   }
   if (small) return Tile::kSmall;
   return large == Tile::kSolo ? Tile::kSolo : Tile::kLarge;
 }
 
-// tile with the epilogue subtiles MOE8_SM90_EPILOGUE asks for (128x64 or 128x128) where it is a bf16 128x256 tile.
+// The epilogue subtile width of the bf16 128x256 tiles: 128x64, half the barriers and store waits of CUTLASS's
+// 128x32 for 16 KB more shared memory (still four mainloop stages). On H100s it was faster in 27 of 28 GEMMs at the
+// Qwen3-30B-A3B, OLMoE and Mixtral-8x7B widths (1-5%; level in one) and the Qwen3-30B-A3B and OLMoE blocks 0.2-1.8%
+// faster (docs/kernels.md). The same bits: only the stores differ.
+constexpr int kEpilogueWidth = 64;
+
+// tile with 128x64 epilogue subtiles where it is a bf16 128x256 tile the rules picked, unless MOE8_SM90_EPILOGUE=32
+// asks for CUTLASS's; a tile forced by MOE8_SM90_TILE is kept as it is.
 inline Tile with_epilogue(Tile tile, bool bf16, const Sm90Overrides& env) {
-  const int width = env.epilogue.get().value_or(32);
-  if (!bf16 || width == 32 || (tile != Tile::kLarge && tile != Tile::kSolo)) return tile;
-  if (width == 64) return tile == Tile::kLarge ? Tile::kEpi64 : Tile::kEpi64Solo;
-  return tile == Tile::kLarge ? Tile::kEpi128 : Tile::kEpi128Solo;
+  if (!bf16 || env.tile.get() || env.epilogue.get().value_or(kEpilogueWidth) != 64) return tile;
+  if (tile == Tile::kLarge) return Tile::kEpi64;
+  return tile == Tile::kSolo ? Tile::kEpi64Solo : tile;
 }
 
 // Forward (c = a · b^T) and dgrad (c = a · b): rows ragged, c [rows, n], kd the reduction.

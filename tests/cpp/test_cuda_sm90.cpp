@@ -324,13 +324,11 @@ TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
 
 // Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
 TEST_F(Sm90Test, ForcedTilesMatchReference) {
-  for_each_forced(
-      "MOE8_SM90_TILE",
-      {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "epi128", "epi128solo", "epi128one", "pong256"},
-      97000, [](uint64_t seed) {
-        forward_and_dgrad_match_reference(seed);
-        wgrad_matches_reference(seed + 50);
-      });
+  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo"}, 97000,
+                  [](uint64_t seed) {
+                    forward_and_dgrad_match_reference(seed);
+                    wgrad_matches_reference(seed + 50);
+                  });
   set_override("MOE8_SM90_TILE", "wide");
   Problem p({64, 200}, 0, 256, 256, 1);
   DeviceProblem d(p);

@@ -29,19 +29,20 @@ const h::Sm90Overrides kNone = overrides({});
 
 TEST(Sm90Heuristics, ForwardAndDgradTiles) {
   // Qwen3 at 4096 tokens, top-8: 256 rows per expert.
+  // The 128x256 tiles of bf16 store 128x64 epilogue subtiles (kEpi64, kEpi64Solo); f16 keeps CUTLASS's.
   const int64_t rows = 4096 * 8;
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, kNone), Tile::kLarge);  // gate_up forward: 6 tiles of N
-  EXPECT_EQ(h::rows_tile(true, 2048, 768, rows, 128, kNone), Tile::kLarge);   // down forward: 8
-  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, kNone), Tile::kSolo);    // down dgrad: 3, odd
-  EXPECT_EQ(h::rows_tile(false, 768, 2048, rows, 128, kNone), Tile::kSolo);   // f16 alike
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, kNone), Tile::kEpi64);     // gate_up forward: 6 tiles of N
+  EXPECT_EQ(h::rows_tile(true, 2048, 768, rows, 128, kNone), Tile::kEpi64);      // down forward: 8
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, kNone), Tile::kEpi64Solo);  // down dgrad: 3, odd
+  EXPECT_EQ(h::rows_tile(false, 768, 2048, rows, 128, kNone), Tile::kSolo);      // f16 alike
   // 128 rows per expert or fewer: the small tile, bf16 or f16; a rank-sized N: the thin tile, bf16 only.
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, 128 * 128, 128, kNone), Tile::kSmall);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 128 * 128 + 1, 128, kNone), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 128 * 128 + 1, 128, kNone), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, 64, 128, kNone), Tile::kSmall);
   EXPECT_EQ(h::rows_tile(true, 16, 2048, rows, 128, kNone), Tile::kThin);
   EXPECT_EQ(h::rows_tile(true, 32, 2048, 64, 128, kNone), Tile::kThin);
   EXPECT_EQ(h::rows_tile(false, 16, 2048, rows, 128, kNone), Tile::kSolo);  // f16: no thin tile; one 256-wide tile
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 0, 0, kNone), Tile::kLarge);     // no groups: never small
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 0, 0, kNone), Tile::kEpi64);     // no groups: never small
 }
 
 TEST(Sm90Heuristics, ClusterAndForcedTiles) {
@@ -51,8 +52,8 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   const h::Sm90Overrides n2 = overrides({{"MOE8_SM90_CLUSTER", "1x2"}});
   EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, m2), Tile::kM2);
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, autom), Tile::kM2);         // Qwen3: both sides <= 2048
-  EXPECT_EQ(h::rows_tile(true, 5760, 2880, rows, 32, autom), Tile::kSolo);        // GPT-OSS: 23 tiles of N, odd
-  EXPECT_EQ(h::rows_tile(true, 2048, 7168, 2 * rows, 256, autom), Tile::kLarge);  // DeepSeek-V3 down
+  EXPECT_EQ(h::rows_tile(true, 5760, 2880, rows, 32, autom), Tile::kEpi64Solo);   // GPT-OSS: 23 tiles of N, odd
+  EXPECT_EQ(h::rows_tile(true, 2048, 7168, 2 * rows, 256, autom), Tile::kEpi64);  // DeepSeek-V3 down
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, m2), Tile::kSmall);           // small and thin come first
   EXPECT_EQ(h::rows_tile(true, 32, 2048, rows, 128, m2), Tile::kThin);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, m2), Tile::kLarge);  // f16 reads neither variable
@@ -64,7 +65,13 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kLarge);
-  // MOE8_SM90_EPILOGUE=64: the heuristics' 128x256 tile, paired or not, with 128x64 epilogue subtiles; others kept.
+  // A forced tile is kept as it is: MOE8_SM90_TILE=large gives CUTLASS's 128x32 epilogue subtiles.
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "large"}})), Tile::kLarge);
+  EXPECT_EQ(
+      h::wgrad_tile(true, 768, 2048, false, overrides({{"MOE8_SM90_TILE", "large"}, {"MOE8_SM90_EPILOGUE", "64"}})),
+      Tile::kLarge);
+  // MOE8_SM90_EPILOGUE=64 (the default): the heuristics' 128x256 tile, paired or not, with 128x64 epilogue
+  // subtiles; others kept. =32: CUTLASS's 128x32.
   const h::Sm90Overrides e64 = overrides({{"MOE8_SM90_EPILOGUE", "64"}});
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e64), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e64), Tile::kEpi64Solo);  // 3 tiles along N: no pair
@@ -72,21 +79,12 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, e64), Tile::kLarge);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, e64), Tile::kPong128);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, false, e64), Tile::kEpi64);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_EPILOGUE", "32"}})), Tile::kLarge);
-  // MOE8_SM90_EPILOGUE=128: 128x128 subtiles, the same tiles replaced; MOE8_SM90_TILE forces the one-buffer variant.
-  const h::Sm90Overrides e128 = overrides({{"MOE8_SM90_EPILOGUE", "128"}});
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e128), Tile::kEpi128);
-  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e128), Tile::kEpi128Solo);
-  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, e128), Tile::kPong128);
-  EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, e128), Tile::kEpi128);
-  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, e128), Tile::kLarge);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi128one"}})), Tile::kEpi128One);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128,
-                         overrides({{"MOE8_SM90_TILE", "epi128one"}, {"MOE8_SM90_EPILOGUE", "64"}})),
-            Tile::kEpi128One);  // a forced tile is kept
-  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "pong256"}})), Tile::kPong256);
+  const h::Sm90Overrides e32 = overrides({{"MOE8_SM90_EPILOGUE", "32"}});
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e32), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e32), Tile::kSolo);
+  EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, e32), Tile::kLarge);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
-  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kLarge);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kEpi64);
 }
 
 TEST(Sm90Heuristics, FusedActDgradTiles) {
@@ -114,10 +112,10 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_TRUE(h::wgrad_pong_if_balanced(256));
   EXPECT_FALSE(h::wgrad_pong_if_balanced(8));
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, kNone), Tile::kPong128);
-  EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kLarge);  // 28 tiles of the GEMM's N (kd)
-  EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kSolo);    // kd 768: 3 tiles
-  EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);  // f16: no ping-pong tile
-  EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);     // the LoRA A gradient's kd = r
+  EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kEpi64);     // 28 tiles of the GEMM's N (kd)
+  EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
+  EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);     // f16: no ping-pong tile
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);        // the LoRA A gradient's kd = r
 }
 
 TEST(Sm90Heuristics, Fp8Tiles) {
@@ -207,8 +205,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, epi128, epi128solo, "
-            "epi128one, pong256, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
@@ -218,7 +215,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   EXPECT_EQ(message([&] {
               h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
             }),
-            "MOE8_SM90_EPILOGUE: expected one of 32, 64, 128, got '48'");
+            "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
