@@ -93,7 +93,8 @@ limit() { if [ "$TIMEOUT" != 0 ]; then timeout "$TIMEOUT" "$@"; else "$@"; fi; }
 # GEMMs' promotion and the column quantisation alone (bench_gemm), the gathered forward's one or two loading
 # warps in the block (gather_in_gemm=1 beside the default), the FP8 block with each promotion, and the bf16
 # 128x256 tiles' 128x64 epilogue subtiles (the default) against CUTLASS's 128x32 alone (beside cuBLAS's bound) and
-# in the block (MOE8_SM90_EPILOGUE, twice each way, alternated).
+# in the block (MOE8_SM90_EPILOGUE, twice each way, alternated), and the L2 prefetch ahead of those tiles' loads
+# alone and in the block (MOE8_SM90_L2_PREFETCH, likewise).
 variants() {
   local dir=$1 w p
   mkdir -p "$dir"
@@ -114,6 +115,14 @@ variants() {
     for e in 32 64; do
       MOE8_SM90_EPILOGUE=$e limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
         --profile 12 --json "$dir/block_epilogue_${e}_$run.json" || return
+    done
+  done
+  limit $PY bench/bench_gemm.py --shapes qwen3,olmoe,mixtral --routing balanced,uniform --kinds fwd,dgrad,wgrad \
+    --l2-prefetch --json "$dir/gemm_l2_prefetch.json" || return
+  for run in 1 2; do
+    for p in 0 1; do
+      MOE8_SM90_L2_PREFETCH=$p limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
+        --profile 12 --json "$dir/block_l2_prefetch_${p}_$run.json" || return
     done
   done
 }

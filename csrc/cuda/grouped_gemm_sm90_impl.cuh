@@ -15,6 +15,7 @@
 #include "cuda/common.cuh"
 #include "cuda/gathered_rows_sm90.cuh"
 #include "cuda/grouped_gemm_sm90.h"
+#include "cuda/l2_prefetch_sm90.cuh"
 #include "cuda/ops.h"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
@@ -74,6 +75,14 @@ struct TileLargeEpi64 : TileLarge {
 struct TileLargeSoloEpi64 : TileLargeSolo {
   using EpilogueTile = Shape<_128, _64>;
 };
+// kEpi64 and kEpi64Solo whose producer also prefetches each operand box into L2 four k steps before it loads it
+// (l2_prefetch_sm90.cuh; opt-in, MOE8_SM90_L2_PREFETCH=1).
+struct TileLargeEpi64Prefetch : TileLargeEpi64 {
+  static constexpr int kL2Prefetch = 4;
+};
+struct TileLargeSoloEpi64Prefetch : TileLargeSoloEpi64 {
+  static constexpr int kL2Prefetch = 4;
+};
 
 // A configuration's epilogue subtile: its EpilogueTile where it names one, else CUTLASS's choice.
 template <class Config, class = void>
@@ -83,6 +92,16 @@ struct EpilogueTileOf {
 template <class Config>
 struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
   using type = typename Config::EpilogueTile;
+};
+
+// A configuration's mainloop: CUTLASS's (Plain), or it with L2 prefetches where Config names kL2Prefetch.
+template <class Plain, class Config, class = void>
+struct MainloopFor {
+  using type = Plain;
+};
+template <class Plain, class Config>
+struct MainloopFor<Plain, Config, std::void_t<decltype(Config::kL2Prefetch)>> {
+  using type = L2PrefetchMainloop<Plain, Config::kL2Prefetch>;
 };
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
@@ -104,13 +123,14 @@ struct GroupedGemm {
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using PlainMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
       T, LayoutA*, kAlign,                                  //
       T, LayoutB*, kAlign,                                  //
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
+  using Mainloop = typename MainloopFor<PlainMainloop, Config>::type;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -174,6 +194,8 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
     if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
     if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});
+    if (tile == Tile::kEpi64Prefetch) return launch(Gemm<T, TileLargeEpi64Prefetch>{});
+    if (tile == Tile::kEpi64SoloPrefetch) return launch(Gemm<T, TileLargeSoloEpi64Prefetch>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});

@@ -30,9 +30,23 @@ namespace moe8::cuda::sm90_heuristics {
 //   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32): the bf16
 //            default in kLarge's place (with_epilogue)                                    bf16 only
 //   kEpi64Solo  kEpi64 without the cluster                                                bf16 only
+//   kEpi64Prefetch, kEpi64SoloPrefetch  the two with L2 prefetches of each operand box    bf16 only
+//            four k steps ahead of its load (opt-in: MOE8_SM90_L2_PREFETCH=1)
 //   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
 //   kThin    128x32 cooperative, no cluster (an N of a LoRA rank)                         bf16 only
-enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kEpi64, kEpi64Solo, kSmall, kThin };
+enum class Tile {
+  kLarge,
+  kSolo,
+  kM2,
+  kPong128,
+  kTall,
+  kEpi64,
+  kEpi64Solo,
+  kEpi64Prefetch,
+  kEpi64SoloPrefetch,
+  kSmall,
+  kThin
+};
 
 // The FP8 configurations (grouped_gemm_fp8_sm90.cu): 128x128x128 cooperative with a 1x2 cluster (kLarge),
 // without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
@@ -85,7 +99,8 @@ struct Sm90Overrides {
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
   Override<int> gather_warps;      // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
-  Override<int> epilogue;  // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
+  Override<int> epilogue;      // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
+  Override<bool> l2_prefetch;  // MOE8_SM90_L2_PREFETCH=0|1: those tiles' L2 prefetches ahead of the loads (default 0)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -120,6 +135,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
       {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
   constexpr std::pair<const char*, int> kGatherWarps[] = {{"1", 1}, {"2", 2}};
   constexpr std::pair<const char*, int> kEpilogue[] = {{"32", 32}, {"64", 64}};
+  constexpr std::pair<const char*, bool> kOnOff[] = {{"0", false}, {"1", true}};
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
@@ -134,6 +150,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.gather_warps = read("MOE8_SM90_GATHER_WARPS", kGatherWarps);
   o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
+  o.l2_prefetch = read("MOE8_SM90_L2_PREFETCH", kOnOff);
   return o;
 }
 
@@ -218,11 +235,14 @@ inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
 constexpr int kEpilogueWidth = 64;
 
 // tile with 128x64 epilogue subtiles where it is a bf16 128x256 tile the rules picked, unless MOE8_SM90_EPILOGUE=32
-// asks for CUTLASS's; a tile forced by MOE8_SM90_TILE is kept as it is.
+// asks for CUTLASS's; with MOE8_SM90_L2_PREFETCH=1 their prefetching form. A tile forced by MOE8_SM90_TILE is kept
+// as it is.
 inline Tile with_epilogue(Tile tile, bool bf16, const Sm90Overrides& env) {
   if (!bf16 || env.tile.get() || env.epilogue.get().value_or(kEpilogueWidth) != 64) return tile;
-  if (tile == Tile::kLarge) return Tile::kEpi64;
-  return tile == Tile::kSolo ? Tile::kEpi64Solo : tile;
+  if (tile != Tile::kLarge && tile != Tile::kSolo) return tile;
+  const bool prefetch = env.l2_prefetch.get().value_or(false);
+  if (tile == Tile::kLarge) return prefetch ? Tile::kEpi64Prefetch : Tile::kEpi64;
+  return prefetch ? Tile::kEpi64SoloPrefetch : Tile::kEpi64Solo;
 }
 
 // Forward (c = a · b^T) and dgrad (c = a · b): rows ragged, c [rows, n], kd the reduction.

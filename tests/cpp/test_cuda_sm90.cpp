@@ -336,6 +336,14 @@ TEST_F(Sm90Test, ForcedTilesMatchReference) {
   set_override("MOE8_SM90_TILE", nullptr);
 }
 
+// MOE8_SM90_L2_PREFETCH=1: the 128x256 tiles (paired and solo) with L2 prefetches ahead of their loads, every case.
+TEST_F(Sm90Test, L2PrefetchMatchesReference) {
+  set_override("MOE8_SM90_L2_PREFETCH", "1");
+  forward_and_dgrad_match_reference(98000);
+  wgrad_matches_reference(98050);
+  set_override("MOE8_SM90_L2_PREFETCH", nullptr);
+}
+
 TEST_F(Sm90Test, Float16MatchesReference) {
   DeviceBuffer probe(64);
   ASSERT_TRUE(cuda::grouped_gemm_sm90_supported(make_view(probe.get(), DType::kF16, {8, 8}, DeviceType::kCUDA),

@@ -83,6 +83,18 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e32), Tile::kLarge);
   EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e32), Tile::kSolo);
   EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, e32), Tile::kLarge);
+  // MOE8_SM90_L2_PREFETCH=1: the 128x64-subtile tiles' prefetching forms; nothing else changes.
+  const h::Sm90Overrides pf = overrides({{"MOE8_SM90_L2_PREFETCH", "1"}});
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, pf), Tile::kEpi64Prefetch);
+  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, pf), Tile::kEpi64SoloPrefetch);
+  EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, pf), Tile::kEpi64Prefetch);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, pf), Tile::kPong128);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, pf), Tile::kSmall);
+  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, pf), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128,
+                         overrides({{"MOE8_SM90_L2_PREFETCH", "1"}, {"MOE8_SM90_EPILOGUE", "32"}})),
+            Tile::kLarge);  // only the 128x64-subtile tiles have the prefetching form
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_L2_PREFETCH", "0"}})), Tile::kEpi64);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kEpi64);
 }
@@ -216,6 +228,10 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
               h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
             }),
             "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
+  EXPECT_EQ(message([&] {
+              h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_L2_PREFETCH", "yes"}}));
+            }),
+            "MOE8_SM90_L2_PREFETCH: expected one of 0, 1, got 'yes'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
