@@ -111,18 +111,20 @@ variants() {
   done
   limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,uniform,zipf --kinds fwd,dgrad,wgrad \
     --tiles large,solo,epi64,epi64solo --bounds --json "$dir/gemm_epilogue_tiles.json" || return
-  for run in 1 2; do
-    for e in 32 64; do
-      MOE8_SM90_EPILOGUE=$e limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
-        --profile 12 --json "$dir/block_epilogue_${e}_$run.json" || return
-    done
-  done
+  block_ab "$dir/block_epilogue" MOE8_SM90_EPILOGUE 32 64 || return
   limit $PY bench/bench_gemm.py --shapes qwen3,olmoe,mixtral --routing balanced,uniform --kinds fwd,dgrad,wgrad \
     --l2-prefetch --json "$dir/gemm_l2_prefetch.json" || return
+  block_ab "$dir/block_l2_prefetch" MOE8_SM90_L2_PREFETCH 0 1 || return
+}
+# The Qwen3-30B-A3B and OLMoE blocks under each value of environment variable $2 (the values after it), twice each
+# way, alternated: $1_<value>_<run>.json.
+block_ab() {
+  local prefix=$1 var=$2 run v
+  shift 2
   for run in 1 2; do
-    for p in 0 1; do
-      MOE8_SM90_L2_PREFETCH=$p limit $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
-        --profile 12 --json "$dir/block_l2_prefetch_${p}_$run.json" || return
+    for v in "$@"; do
+      limit env "$var=$v" $PY bench/bench_block_peers.py --shapes qwen3,olmoe --peers none --back-to-back 5 \
+        --profile 12 --json "${prefix}_${v}_$run.json" || return
     done
   done
 }
