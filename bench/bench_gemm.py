@@ -250,7 +250,7 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
-TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo")
+TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "quad")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 

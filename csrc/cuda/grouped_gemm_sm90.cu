@@ -46,9 +46,9 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
         sm90_util::max_workspace_bytes<typename FwdGemm<T, TileSmall>::Gemm, typename DgradGemm<T, TileSmall>::Gemm>(
             num_experts, sms));
     if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-      bytes =
-          std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}, TileLargeEpi64{},
-                                         TileLargeSoloEpi64{}, TileLargeEpi64Prefetch{}, TileLargeSoloEpi64Prefetch{}));
+      bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}, TileLargeEpi64{},
+                                             TileLargeSoloEpi64{}, TileLargeEpi64Prefetch{},
+                                             TileLargeSoloEpi64Prefetch{}, TileQuad{}));
       bytes = std::max(
           bytes,
           sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredFwdGemmTwoWarps<T>::Gemm,

@@ -30,6 +30,7 @@ namespace moe8::cuda::sm90_heuristics {
 //   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32): the bf16
 //            default in kLarge's place (with_epilogue)                                    bf16 only
 //   kEpi64Solo  kEpi64 without the cluster                                                bf16 only
+//   kQuad    kEpi64 in 2x2 clusters (both tiles multicast; M-tiles paired)              bf16 only
 //   kEpi64Prefetch, kEpi64SoloPrefetch  the two with L2 prefetches of each operand box    bf16 only
 //            four k steps ahead of its load (opt-in: MOE8_SM90_L2_PREFETCH=1)
 //   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
@@ -44,6 +45,7 @@ enum class Tile {
   kEpi64Solo,
   kEpi64Prefetch,
   kEpi64SoloPrefetch,
+  kQuad,
   kSmall,
   kThin
 };
@@ -90,7 +92,8 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;  // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo: every bf16 GEMM's large tile
+  Override<Tile> tile;  // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo|quad: every bf16 GEMM's large
+                        // tile
   Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
   Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
   Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
@@ -120,9 +123,9 @@ Override<E> parse_choice(const char* var, const char* v, const std::pair<const c
 template <class Getenv>
 Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Tile> kTiles[] = {
-      {"large", Tile::kLarge},        {"solo", Tile::kSolo}, {"m2", Tile::kM2},
-      {"pong128", Tile::kPong128},    {"tall", Tile::kTall}, {"epi64", Tile::kEpi64},
-      {"epi64solo", Tile::kEpi64Solo}};
+      {"large", Tile::kLarge},         {"solo", Tile::kSolo}, {"m2", Tile::kM2},
+      {"pong128", Tile::kPong128},     {"tall", Tile::kTall}, {"epi64", Tile::kEpi64},
+      {"epi64solo", Tile::kEpi64Solo}, {"quad", Tile::kQuad}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
   constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},
@@ -220,9 +223,7 @@ inline Tile large_tile(bool bf16, int64_t n, int64_t k, bool pong, const Sm90Ove
 inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
   if (bf16) {
     if (n <= kThinN) return Tile::kThin;
-    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall || large == Tile::kEpi64 ||
-                   large == Tile::kEpi64Solo))
-      return large;
+    if (!small && large != Tile::kLarge && large != Tile::kSolo) return large;
   }
   if (small) return Tile::kSmall;
   return large == Tile::kSolo ? Tile::kSolo : Tile::kLarge;

@@ -324,7 +324,7 @@ TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
 
 // Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
 TEST_F(Sm90Test, ForcedTilesMatchReference) {
-  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo"}, 97000,
+  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "quad"}, 97000,
                   [](uint64_t seed) {
                     forward_and_dgrad_match_reference(seed);
                     wgrad_matches_reference(seed + 50);

@@ -65,6 +65,8 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kLarge);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "quad"}})), Tile::kQuad);
+  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, overrides({{"MOE8_SM90_TILE", "quad"}})), Tile::kSmall);
   // A forced tile is kept as it is: MOE8_SM90_TILE=large gives CUTLASS's 128x32 epilogue subtiles.
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "large"}})), Tile::kLarge);
   EXPECT_EQ(
@@ -217,7 +219,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, quad, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
