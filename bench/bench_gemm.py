@@ -23,8 +23,6 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
---l2-prefetch also times each bf16 GEMM with MOE8_SM90_L2_PREFETCH=1 (its 128x256 tile's producer asking L2 for
-each operand box four k steps before loading it; l2_prefetch_sm90.cuh), as "on" beside the default.
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -208,9 +206,6 @@ def bench(shape, dims, routing, args, device, gen):
             var = "MOE8_SM90_TILE" if ceil == "bf16" else "MOE8_SM90_FP8_TILE"
             cands |= {f"tile {t}": with_env(mine, {var: t}) for t in forced}
             cands |= {f"schedule {o}": with_env(mine, schedule_env(o)) for o in args.schedules}
-            prefetch = args.l2_prefetch and ceil == "bf16"
-            if prefetch:
-                cands["l2 prefetch"] = with_env(mine, {"MOE8_SM90_L2_PREFETCH": "1"})
             promotions = args.fp8_promotions if ceil != "bf16" else []
             cands |= {f"promotion {p}": with_env(mine, {"MOE8_SM90_FP8_PROMOTION": p}) for p in promotions}
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
@@ -228,8 +223,6 @@ def bench(shape, dims, routing, args, device, gen):
                 row["moe8_pct_of_ceiling"] = 100 * row["moe8_tflops"] * 1e12 / CEILING[ceil]
             if forced:
                 row["tiles_ms"] = {t: ms[f"tile {t}"] for t in forced}
-            if prefetch:
-                row["l2_prefetch_ms"] = {"on": ms["l2 prefetch"]}
             if args.schedules:
                 row["schedules_ms"] = {o: ms[f"schedule {o}"] for o in args.schedules}
             if promotions:
@@ -250,7 +243,7 @@ def bench(shape, dims, routing, args, device, gen):
     return rows
 
 
-TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "quad")
+TILES = ("large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo")
 FP8_TILES = ("large", "solo", "m2", "small")
 
 
@@ -354,7 +347,6 @@ def tiles_text(r) -> str:
     for key, label in (
         ("tiles_ms", "tiles"),
         ("schedules_ms", "schedules"),
-        ("l2_prefetch_ms", "L2 prefetch"),
         ("promotions_ms", "promotions"),
         ("quant_cols_ms", "column quantisation"),
         ("bounds_ms", "same FLOPs"),
@@ -425,11 +417,6 @@ def main() -> int:
         default="",
         help=f"comma-separated, from {QUANT_COLS}: also time the FP8 weight gradient's column quantisation of "
         "both operands with each kernel (MOE8_QUANT_COLS)",
-    )
-    ap.add_argument(
-        "--l2-prefetch",
-        action="store_true",
-        help="also time each bf16 GEMM with its operands prefetched into L2 ahead of the loads (MOE8_SM90_L2_PREFETCH=1)",
     )
     ap.add_argument(
         "--bounds",

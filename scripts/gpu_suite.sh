@@ -93,8 +93,7 @@ limit() { if [ "$TIMEOUT" != 0 ]; then timeout "$TIMEOUT" "$@"; else "$@"; fi; }
 # GEMMs' promotion and the column quantisation alone (bench_gemm), the gathered forward's one or two loading
 # warps in the block (gather_in_gemm=1 beside the default), the FP8 block with each promotion, and the bf16
 # 128x256 tiles' 128x64 epilogue subtiles (the default) against CUTLASS's 128x32 alone (beside cuBLAS's bound) and
-# in the block (MOE8_SM90_EPILOGUE, twice each way, alternated), and the L2 prefetch ahead of those tiles' loads
-# alone and in the block (MOE8_SM90_L2_PREFETCH, likewise).
+# in the block (MOE8_SM90_EPILOGUE, twice each way, alternated).
 variants() {
   local dir=$1 w p
   mkdir -p "$dir"
@@ -112,9 +111,6 @@ variants() {
   limit $PY bench/bench_gemm.py --shapes qwen3,olmoe --routing balanced,uniform,zipf --kinds fwd,dgrad,wgrad \
     --tiles large,solo,epi64,epi64solo --bounds --json "$dir/gemm_epilogue_tiles.json" || return
   block_ab "$dir/block_epilogue" MOE8_SM90_EPILOGUE 32 64 || return
-  limit $PY bench/bench_gemm.py --shapes qwen3,olmoe,mixtral --routing balanced,uniform --kinds fwd,dgrad,wgrad \
-    --l2-prefetch --json "$dir/gemm_l2_prefetch.json" || return
-  block_ab "$dir/block_l2_prefetch" MOE8_SM90_L2_PREFETCH 0 1 || return
 }
 # The Qwen3-30B-A3B and OLMoE blocks under each value of environment variable $2 (the values after it), twice each
 # way, alternated: $1_<value>_<run>.json.

@@ -47,8 +47,7 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
             num_experts, sms));
     if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
       bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}, TileLargeEpi64{},
-                                             TileLargeSoloEpi64{}, TileLargeEpi64Prefetch{},
-                                             TileLargeSoloEpi64Prefetch{}, TileQuad{}));
+                                             TileLargeSoloEpi64{}));
       bytes = std::max(
           bytes,
           sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredFwdGemmTwoWarps<T>::Gemm,
@@ -208,8 +207,8 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     using T = decltype(t);
     constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
     // only bf16 reads pong: f16 hands no offsets to the balance hint
-    const bool pong = bf16 && (heuristics::wgrad_pong(groups, n, kd) ||
-                               (heuristics::wgrad_pong_if_balanced(groups) &&
+    const bool pong = bf16 && (heuristics::wgrad_pong(groups, rows, n, kd) ||
+                               (heuristics::wgrad_pong_if_balanced(groups, rows) &&
                                 sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
     const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, heuristics::sm90_overrides());
     auto launch = [&](auto g) {

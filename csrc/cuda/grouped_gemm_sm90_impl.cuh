@@ -15,7 +15,6 @@
 #include "cuda/common.cuh"
 #include "cuda/gathered_rows_sm90.cuh"
 #include "cuda/grouped_gemm_sm90.h"
-#include "cuda/l2_prefetch_sm90.cuh"
 #include "cuda/ops.h"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
@@ -75,20 +74,6 @@ struct TileLargeEpi64 : TileLarge {
 struct TileLargeSoloEpi64 : TileLargeSolo {
   using EpilogueTile = Shape<_128, _64>;
 };
-// kEpi64 with its CTAs in 2x2 clusters: each CTA reads half of the A tile and half of the weight's (both multicast),
-// 24 KB per k step against 40 KB with the 1x2 pair, each group's M-tiles rounded up to even (a sweep candidate,
-// MOE8_SM90_TILE=quad).
-struct TileQuad : CooperativeTile<Shape<_128, _256, _64>, Shape<_2, _2, _1>> {
-  using EpilogueTile = Shape<_128, _64>;
-};
-// kEpi64 and kEpi64Solo whose producer also prefetches each operand box into L2 four k steps before it loads it
-// (l2_prefetch_sm90.cuh; opt-in, MOE8_SM90_L2_PREFETCH=1).
-struct TileLargeEpi64Prefetch : TileLargeEpi64 {
-  static constexpr int kL2Prefetch = 4;
-};
-struct TileLargeSoloEpi64Prefetch : TileLargeSoloEpi64 {
-  static constexpr int kL2Prefetch = 4;
-};
 
 // A configuration's epilogue subtile: its EpilogueTile where it names one, else CUTLASS's choice.
 template <class Config, class = void>
@@ -98,16 +83,6 @@ struct EpilogueTileOf {
 template <class Config>
 struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
   using type = typename Config::EpilogueTile;
-};
-
-// A configuration's mainloop: CUTLASS's (Plain), or it with L2 prefetches where Config names kL2Prefetch.
-template <class Plain, class Config, class = void>
-struct MainloopFor {
-  using type = Plain;
-};
-template <class Plain, class Config>
-struct MainloopFor<Plain, Config, std::void_t<decltype(Config::kL2Prefetch)>> {
-  using type = L2PrefetchMainloop<Plain, Config::kL2Prefetch>;
 };
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
@@ -129,14 +104,13 @@ struct GroupedGemm {
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
-  using PlainMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
       T, LayoutA*, kAlign,                                  //
       T, LayoutB*, kAlign,                                  //
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
-  using Mainloop = typename MainloopFor<PlainMainloop, Config>::type;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -200,9 +174,6 @@ void launch_tile(Tile tile, Launch&& launch) {
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
     if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
     if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});
-    if (tile == Tile::kQuad) return launch(Gemm<T, TileQuad>{});
-    if (tile == Tile::kEpi64Prefetch) return launch(Gemm<T, TileLargeEpi64Prefetch>{});
-    if (tile == Tile::kEpi64SoloPrefetch) return launch(Gemm<T, TileLargeSoloEpi64Prefetch>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});

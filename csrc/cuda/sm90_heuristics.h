@@ -30,25 +30,9 @@ namespace moe8::cuda::sm90_heuristics {
 //   kEpi64   kLarge storing its tile in 128x64 epilogue subtiles (four, not eight 128x32): the bf16
 //            default in kLarge's place (with_epilogue)                                    bf16 only
 //   kEpi64Solo  kEpi64 without the cluster                                                bf16 only
-//   kQuad    kEpi64 in 2x2 clusters (both tiles multicast; M-tiles paired)              bf16 only
-//   kEpi64Prefetch, kEpi64SoloPrefetch  the two with L2 prefetches of each operand box    bf16 only
-//            four k steps ahead of its load (opt-in: MOE8_SM90_L2_PREFETCH=1)
 //   kSmall   64x128 ping-pong, 1x2 cluster (forward and dgrad with few rows per expert)
 //   kThin    128x32 cooperative, no cluster (an N of a LoRA rank)                         bf16 only
-enum class Tile {
-  kLarge,
-  kSolo,
-  kM2,
-  kPong128,
-  kTall,
-  kEpi64,
-  kEpi64Solo,
-  kEpi64Prefetch,
-  kEpi64SoloPrefetch,
-  kQuad,
-  kSmall,
-  kThin
-};
+enum class Tile { kLarge, kSolo, kM2, kPong128, kTall, kEpi64, kEpi64Solo, kSmall, kThin };
 
 // The FP8 configurations (grouped_gemm_fp8_sm90.cu): 128x128x128 cooperative with a 1x2 cluster (kLarge),
 // without it (kSolo), with a 2x1 cluster (kM2); 64x128x128 ping-pong with a 1x2 cluster (kSmall).
@@ -92,8 +76,7 @@ class Override {
 
 // For tile sweeps (bench/bench_gemm.py --tiles, --fp8-tiles, --schedules) and tests.
 struct Sm90Overrides {
-  Override<Tile> tile;  // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo|quad: every bf16 GEMM's large
-                        // tile
+  Override<Tile> tile;  // MOE8_SM90_TILE=large|solo|m2|pong128|tall|epi64|epi64solo: every bf16 GEMM's large tile
   Override<Fp8Tile> fp8_tile;            // MOE8_SM90_FP8_TILE=large|solo|m2|small: every FP8 forward and wgrad
   Override<Fp8Promotion> fp8_promotion;  // MOE8_SM90_FP8_PROMOTION=serial|overlap: every FP8 forward and wgrad
   Override<Cluster> cluster;             // MOE8_SM90_CLUSTER=1x2|2x1|auto: the bf16 large tile's cluster (TILE wins)
@@ -102,8 +85,7 @@ struct Sm90Overrides {
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
   Override<int> gather_warps;      // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
-  Override<int> epilogue;      // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
-  Override<bool> l2_prefetch;  // MOE8_SM90_L2_PREFETCH=0|1: those tiles' L2 prefetches ahead of the loads (default 0)
+  Override<int> epilogue;  // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -123,9 +105,9 @@ Override<E> parse_choice(const char* var, const char* v, const std::pair<const c
 template <class Getenv>
 Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, Tile> kTiles[] = {
-      {"large", Tile::kLarge},         {"solo", Tile::kSolo}, {"m2", Tile::kM2},
-      {"pong128", Tile::kPong128},     {"tall", Tile::kTall}, {"epi64", Tile::kEpi64},
-      {"epi64solo", Tile::kEpi64Solo}, {"quad", Tile::kQuad}};
+      {"large", Tile::kLarge},        {"solo", Tile::kSolo}, {"m2", Tile::kM2},
+      {"pong128", Tile::kPong128},    {"tall", Tile::kTall}, {"epi64", Tile::kEpi64},
+      {"epi64solo", Tile::kEpi64Solo}};
   constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {
       {"large", Fp8Tile::kLarge}, {"solo", Fp8Tile::kSolo}, {"m2", Fp8Tile::kM2}, {"small", Fp8Tile::kSmall}};
   constexpr std::pair<const char*, Fp8Promotion> kFp8Promotions[] = {{"serial", Fp8Promotion::kSerial},
@@ -138,7 +120,6 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
       {"auto", Balance::kAuto}, {"balanced", Balance::kBalanced}, {"skewed", Balance::kSkewed}};
   constexpr std::pair<const char*, int> kGatherWarps[] = {{"1", 1}, {"2", 2}};
   constexpr std::pair<const char*, int> kEpilogue[] = {{"32", 32}, {"64", 64}};
-  constexpr std::pair<const char*, bool> kOnOff[] = {{"0", false}, {"1", true}};
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
@@ -153,7 +134,6 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.gather_warps = read("MOE8_SM90_GATHER_WARPS", kGatherWarps);
   o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
-  o.l2_prefetch = read("MOE8_SM90_L2_PREFETCH", kOnOff);
   return o;
 }
 
@@ -191,8 +171,11 @@ constexpr int64_t kSmallRowsPerGroup = 128;
 constexpr int64_t kThinN = 32;
 // MOE8_SM90_CLUSTER=auto pairs along M where both sides of the weight are at most this wide.
 constexpr int64_t kAutoM2Width = 2048;
-// The weight gradient's ping-pong default: at least this many experts, at most this many 128x128 tiles.
+// The weight gradient's ping-pong default: at least this many experts, at most this many 128x128 tiles, at most
+// this many rows per expert on average (the GEMM's K). Past ~1,500 rows the 128x256 tile's fewer operand bytes per
+// FLOP win: OLMoE's (2,048 rows) 17% / 4% faster on it, Qwen3-30B-A3B's (1,024) 2% / 25% slower (docs/kernels.md).
 constexpr int kPongWgradMinGroups = 16;
+constexpr int64_t kPongWgradMaxRowsPerGroup = 1536;
 constexpr int64_t kPongWgradMaxTiles = 40000;
 
 inline bool small_rows(int64_t rows, int groups) { return groups > 0 && rows <= kSmallRowsPerGroup * groups; }
@@ -223,7 +206,9 @@ inline Tile large_tile(bool bf16, int64_t n, int64_t k, bool pong, const Sm90Ove
 inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
   if (bf16) {
     if (n <= kThinN) return Tile::kThin;
-    if (!small && large != Tile::kLarge && large != Tile::kSolo) return large;
+    if (!small && (large == Tile::kM2 || large == Tile::kPong128 || large == Tile::kTall || large == Tile::kEpi64 ||
+                   large == Tile::kEpi64Solo))
+      return large;
   }
   if (small) return Tile::kSmall;
   return large == Tile::kSolo ? Tile::kSolo : Tile::kLarge;
@@ -236,14 +221,11 @@ inline Tile pick_tile(bool bf16, int64_t n, bool small, Tile large) {
 constexpr int kEpilogueWidth = 64;
 
 // tile with 128x64 epilogue subtiles where it is a bf16 128x256 tile the rules picked, unless MOE8_SM90_EPILOGUE=32
-// asks for CUTLASS's; with MOE8_SM90_L2_PREFETCH=1 their prefetching form. A tile forced by MOE8_SM90_TILE is kept
-// as it is.
+// asks for CUTLASS's; a tile forced by MOE8_SM90_TILE is kept as it is.
 inline Tile with_epilogue(Tile tile, bool bf16, const Sm90Overrides& env) {
   if (!bf16 || env.tile.get() || env.epilogue.get().value_or(kEpilogueWidth) != 64) return tile;
-  if (tile != Tile::kLarge && tile != Tile::kSolo) return tile;
-  const bool prefetch = env.l2_prefetch.get().value_or(false);
-  if (tile == Tile::kLarge) return prefetch ? Tile::kEpi64Prefetch : Tile::kEpi64;
-  return prefetch ? Tile::kEpi64SoloPrefetch : Tile::kEpi64Solo;
+  if (tile == Tile::kLarge) return Tile::kEpi64;
+  return tile == Tile::kSolo ? Tile::kEpi64Solo : tile;
 }
 
 // Forward (c = a · b^T) and dgrad (c = a · b): rows ragged, c [rows, n], kd the reduction.
@@ -266,13 +248,16 @@ inline std::optional<Tile> act_dgrad_tile(int64_t n, int64_t rows, int groups, c
   return std::nullopt;
 }
 
-// Whether the weight gradient db [groups, n, kd] takes the 128x128 ping-pong tile by default by its shape
-// alone; with balanced routing it also does past kPongWgradMaxTiles (wgrad_pong_if_balanced).
-inline bool wgrad_pong(int groups, int64_t n, int64_t kd) {
-  return groups >= kPongWgradMinGroups && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
+// Whether the weight gradient db [groups, n, kd] over `rows` rows takes the 128x128 ping-pong tile by default by
+// its shape alone; with balanced routing it also does past kPongWgradMaxTiles (wgrad_pong_if_balanced).
+inline bool wgrad_pong(int groups, int64_t rows, int64_t n, int64_t kd) {
+  return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups &&
+         groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
 }
 // Whether the routing-balance hint is worth consulting (then a balanced answer means ping-pong).
-inline bool wgrad_pong_if_balanced(int groups) { return groups >= kPongWgradMinGroups; }
+inline bool wgrad_pong_if_balanced(int groups, int64_t rows) {
+  return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups;
+}
 
 // The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n.
 inline Tile wgrad_tile(bool bf16, int64_t n, int64_t kd, bool pong, const Sm90Overrides& env) {

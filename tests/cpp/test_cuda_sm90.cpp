@@ -324,7 +324,7 @@ TEST_F(Sm90Test, ClusterAlongMMatchesReference) {
 
 // Every configuration MOE8_SM90_TILE can force on the bf16 GEMMs (the per-shape tile sweep's candidates).
 TEST_F(Sm90Test, ForcedTilesMatchReference) {
-  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo", "quad"}, 97000,
+  for_each_forced("MOE8_SM90_TILE", {"large", "solo", "m2", "pong128", "tall", "epi64", "epi64solo"}, 97000,
                   [](uint64_t seed) {
                     forward_and_dgrad_match_reference(seed);
                     wgrad_matches_reference(seed + 50);
@@ -334,14 +334,6 @@ TEST_F(Sm90Test, ForcedTilesMatchReference) {
   DeviceProblem d(p);
   EXPECT_THROW(d.forward(WeightLayout::kNK), Error);
   set_override("MOE8_SM90_TILE", nullptr);
-}
-
-// MOE8_SM90_L2_PREFETCH=1: the 128x256 tiles (paired and solo) with L2 prefetches ahead of their loads, every case.
-TEST_F(Sm90Test, L2PrefetchMatchesReference) {
-  set_override("MOE8_SM90_L2_PREFETCH", "1");
-  forward_and_dgrad_match_reference(98000);
-  wgrad_matches_reference(98050);
-  set_override("MOE8_SM90_L2_PREFETCH", nullptr);
 }
 
 TEST_F(Sm90Test, Float16MatchesReference) {

@@ -65,8 +65,6 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kEpi64);
   EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "epi64"}})), Tile::kLarge);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "quad"}})), Tile::kQuad);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, overrides({{"MOE8_SM90_TILE", "quad"}})), Tile::kSmall);
   // A forced tile is kept as it is: MOE8_SM90_TILE=large gives CUTLASS's 128x32 epilogue subtiles.
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_TILE", "large"}})), Tile::kLarge);
   EXPECT_EQ(
@@ -85,18 +83,6 @@ TEST(Sm90Heuristics, ClusterAndForcedTiles) {
   EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, e32), Tile::kLarge);
   EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, e32), Tile::kSolo);
   EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, e32), Tile::kLarge);
-  // MOE8_SM90_L2_PREFETCH=1: the 128x64-subtile tiles' prefetching forms; nothing else changes.
-  const h::Sm90Overrides pf = overrides({{"MOE8_SM90_L2_PREFETCH", "1"}});
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, pf), Tile::kEpi64Prefetch);
-  EXPECT_EQ(h::rows_tile(true, 768, 2048, rows, 128, pf), Tile::kEpi64SoloPrefetch);
-  EXPECT_EQ(h::wgrad_tile(true, 768, 2048, false, pf), Tile::kEpi64Prefetch);
-  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, pf), Tile::kPong128);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, 64, 128, pf), Tile::kSmall);
-  EXPECT_EQ(h::rows_tile(false, 1536, 2048, rows, 128, pf), Tile::kLarge);
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128,
-                         overrides({{"MOE8_SM90_L2_PREFETCH", "1"}, {"MOE8_SM90_EPILOGUE", "32"}})),
-            Tile::kLarge);  // only the 128x64-subtile tiles have the prefetching form
-  EXPECT_EQ(h::rows_tile(true, 1536, 2048, rows, 128, overrides({{"MOE8_SM90_L2_PREFETCH", "0"}})), Tile::kEpi64);
   // Pinning the 1x2 cluster keeps the weight gradient off its ping-pong default.
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, n2), Tile::kEpi64);
 }
@@ -115,16 +101,21 @@ TEST(Sm90Heuristics, FusedActDgradTiles) {
 }
 
 TEST(Sm90Heuristics, WgradTiles) {
-  // Ping-pong by shape: Qwen3 (25k and 12k 128x128 tiles), GPT-OSS (33k, 17k); not DeepSeek-V3 (458k) nor
-  // Mixtral (8 experts).
-  EXPECT_TRUE(h::wgrad_pong(128, 1536, 2048));
-  EXPECT_TRUE(h::wgrad_pong(128, 2048, 768));
-  EXPECT_TRUE(h::wgrad_pong(32, 5760, 2880));
-  EXPECT_TRUE(h::wgrad_pong(32, 2880, 2880));
-  EXPECT_FALSE(h::wgrad_pong(256, 4096, 7168));
-  EXPECT_FALSE(h::wgrad_pong(8, 28672, 4096));
-  EXPECT_TRUE(h::wgrad_pong_if_balanced(256));
-  EXPECT_FALSE(h::wgrad_pong_if_balanced(8));
+  // Ping-pong by shape (16,384 tokens): Qwen3 (25k and 12k 128x128 tiles, 1,024 rows per expert); not OLMoE
+  // (2,048 rows per expert), GPT-OSS (2,048), DeepSeek-V3 (458k tiles) nor Mixtral (8 experts).
+  const int64_t tokens = 16384;
+  EXPECT_TRUE(h::wgrad_pong(128, tokens * 8, 1536, 2048));
+  EXPECT_TRUE(h::wgrad_pong(128, tokens * 8, 2048, 768));
+  EXPECT_FALSE(h::wgrad_pong(64, tokens * 8, 2048, 2048));
+  EXPECT_FALSE(h::wgrad_pong(64, tokens * 8, 2048, 1024));
+  EXPECT_TRUE(h::wgrad_pong(64, tokens * 4, 2048, 2048));  // half the tokens: 1,024 rows per expert
+  EXPECT_FALSE(h::wgrad_pong(32, tokens * 4, 5760, 2880));
+  EXPECT_TRUE(h::wgrad_pong(32, tokens * 2, 2880, 2880));
+  EXPECT_FALSE(h::wgrad_pong(256, tokens * 8, 4096, 7168));
+  EXPECT_FALSE(h::wgrad_pong(8, tokens * 2, 28672, 4096));
+  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, tokens * 8));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(8, tokens * 2));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(64, tokens * 8));
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, kNone), Tile::kPong128);
   EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kEpi64);     // 28 tiles of the GEMM's N (kd)
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
@@ -219,7 +210,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
                                           {"MOE8_SM90_SWIZZLE", "3"},
                                           {"MOE8_SM90_BALANCE", "maybe"}});
   EXPECT_EQ(message([&] { h::rows_tile(true, 1536, 2048, 1 << 15, 128, bad); }),
-            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, quad, got 'wide'");
+            "MOE8_SM90_TILE: expected one of large, solo, m2, pong128, tall, epi64, epi64solo, got 'wide'");
   EXPECT_EQ(message([&] { h::fp8_forward_tile(1536, 1 << 15, 128, bad); }),
             "MOE8_SM90_FP8_TILE: expected one of large, solo, m2, small, got 'huge'");
   EXPECT_EQ(message([&] { h::fp8_promotion(Fp8Tile::kLarge, true, bad); }),
@@ -230,10 +221,6 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
               h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
             }),
             "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
-  EXPECT_EQ(message([&] {
-              h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_L2_PREFETCH", "yes"}}));
-            }),
-            "MOE8_SM90_L2_PREFETCH: expected one of 0, 1, got 'yes'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
