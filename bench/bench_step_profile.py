@@ -1,6 +1,8 @@
 """Where a Hugging Face MoE training step's GPU time goes, per family: transformers (its default experts
 implementation, `grouped_mm`) against moe8 (`moe8.accelerate(model, **fusions)`) and against peers, same process,
-same weights, same batch: forward + backward + fused AdamW, bf16, random init.
+same weights, same batch: forward + backward + AdamW, bf16, random init. The optimizer is what transformers' Trainer
+builds: torch's fused AdamW, and for the moe8 rows moe8.optim.AdamW (what moe8.enable() gives the Trainer;
+--fusions fused_adamw=0 keeps torch's).
 
 Each model is a slice of the real one: 2 decoder layers at the real hidden, expert, attention and vocabulary
 sizes (attention through SDPA; GPT-OSS eager, its only built-in one for sinks); only DeepSeek-V3's expert count
@@ -189,7 +191,9 @@ def build(name, tiny, device, dtype, vocab=0, experts="grouped_mm"):
 
 def fusions_of(spec: str) -> dict:
     """--fusions: "default" (moe8.Config's), "none" (the experts alone) or field=0|1 pairs."""
-    names = [f for f in fields() if f.startswith("fuse_") or f in ("routed_down", "fused_lora_add")]
+    names = [
+        f for f in fields() if f.startswith("fuse_") or f in ("routed_down", "fused_lora_add", "fused_adamw")
+    ]
     if spec == "default":
         return {}
     if spec == "none":
@@ -205,10 +209,17 @@ def fusions_of(spec: str) -> dict:
     return out
 
 
-def measure(model, ids, steps, warmup, device):
+def optimizer_for(model, device, moe8_adamw: bool):
+    """What a Trainer would build for the model: moe8.optim.AdamW for a moe8 row (moe8.enable() gives it where
+    Config.fused_adamw), else torch's AdamW, fused on CUDA."""
+    if moe8_adamw:
+        return moe8.optim.AdamW(model.parameters(), lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+
+def measure(model, ids, steps, warmup, device, opt):
     """Median step seconds, peak GiB, losses, the profiled step's breakdown (ms per category), the peak per
-    phase, and that step's GPU idle time by CPU op (the longest first)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    phase, and that step's GPU idle time by CPU op (the longest first), training with the optimizer opt."""
     model.train()
 
     def step():
@@ -334,7 +345,9 @@ def main():
         **run_info(device),
         "liger_kernel": liger_version() or "not installed",
         "dtype": str(dtype).replace("torch.", ""),
-        "optimizer": "AdamW" + (" fused" if device.type == "cuda" else ""),
+        "optimizer": "torch AdamW"
+        + (" fused" if device.type == "cuda" else "")
+        + "; moe8 rows: moe8.optim.AdamW where Config.fused_adamw (what moe8.enable() gives transformers' Trainer)",
         "batch": a.batch,
         "seq": a.seq,
         "steps": a.steps,
@@ -397,14 +410,16 @@ def run_row(name, impl, a, device, dtype, fusions) -> dict:
         )
         ids = ids.to(device)
         print(f"[bench] {name} {impl}: {a.warmup + a.steps} steps + 1 profiled", flush=True)
-        sec, peak, losses, split, phases, idle = measure(model, ids, a.steps, a.warmup, device)
+        cfg = hf.config_of(model) if impl == "moe8" else None
+        opt = optimizer_for(model, device, cfg is not None and cfg.fused_adamw)
+        sec, peak, losses, split, phases, idle = measure(model, ids, a.steps, a.warmup, device, opt)
     except Exception as e:  # noqa: BLE001  (a peer that fails is reported, the other rows still run)
         if impl in ("transformers", "moe8"):
             raise
         return {**row, "status": "failed", "reason": f"{type(e).__name__}: " + " ".join(str(e).split())}
-    cfg = hf.config_of(model) if impl == "moe8" else None
     row.update(
         status="ran",
+        optimizer=type(opt).__module__ + "." + type(opt).__name__,
         config={k: getattr(cfg, k) for k in fields() if k != "fp8"} if cfg else None,
         layers=model.config.num_hidden_layers,
         params=sum(p.numel() for p in model.parameters()),

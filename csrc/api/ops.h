@@ -4,6 +4,7 @@
 // tensors live. `stream` is a cudaStream_t as an integer (ignored on the CPU). Outputs are caller-owned.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/params.h"
 #include "core/tensor.h"
@@ -219,5 +220,15 @@ int64_t grouped_gemm_fp8_wgrad_workspace_bytes(int num_experts, bool on_cuda);
 void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
                             const TensorView& a_scale, const TensorView& offsets, const TensorView& db, intptr_t stream,
                             bool check_indices = true, const TensorView& workspace = TensorView{});
+
+// ---- optimizer steps (api/optim.cpp; semantics: core/adamw.h) ----------------------------------------------------
+// One AdamW step (decoupled weight decay) of tensors i = 0..n-1: params[i] (updated), grads[i], exp_avgs[i] and
+// exp_avg_sqs[i] (updated), each contiguous, of params[i]'s shape, all of one float dtype on one device; step is the
+// step count this update makes (1 for the first). lr, eps, weight_decay >= 0, betas in [0, 1). CPU and CUDA results
+// are bit-identical (float32 arithmetic, every rounding explicit).
+void adamw_step(const std::vector<TensorView>& params, const std::vector<TensorView>& grads,
+                const std::vector<TensorView>& exp_avgs, const std::vector<TensorView>& exp_avg_sqs, double lr,
+                double beta1, double beta2, double eps, double weight_decay, int64_t step, bool maximize,
+                intptr_t stream);
 
 }  // namespace moe8::api

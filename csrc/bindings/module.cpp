@@ -4,8 +4,10 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
+#include <vector>
 
 #include "api/ops.h"
 #include "bindings/view.h"
@@ -45,6 +47,15 @@ moe8::ActParams act_params(int kind, bool interleaved, float alpha, float limit)
   p.alpha = alpha;
   p.limit = limit;
   return p;
+}
+
+// A list argument's arrays as views, each named like list[i].
+std::vector<TensorView> views(const std::vector<Array>& arrays, const char* list) {
+  std::vector<TensorView> out;
+  out.reserve(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i)
+    out.push_back(view(arrays[i], (std::string(list) + "[" + std::to_string(i) + "]").c_str()));
+  return out;
 }
 
 moe8::WeightLayout layout_of(int layout) {
@@ -266,6 +277,19 @@ NB_MODULE(_C, m) {
       },
       nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("rstd"), nb::arg("dx"), nb::arg("dweight"),
       nb::arg("workspace").none(), nb::arg("stream") = 0);
+  // ---- optimizer steps (api/ops.h)
+  m.def(
+      "adamw_step",
+      [](const std::vector<Array>& params, const std::vector<Array>& grads, const std::vector<Array>& exp_avgs,
+         const std::vector<Array>& exp_avg_sqs, double lr, double beta1, double beta2, double eps, double weight_decay,
+         int64_t step, bool maximize, intptr_t stream) {
+        moe8::api::adamw_step(views(params, "params"), views(grads, "grads"), views(exp_avgs, "exp_avgs"),
+                              views(exp_avg_sqs, "exp_avg_sqs"), lr, beta1, beta2, eps, weight_decay, step, maximize,
+                              stream);
+      },
+      nb::arg("params"), nb::arg("grads"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"), nb::arg("lr"), nb::arg("beta1"),
+      nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("step"), nb::arg("maximize") = false,
+      nb::arg("stream") = 0);
   // ---- FP8 e4m3: quantised tensors as uint8 or float8_e4m3fn, scales float32 (api/ops.h)
   m.def(
       "quantize_rows_1x128",

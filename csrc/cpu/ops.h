@@ -2,6 +2,9 @@
 // contiguity, index ranges); outputs are caller-owned and fully written. Shapes use T tokens, E experts,
 // K = top-k, R rows in expert order, H / N / Kd feature sizes.
 #pragma once
+#include <vector>
+
+#include "core/adamw.h"
 #include "core/params.h"
 #include "core/tensor.h"
 
@@ -161,5 +164,11 @@ void quantize_grouped_gemm_fp8(const TensorView& x, const TensorView& row_to_slo
 // numbered expert by expert (quantize_cols_1x128); an expert without rows gets zeros. Accumulates in double.
 void grouped_gemm_fp8_wgrad(const TensorView& dc_t, const TensorView& dc_scale, const TensorView& a_t,
                             const TensorView& a_scale, const TensorView& offsets, const TensorView& db);
+
+// One AdamW step (core/adamw.h) over tensors i: params[i], grads[i], exp_avgs[i], exp_avg_sqs[i] of one shape and
+// one float dtype (validated by api/), the first, third and fourth updated in place.
+void adamw_step(const std::vector<TensorView>& params, const std::vector<TensorView>& grads,
+                const std::vector<TensorView>& exp_avgs, const std::vector<TensorView>& exp_avg_sqs,
+                const AdamWScalars& s);
 
 }  // namespace moe8::cpu

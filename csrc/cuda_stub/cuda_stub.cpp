@@ -7,6 +7,7 @@
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ipc.h"
 #include "cuda/ops.h"
+#include "cuda/optim.h"
 
 namespace moe8::cuda {
 
@@ -170,5 +171,11 @@ void IpcBuffer::recv_rows(const TensorView&, const TensorView&, bool, const Tens
                           const TensorView&, const TensorView&, void*) {}
 void IpcBuffer::send_back(const TensorView&, const TensorView&, const TensorView&, void*) {}
 void IpcBuffer::recv_back(const TensorView&, const TensorView&, void*) {}
+
+// cuda/optim.h
+void adamw_step(const std::vector<TensorView>&, const std::vector<TensorView>&, const std::vector<TensorView>&,
+                const std::vector<TensorView>&, const AdamWScalars&, void*) {
+  fail_without_cuda("adamw_step");
+}
 
 }  // namespace moe8::cuda

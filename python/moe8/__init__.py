@@ -1,7 +1,7 @@
 """moe8 — fast Mixture-of-Experts training: fused routing, permutation and grouped GEMM in C++/CUDA,
 plugged into PyTorch and Hugging Face transformers with one line (`import moe8; moe8.enable()`)."""
 
-from . import _core, ops
+from . import _core, ops, optim
 from .config import Config
 from .hf import accelerate, disable, enable, is_accelerated
 from .layer import MoELayer, RouteOut, experts_forward, load_balancing_loss, moe_forward, route, z_loss
@@ -27,6 +27,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_forward",
     "ops",
+    "optim",
     "route",
     "z_loss",
 ]

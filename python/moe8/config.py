@@ -85,6 +85,9 @@ class Config:
     fuse_mlp: the dense gated MLPs (shared experts, dense layers: gate_proj, up_proj, down_proj without
         bias) as one gate+up GEMM on the concatenated weights and moe8's SwiGLU kernel (off by default:
         measure it, bench/bench_step_profile.py --fusions fuse_mlp=1).
+    fused_adamw: with enable(), transformers' Trainer builds moe8.optim.AdamW where its optim is "adamw_torch" or
+        "adamw_torch_fused" (the default): the same update, its CUDA tensors stepped by moe8's kernel at the
+        memory's rate (process-wide, until disable()).
     fp8_dense: the dense layers in FP8 too, with fp8's recipe (moe8.fp8_linear.convert_to_fp8): True (the
         attention projections, shared experts and dense MLPs), or the kinds to convert, a subset of
         ("attention", "shared_expert", "mlp"); routers, embeddings, norms and the LM head stay as they are.
@@ -127,6 +130,7 @@ class Config:
     packed_attention: bool = True
     fuse_loss: bool = True
     fuse_mlp: bool = False
+    fused_adamw: bool = True
     transport: str = "auto"
     fp8_dispatch: bool = True
     ep_chunks: int = 1
@@ -158,6 +162,7 @@ class Config:
             "fuse_loss",
             "fp8_dispatch",
             "fuse_mlp",
+            "fused_adamw",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

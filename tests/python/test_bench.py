@@ -202,6 +202,21 @@ def test_bench_rmsnorm_tiny(tmp_path):
     ]  # the table comes last
 
 
+def test_bench_optim_tiny(tmp_path):
+    out = tmp_path / "optim.json"
+    p = run("bench/bench_optim.py", "--tiny", "--iters", "1", "--json", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = json.loads(out.read_text())
+    (r,) = got["results"]
+    assert r["model"] == "tiny" and r["tensors"] == 21 and r["params"] > 0
+    assert all(r[f"{i}_ms"] > 0 for i in ("torch_fused", "torch_foreach", "moe8", "copy"))
+    # on the CPU moe8.optim.AdamW steps with torch's AdamW: the same bits
+    assert r["max_abs_diff_vs_torch_fused"] == 0 and r["tensors_same_bits_as_torch_fused"] == "21 of 21"
+    assert p.stdout.strip().splitlines()[-2].split()[:3] == ["model", "params", "torch_fused"]  # the table last
+    bad = run("bench/bench_optim.py", "--models", "mixtral,gpt5")
+    assert bad.returncode != 0 and "--models: expected names from" in bad.stderr and "'gpt5'" in bad.stderr
+
+
 @pytest.mark.slow
 def test_bench_lora_30b_tiny(tmp_path):
     pytest.importorskip("peft", minversion="0.17")
@@ -467,6 +482,7 @@ def test_bench_step_profile_tiny(tmp_path):
         assert m8["speedup_vs_transformers"] == pytest.approx(hf_row["step_ms"] / m8["step_ms"])
         assert m8["config"]["fuse_mlp"] and m8["config"]["fuse_loss"] and not m8["config"]["fuse_norm"]
         assert m8["first_loss_rel_diff"] < 1e-3  # same weights and batch: moe8 changes rounding only
+        assert hf_row["optimizer"] == "torch.optim.adamw.AdamW" and m8["optimizer"] == "moe8.optim.AdamW"
     assert rows[0]["config"] is None
     # peers that cannot run here: skipped, with the exception of the real call and why
     skipped = [r for r in data["rows"] if r["status"] != "ran"]

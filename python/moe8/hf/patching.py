@@ -116,6 +116,29 @@ def _fuse_attention(families) -> None:
     _patch_modules(set(families) & set(SINK_FAMILIES), "eager_attention_forward", attention_forward)
 
 
+def _trainer_adamw() -> None:
+    """transformers' Trainer handlers of optim "adamw_torch" and "adamw_torch_fused" give moe8.optim.AdamW where
+    they give torch.optim.AdamW (not where expert parallelism mixes DTensors in, which they step per tensor)."""
+    import torch
+    from transformers import trainer_optimizer as to
+
+    from moe8.optim import AdamW
+
+    for name in (to.OptimizerNames.ADAMW_TORCH, to.OptimizerNames.ADAMW_TORCH_FUSED):
+        own = to._OPTIMIZER_HANDLERS.get(name)
+        if own is None or name in registry.trainer_adamw:
+            continue
+
+        def handler(ctx, own=own):
+            cls, kwargs = own(ctx)
+            if cls is torch.optim.AdamW and kwargs.get("foreach") is not False:
+                cls = AdamW
+            return cls, kwargs
+
+        registry.trainer_adamw[name] = own
+        to._OPTIMIZER_HANDLERS[name] = handler
+
+
 def _packed_attention() -> None:
     """transformers' "sdpa" attention function as moe8.attention.packed_attention_forward (varlen flash over
     packed documents when a forward is given their offsets; sdpa itself otherwise), for every model."""
@@ -261,6 +284,8 @@ def enable(families=None, config: Config | None = None, **fields):
         _fuse_attention(families)
     if cfg.packed_attention:
         _packed_attention()
+    if cfg.fused_adamw:
+        _trainer_adamw()
 
 
 def _base_model(model):
@@ -341,6 +366,10 @@ def disable():
         from transformers.modeling_utils import AttentionInterface
 
         AttentionInterface._global_mapping["sdpa"] = registry.sdpa
+    if registry.trainer_adamw:
+        from transformers import trainer_optimizer as to
+
+        to._OPTIMIZER_HANDLERS.update(registry.trainer_adamw)
     for m in list(registry.loss_fused):
         unfuse_causal_lm_loss(m)
     ExpertsInterface._global_mapping.pop(NAME, None)

@@ -32,6 +32,7 @@ class _Registry:
         # apply_rotary_pos_emb; fuse_attention: eager_attention_forward)
         self.module_patches = {}
         self.sdpa = None  # transformers' "sdpa" attention function while packed_attention replaces it
+        self.trainer_adamw = {}  # optim name -> transformers' own Trainer handler, while fused_adamw replaces it
 
 
 registry = _Registry()
