@@ -212,7 +212,11 @@ def test_bench_optim_tiny(tmp_path):
     assert all(r[f"{i}_ms"] > 0 for i in ("torch_fused", "torch_foreach", "moe8", "copy"))
     # on the CPU moe8.optim.AdamW steps with torch's AdamW: the same bits
     assert r["max_abs_diff_vs_torch_fused"] == 0 and r["tensors_same_bits_as_torch_fused"] == "21 of 21"
-    assert p.stdout.strip().splitlines()[-2].split()[:3] == ["model", "params", "torch_fused"]  # the table last
+    assert p.stdout.strip().splitlines()[-2].split()[:3] == [
+        "model",
+        "params",
+        "torch_fused",
+    ]  # the table last
     bad = run("bench/bench_optim.py", "--models", "mixtral,gpt5")
     assert bad.returncode != 0 and "--models: expected names from" in bad.stderr and "'gpt5'" in bad.stderr
 
