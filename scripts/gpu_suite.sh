@@ -16,7 +16,7 @@
 #   --pytest-workers N   pytest-xdist workers when it is installed (default 6)
 #   --timeout S          time limit of each test or benchmark command (default: none)
 #   --benchmarks LIST    comma-separated, from speed (the *Speed* gtests' TFLOP/s tables), layer, gemm,
-#                        hf_train, fp8_refresh, lora_30b, lowrank, rmsnorm, host, clocks, and (each writing into
+#                        hf_train, fp8_refresh, lora_30b, lowrank, rmsnorm, optim, host, clocks, and (each writing into
 #                        OUT/<name>/) step_profile, loss_parity, recipes, recipes_full, fp8_step, fp8_dense,
 #                        fp8_convergence, variants (default speed,layer,gemm)
 #   --prebuilt DIR       use DIR/_C*.so and DIR/moe8_tests, built elsewhere for this Python, instead of
@@ -67,7 +67,7 @@ done
 [ -z "$BUILD$TEST$BENCH" ] && BUILD=1 TEST=1 BENCH=1
 for b in ${BENCHMARKS//,/ }; do
   case "$b" in
-    speed | layer | gemm | hf_train | fp8_refresh | lora_30b | lowrank | rmsnorm | host | clocks) ;;
+    speed | layer | gemm | hf_train | fp8_refresh | lora_30b | lowrank | rmsnorm | optim | host | clocks) ;;
     step_profile | loss_parity | recipes | recipes_full | fp8_step | fp8_dense | fp8_convergence | variants) ;;
     *) die "--benchmarks: unknown '$b' (see --help)" ;;
   esac
@@ -213,6 +213,7 @@ if [ -n "$BENCH" ]; then
         --json "$json" >"$log" 2>&1 ;;
       lowrank) limit $PY bench/bench_lowrank.py --ranks 16,32 --json "$json" >"$log" 2>&1 ;;
       rmsnorm) limit $PY bench/bench_rmsnorm.py --json "$json" >"$log" 2>&1 ;;
+      optim) limit $PY bench/bench_optim.py --json "$json" >"$log" 2>&1 ;;
       host) limit $PY bench/bench_host.py --json "$json" >"$log" 2>&1 ;;
       clocks) limit $PY bench/bench_clocks.py --json "$json" >"$log" 2>&1 ;;
       step_profile) limit $PY bench/bench_step_profile.py --out "$OUT/$b" >"$log" 2>&1 ;;
