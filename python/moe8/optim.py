@@ -7,7 +7,8 @@ the memory's rate, the CPU reference's bits (core/adamw.h).
 A torch.optim.AdamW in every other respect: the same arguments, param groups, state ("step", "exp_avg",
 "exp_avg_sq", so checkpoints load both ways), hooks and schedulers. What the kernel does not take runs on torch's
 own AdamW in the same step: amsgrad, capturable or differentiable groups, complex or sparse gradients, tensors not
-contiguous or not on a GPU, and gradients of another dtype than their parameter. Hugging Face's Trainer gets it
+contiguous or not on a GPU, tensor subclasses (DTensor: FSDP2, expert parallelism), and gradients of another dtype
+than their parameter. Hugging Face's Trainer gets it
 for optim="adamw_torch" and "adamw_torch_fused" after moe8.enable() (moe8.Config(fused_adamw=True), the default).
 """
 
@@ -58,8 +59,14 @@ def adamw_step(
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs])
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _takes(p: Tensor, g: Tensor, state: dict) -> bool:
-    """Whether moe8's kernel steps p: a CUDA float tensor, contiguous, its gradient dense of its dtype."""
+    """Whether moe8's kernel steps p: a plain CUDA float tensor (not a DTensor or another subclass: FSDP2's and
+    expert parallelism's parameters go to torch's step), contiguous, its gradient dense of its dtype."""
+    if type(p) not in _PLAIN or type(g) not in _PLAIN:
+        return False
     if not (p.is_cuda and p.dtype in (torch.float32, torch.float16, torch.bfloat16) and p.is_contiguous()):
         return False
     if g.is_sparse or g.dtype != p.dtype or not g.is_contiguous() or g.device != p.device:

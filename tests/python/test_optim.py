@@ -176,6 +176,20 @@ def test_cuda_groups_torch_keeps():
     assert mine[4].grad is None and not a.state[mine[4]]
 
 
+def test_tensor_subclasses_go_to_torch():
+    """DTensors (FSDP2, expert parallelism) and other tensor subclasses never reach moe8's kernel."""
+    from moe8.optim import _takes
+
+    class Sub(torch.Tensor):
+        pass
+
+    dev = "cuda" if CUDA else "cpu"
+    p, g = torch.nn.Parameter(torch.randn(8, device=dev)), torch.randn(8, device=dev)
+    assert _takes(p, g, {}) == CUDA
+    assert not _takes(p, g.as_subclass(Sub), {})
+    assert not _takes(torch.randn(8, device=dev).as_subclass(Sub), g, {})
+
+
 def test_errors_name_the_argument():
     p, g, m, v = state(10, torch.float32, "cpu", 0)
     with pytest.raises(ValueError, match="grads, exp_avgs, exp_avg_sqs: expected one tensor per param"):
