@@ -64,7 +64,7 @@ def bench(name, device, dtype, iters) -> dict:
     impls = {
         "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=device.type == "cuda"),
         "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-5, foreach=True),
-        "moe8": lambda ps: moe8.optim.AdamW(ps, lr=1e-5),
+        "moe8": lambda ps: moe8.optim.AdamW(ps, lr=1e-5, fused=device.type == "cuda"),
     }
     row = {"model": name, "params": n, "tensors": len(shapes), "bytes": nbytes}
     finals = {}

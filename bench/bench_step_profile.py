@@ -213,7 +213,7 @@ def optimizer_for(model, device, moe8_adamw: bool):
     """What a Trainer would build for the model: moe8.optim.AdamW for a moe8 row (moe8.enable() gives it where
     Config.fused_adamw), else torch's AdamW, fused on CUDA."""
     if moe8_adamw:
-        return moe8.optim.AdamW(model.parameters(), lr=1e-5)
+        return moe8.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
 

@@ -4,12 +4,13 @@ the memory's rate, the CPU reference's bits (core/adamw.h).
 
     opt = moe8.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
-A torch.optim.AdamW in every other respect: the same arguments, param groups, state ("step", "exp_avg",
-"exp_avg_sq", so checkpoints load both ways), hooks and schedulers. What the kernel does not take runs on torch's
-own AdamW in the same step: amsgrad, capturable or differentiable groups, complex or sparse gradients, tensors not
-contiguous or not on a GPU, tensor subclasses (DTensor: FSDP2, expert parallelism), and gradients of another dtype
-than their parameter. Hugging Face's Trainer gets it
-for optim="adamw_torch" and "adamw_torch_fused" after moe8.enable() (moe8.Config(fused_adamw=True), the default).
+A torch.optim.AdamW in every other respect: the same arguments (and kernel_min_numel), param groups, state ("step",
+"exp_avg", "exp_avg_sq", so checkpoints load both ways), hooks and schedulers. What the kernel does not take runs on
+torch's own AdamW in the same step (fused or foreach as asked): tensors under kernel_min_numel elements (2^20 by
+default: there the host's time per tensor outweighs the GPU's saving), amsgrad, capturable or differentiable groups,
+complex or sparse gradients, tensors not contiguous or not on a GPU, tensor subclasses (DTensor: FSDP2, expert
+parallelism), and gradients of another dtype than their parameter. Hugging Face's Trainer gets it for
+optim="adamw_torch" and "adamw_torch_fused" after moe8.enable() (moe8.Config(fused_adamw=True), the default).
 """
 
 from __future__ import annotations
@@ -56,16 +57,23 @@ def adamw_step(
         bool(maximize),
         stream(params[0]),
     )
-    torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs])
+    torch.autograd.graph.increment_version(
+        params
+    )  # as torch's in-place step does (the states are never saved)
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+# Tensors smaller than this step on torch's AdamW (fused where it was asked for): the kernel saves ~1.4 ps of GPU
+# time an element over torch's fused step, the call costs tens of microseconds of host time a tensor, and many
+# small tensors (LoRA adapters, norms) are a step the host issues, not one the memory bounds.
+KERNEL_MIN_NUMEL = 1 << 20
 
 
-def _takes(p: Tensor, g: Tensor, state: dict) -> bool:
+def _takes(p: Tensor, g: Tensor, state: dict, min_numel: int = KERNEL_MIN_NUMEL) -> bool:
     """Whether moe8's kernel steps p: a plain CUDA float tensor (not a DTensor or another subclass: FSDP2's and
-    expert parallelism's parameters go to torch's step), contiguous, its gradient dense of its dtype."""
-    if type(p) not in _PLAIN or type(g) not in _PLAIN:
+    expert parallelism's parameters go to torch's step) of at least min_numel elements, contiguous, its gradient
+    dense of its dtype."""
+    if type(p) not in _PLAIN or type(g) not in _PLAIN or p.numel() < min_numel:
         return False
     if not (p.is_cuda and p.dtype in (torch.float32, torch.float16, torch.bfloat16) and p.is_contiguous()):
         return False
@@ -87,8 +95,10 @@ def _torch_step(opt) -> None:
 
 
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW with moe8's fused step for its CUDA tensors (see the module's docstring). foreach and
-    fused are accepted and ignored: the tensors moe8 does not step run on torch's default implementation."""
+    """torch.optim.AdamW with moe8's fused step for its CUDA tensors of at least kernel_min_numel elements (see the
+    module's docstring). foreach and fused choose torch's implementation for the other tensors, as they do for
+    torch.optim.AdamW. A GradScaler unscales the gradients before the step (fp16 AMP), as for a step without
+    fused kernels."""
 
     def __init__(
         self,
@@ -104,8 +114,15 @@ class AdamW(torch.optim.AdamW):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        kernel_min_numel: int = KERNEL_MIN_NUMEL,
     ):
-        del foreach, fused
+        if (
+            isinstance(kernel_min_numel, bool)
+            or not isinstance(kernel_min_numel, int)
+            or kernel_min_numel < 0
+        ):
+            raise ValueError(f"kernel_min_numel: expected an integer >= 0, got {kernel_min_numel!r}")
+        self.kernel_min_numel = kernel_min_numel
         super().__init__(
             params,
             lr=lr,
@@ -116,7 +133,11 @@ class AdamW(torch.optim.AdamW):
             maximize=maximize,
             capturable=capturable,
             differentiable=differentiable,
+            foreach=foreach,
+            fused=fused,
         )
+        # moe8's kernel takes no grad_scale / found_inf: a GradScaler unscales and checks the gradients itself
+        self._step_supports_amp_scaling = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,7 +156,7 @@ class AdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not _takes(p, p.grad, state):
+                if not _takes(p, p.grad, state, self.kernel_min_numel):
                     left = True
                     continue
                 if not state:

@@ -128,7 +128,7 @@ def test_optimizer_on_cpu_is_torch_adamw():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_optimizer_against_torch_fused(dtype):
     mine, theirs = param_set(dtype, "cuda"), param_set(dtype, "cuda")
-    a = run(AdamW, mine, 5, lr=1e-3, weight_decay=0.01)
+    a = run(AdamW, mine, 5, lr=1e-3, weight_decay=0.01, kernel_min_numel=0)
     run(torch.optim.AdamW, theirs, 5, lr=1e-3, weight_decay=0.01, fused=True)
     for x, y in zip(mine, theirs):
         torch.testing.assert_close(x, y, rtol=ulps(dtype) * 2, atol=1e-6)
@@ -138,7 +138,7 @@ def test_cuda_optimizer_against_torch_fused(dtype):
     for p in theirs:
         p.grad = torch.full_like(p, 1e-3)
     b.step()
-    c = AdamW(theirs, lr=1e-3, weight_decay=0.01)
+    c = AdamW(theirs, lr=1e-3, weight_decay=0.01, kernel_min_numel=0)
     c.load_state_dict(b.state_dict())
     c.step()
     assert all(float(s["step"]) == 2 for s in c.state.values())
@@ -162,7 +162,7 @@ def test_cuda_groups_torch_keeps():
         return [{"params": [ps[0], ps[2], ps[3], ps[4]]}, {"params": [ps[1]], "amsgrad": True}]
 
     mine, theirs = params(), params()
-    a, b = AdamW(groups(mine), lr=1e-2), torch.optim.AdamW(groups(theirs), lr=1e-2)
+    a, b = AdamW(groups(mine), lr=1e-2, kernel_min_numel=0), torch.optim.AdamW(groups(theirs), lr=1e-2)
     for step in range(3):
         for ps in (mine, theirs):
             g = torch.Generator().manual_seed(step)
@@ -176,6 +176,22 @@ def test_cuda_groups_torch_keeps():
     assert mine[4].grad is None and not a.state[mine[4]]
 
 
+def test_small_tensors_go_to_torch():
+    """Under kernel_min_numel elements a tensor steps on torch's AdamW; the optimizer asks for torch's fused
+    implementation when told to (as transformers' Trainer does), and never for AMP's scaled step."""
+    from moe8.optim import KERNEL_MIN_NUMEL, _takes
+
+    dev = "cuda" if CUDA else "cpu"
+    small = torch.nn.Parameter(torch.randn(1000, device=dev))
+    assert not _takes(small, small.detach().clone(), {})
+    assert _takes(small, small.detach().clone(), {}, min_numel=1000) == CUDA
+    assert KERNEL_MIN_NUMEL == 1 << 20
+    opt = AdamW([small], fused=True)
+    assert opt.defaults["fused"] and not opt._step_supports_amp_scaling
+    with pytest.raises(ValueError, match="kernel_min_numel: expected an integer >= 0, got -1"):
+        AdamW([small], kernel_min_numel=-1)
+
+
 def test_tensor_subclasses_go_to_torch():
     """DTensors (FSDP2, expert parallelism) and other tensor subclasses never reach moe8's kernel."""
     from moe8.optim import _takes
@@ -185,9 +201,9 @@ def test_tensor_subclasses_go_to_torch():
 
     dev = "cuda" if CUDA else "cpu"
     p, g = torch.nn.Parameter(torch.randn(8, device=dev)), torch.randn(8, device=dev)
-    assert _takes(p, g, {}) == CUDA
-    assert not _takes(p, g.as_subclass(Sub), {})
-    assert not _takes(torch.randn(8, device=dev).as_subclass(Sub), g, {})
+    assert _takes(p, g, {}, min_numel=0) == CUDA
+    assert not _takes(p, g.as_subclass(Sub), {}, min_numel=0)
+    assert not _takes(torch.randn(8, device=dev).as_subclass(Sub), g, {}, min_numel=0)
 
 
 def test_errors_name_the_argument():
