@@ -212,9 +212,8 @@ def fusions_of(spec: str) -> dict:
 def optimizer_for(model, device, moe8_adamw: bool):
     """What a Trainer would build for the model: moe8.optim.AdamW for a moe8 row (moe8.enable() gives it where
     Config.fused_adamw), else torch's AdamW, fused on CUDA."""
-    if moe8_adamw:
-        return moe8.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    cls = moe8.optim.AdamW if moe8_adamw else torch.optim.AdamW
+    return cls(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
 
 def measure(model, ids, steps, warmup, device, opt):

@@ -248,15 +248,15 @@ inline std::optional<Tile> act_dgrad_tile(int64_t n, int64_t rows, int groups, c
   return std::nullopt;
 }
 
-// Whether the weight gradient db [groups, n, kd] over `rows` rows takes the 128x128 ping-pong tile by default by
-// its shape alone; with balanced routing it also does past kPongWgradMaxTiles (wgrad_pong_if_balanced).
-inline bool wgrad_pong(int groups, int64_t rows, int64_t n, int64_t kd) {
-  return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups &&
-         groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
-}
-// Whether the routing-balance hint is worth consulting (then a balanced answer means ping-pong).
+// Whether the routing-balance hint is worth consulting for the weight gradient over `rows` rows (then a balanced
+// answer means ping-pong): enough experts, few enough rows each.
 inline bool wgrad_pong_if_balanced(int groups, int64_t rows) {
   return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups;
+}
+// Whether the weight gradient db [groups, n, kd] over `rows` rows takes the 128x128 ping-pong tile by default by
+// its shape alone: those experts and at most kPongWgradMaxTiles 128x128 output tiles.
+inline bool wgrad_pong(int groups, int64_t rows, int64_t n, int64_t kd) {
+  return wgrad_pong_if_balanced(groups, rows) && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
 }
 
 // The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n.

@@ -57,9 +57,8 @@ def adamw_step(
         bool(maximize),
         stream(params[0]),
     )
-    torch.autograd.graph.increment_version(
-        params
-    )  # as torch's in-place step does (the states are never saved)
+    # as torch's in-place step does (the states are never saved for a backward)
+    torch.autograd.graph.increment_version(params)
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
