@@ -85,7 +85,8 @@ struct Sm90Overrides {
   Override<Balance> balance;             // MOE8_SM90_BALANCE=auto|balanced|skewed: the routing-balance hint
   Override<int> gather_warps;      // MOE8_SM90_GATHER_WARPS=1|2: the producer warps copying a gathered forward's rows
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
-  Override<int> epilogue;  // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
+  Override<int> epilogue;     // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
+  Override<bool> wgrad_pong;  // MOE8_SM90_WGRAD=pong|large: every bf16 weight gradient on ping-pong or not (wgrad_tile)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -122,6 +123,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, int> kEpilogue[] = {{"32", 32}, {"64", 64}};
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
+  constexpr std::pair<const char*, bool> kWgrad[] = {{"pong", true}, {"large", false}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
@@ -134,6 +136,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.gather_warps = read("MOE8_SM90_GATHER_WARPS", kGatherWarps);
   o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
+  o.wgrad_pong = read("MOE8_SM90_WGRAD", kWgrad);
   return o;
 }
 
@@ -259,8 +262,10 @@ inline bool wgrad_pong(int groups, int64_t rows, int64_t n, int64_t kd) {
   return wgrad_pong_if_balanced(groups, rows) && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
 }
 
-// The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n.
+// The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n. pong: the
+// rules' ping-pong answer (wgrad_pong, or the balance hint), which MOE8_SM90_WGRAD replaces for bf16.
 inline Tile wgrad_tile(bool bf16, int64_t n, int64_t kd, bool pong, const Sm90Overrides& env) {
+  if (bf16) pong = env.wgrad_pong.get().value_or(pong);
   return with_epilogue(pick_tile(bf16, kd, false, large_tile(bf16, kd, n, pong, env)), bf16, env);
 }
 

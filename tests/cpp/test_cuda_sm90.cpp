@@ -403,7 +403,7 @@ TEST_F(Sm90Test, CapturedGraphFollowsDeviceOffsets) {
 
 // The tiles the routing-balance hint switches between (1x2 cooperative 128x256, 2x1, 128x128 ping-pong)
 // give the same bits: the same K order per element, so a timing-dependent hint (sm90_util::routing_balanced)
-// can't make results differ between runs.
+// can't make results differ between runs. So do the weight gradient's tiles MOE8_SM90_WGRAD picks.
 TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
   Problem p({200, 0, 300, 129, 513, 160}, 4, 512, 384, 98000);
   DeviceProblem d(p);
@@ -414,6 +414,11 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
     runs.push_back(d.wgrad(false));
   });
   for (size_t i = 3; i < runs.size(); ++i) EXPECT_TRUE(runs[i] == runs[i % 3]) << "result " << i << " differs";
+  for (const char* w : {"pong", "large"}) {
+    set_override("MOE8_SM90_WGRAD", w);
+    EXPECT_TRUE(d.wgrad(false) == runs[2]) << "MOE8_SM90_WGRAD=" << w;
+  }
+  set_override("MOE8_SM90_WGRAD", nullptr);
 }
 
 // The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE; sm90_util::apply_schedule) moves only

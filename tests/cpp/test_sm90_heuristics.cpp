@@ -121,6 +121,17 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
   EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);     // f16: no ping-pong tile
   EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);        // the LoRA A gradient's kd = r
+  // MOE8_SM90_WGRAD replaces the rules' ping-pong answer for bf16; the tile forced by MOE8_SM90_TILE still wins.
+  const h::Sm90Overrides large = overrides({{"MOE8_SM90_WGRAD", "large"}});
+  const h::Sm90Overrides pong = overrides({{"MOE8_SM90_WGRAD", "pong"}});
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, large), Tile::kEpi64);
+  EXPECT_EQ(h::wgrad_tile(true, 2048, 768, true, large), Tile::kEpi64Solo);
+  EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, pong), Tile::kPong128);
+  EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, false, pong), Tile::kLarge);
+  EXPECT_EQ(
+      h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_WGRAD", "large"}, {"MOE8_SM90_TILE", "pong128"}})),
+      Tile::kPong128);
+  EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, pong), Tile::kThin);
 }
 
 TEST(Sm90Heuristics, Fp8Tiles) {
@@ -221,6 +232,10 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
               h::rows_tile(true, 1536, 2048, 1 << 15, 128, overrides({{"MOE8_SM90_EPILOGUE", "48"}}));
             }),
             "MOE8_SM90_EPILOGUE: expected one of 32, 64, got '48'");
+  EXPECT_EQ(message([&] {
+              h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_WGRAD", "auto"}}));
+            }),
+            "MOE8_SM90_WGRAD: expected one of pong, large, got 'auto'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));

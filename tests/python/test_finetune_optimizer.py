@@ -1,7 +1,7 @@
-"""moe8 finetune's optimizer: AdamW with the trainer's param groups, fused on a GPU. The fused kernel updates
-exactly as the default one does (checked on the CPU, where both exist), and on a GPU its step allocates nothing
-per parameter, where the default foreach AdamW holds an fp32 temporary per parameter (the sqrt of exp_avg_sq) at
-the peak of a full fine-tune."""
+"""moe8 finetune's optimizer: AdamW with the trainer's param groups, on a GPU moe8's (moe8.optim.AdamW, torch's
+fused kernel for its small tensors). The fused kernel updates exactly as the default one does (checked on the CPU,
+where both exist), and on a GPU the step allocates nothing per parameter, where the default foreach AdamW holds an
+fp32 temporary per parameter (the sqrt of exp_avg_sq) at the peak of a full fine-tune."""
 
 import json
 
@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="moe8 finetune needs transformers>=5")
 
+import moe8.optim  # noqa: E402
 from moe8.finetune.config import make_config  # noqa: E402
 from moe8.finetune.train import Trainer, adamw  # noqa: E402
 
@@ -31,6 +32,7 @@ def test_fused_adamw_updates_as_the_default():
         params = [torch.nn.Parameter(t.clone()) for t in start]
         opt = adamw(groups(params), 1e-2, torch.device(where))
         assert bool(opt.defaults["fused"]) == (where == "cuda")
+        assert isinstance(opt, moe8.optim.AdamW) == (where == "cuda")
         for step in grads:
             for p, g in zip(params, step):
                 p.grad = g.clone()
