@@ -1,12 +1,14 @@
 // dense_gemm_sm90.cu — one dense bf16 GEMM, D [M, N] = A [M, K] · B [N, K]^T (row-major, the expert forward's
-// layout), timed on CUTLASS's plain (not ptr-array) sm_90a kernels and on cuBLAS: what the tile configurations
-// of moe8's grouped kernels reach without any grouping machinery (no per-group descriptors, one problem), against
-// the library's kernel on the same shape. A measurement tool, not part of the extension.
+// layout), or L of them strided-batched (a weight each: equal experts), timed on CUTLASS's plain (not ptr-array)
+// sm_90a kernels and on cuBLAS: what the tile configurations of moe8's grouped kernels reach without any grouping
+// machinery (fixed TMA descriptors, the batch a coordinate), against the library's kernel on the same shape. A
+// measurement tool, not part of the extension.
 //
 //   nvcc -O3 -DNDEBUG -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -I$CUTLASS/include -I$CUTLASS/tools/util/include \
 //     bench/cpp/dense_gemm_sm90.cu -lcublas -o dense_gemm_sm90
-//   ./dense_gemm_sm90 [M N K [iters]]      (default: Qwen3-30B-A3B's up projection, 131072 1536 2048)
+//   ./dense_gemm_sm90 [M N K [iters [L]]]   (default: Qwen3-30B-A3B's up projection, 131072 1536 2048;
+//                                            L 128 with M 1024: its 128 experts of 1,024 rows each)
 // (-DNDEBUG as the extension builds: CUTLASS's asserts are calls that serialise the wgmma pipeline.
 // CUTLASS: the source/ folder of the pinned nvidia-cutlass wheel's cutlass_library package, or a CUTLASS checkout.)
 //
@@ -58,15 +60,15 @@ struct Dense {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // A launcher for D = A · B^T, its workspace allocated once.
-  static std::function<void()> make(int M, int N, int K, const T* a, const T* b, T* d, int sms) {
+  static std::function<void()> make(int M, int N, int K, int L, const T* a, const T* b, T* d, int sms) {
     using SA = typename Kernel::StrideA;
     using SB = typename Kernel::StrideB;
     using SD = typename Kernel::StrideD;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
-        {M, N, K, 1},
-        {a, cutlass::make_cute_packed_stride(SA{}, {M, K, 1}), b, cutlass::make_cute_packed_stride(SB{}, {N, K, 1})},
-        {{1.0f, 0.0f}, nullptr, SD{}, d, cutlass::make_cute_packed_stride(SD{}, {M, N, 1})}};
+        {M, N, K, L},
+        {a, cutlass::make_cute_packed_stride(SA{}, {M, K, L}), b, cutlass::make_cute_packed_stride(SB{}, {N, K, L})},
+        {{1.0f, 0.0f}, nullptr, SD{}, d, cutlass::make_cute_packed_stride(SD{}, {M, N, L})}};
     args.hw_info.sm_count = sms;
     auto gemm = std::make_shared<Gemm>();
     void* ws = nullptr;
@@ -134,30 +136,37 @@ std::vector<float> to_host(const T* d, size_t n) {
 
 int main(int argc, char** argv) {
   const int M = argc > 3 ? std::atoi(argv[1]) : 131072, N = argc > 3 ? std::atoi(argv[2]) : 1536,
-            K = argc > 3 ? std::atoi(argv[3]) : 2048, iters = argc > 4 ? std::atoi(argv[4]) : 20;
+            K = argc > 3 ? std::atoi(argv[3]) : 2048, iters = argc > 4 ? std::atoi(argv[4]) : 20,
+            L = argc > 5 ? std::atoi(argv[5]) : 1;
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs; D [%d, %d] = A [%d, %d] . B [%d, %d]^T, bf16, fp32 accumulation\n", prop.name, sms, M, N, M,
-              K, N, K);
+  std::printf("%s, %d SMs; %d x D [%d, %d] = A [%d, %d] . B [%d, %d]^T, bf16, fp32 accumulation\n", prop.name, sms, L,
+              M, N, M, K, N, K);
+  const size_t na = size_t(L) * M * K, nb = size_t(L) * N * K, nd = size_t(L) * M * N;
   T *a, *b, *d;
-  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * M * K));
-  CHECK_CUDA(cudaMalloc(&b, sizeof(T) * N * K));
-  CHECK_CUDA(cudaMalloc(&d, sizeof(T) * M * N));
-  fill<<<1024, 256>>>(a, size_t(M) * K, 1);
-  fill<<<1024, 256>>>(b, size_t(N) * K, 2);
+  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * na));
+  CHECK_CUDA(cudaMalloc(&b, sizeof(T) * nb));
+  CHECK_CUDA(cudaMalloc(&d, sizeof(T) * nd));
+  fill<<<1024, 256>>>(a, na, 1);
+  fill<<<1024, 256>>>(b, nb, 2);
   cublasHandle_t h;
   cublasCreate(&h);
   const float one = 1.0f, zero = 0.0f;
   auto cublas = [&] {  // row-major D = A . B^T as column-major D^T = B . A^T
-    cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, b, CUDA_R_16BF, K, a, CUDA_R_16BF, K, &zero, d,
-                 CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (L == 1)
+      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, b, CUDA_R_16BF, K, a, CUDA_R_16BF, K, &zero, d,
+                   CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    else
+      cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, b, CUDA_R_16BF, K, (long long)N * K, a,
+                                 CUDA_R_16BF, K, (long long)M * K, &zero, d, CUDA_R_16BF, N, (long long)M * N, L,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   };
-  const double flop = 2.0 * M * N * K;
+  const double flop = 2.0 * M * N * K * L;
   cublas();
   CHECK_CUDA(cudaDeviceSynchronize());
-  const std::vector<float> ref = to_host(d, size_t(M) * N);
+  const std::vector<float> ref = to_host(d, nd);
   float ref_max = 0;
   for (float v : ref) ref_max = std::max(ref_max, std::fabs(v));
   struct Case {
@@ -165,16 +174,16 @@ int main(int argc, char** argv) {
     std::function<void()> run;
   };
   std::vector<Case> cases = {{"cublas", cublas},
-                             {"epi64 128x256 1x2 coop", Epi64::make(M, N, K, a, b, d, sms)},
-                             {"tall 256x128 1x2 coop", Tall::make(M, N, K, a, b, d, sms)},
-                             {"pong128 128x128 2x1 ping-pong", Pong128::make(M, N, K, a, b, d, sms)},
-                             {"128x256 2x1 coop", Large2x1::make(M, N, K, a, b, d, sms)}};
+                             {"epi64 128x256 1x2 coop", Epi64::make(M, N, K, L, a, b, d, sms)},
+                             {"tall 256x128 1x2 coop", Tall::make(M, N, K, L, a, b, d, sms)},
+                             {"pong128 128x128 2x1 ping-pong", Pong128::make(M, N, K, L, a, b, d, sms)},
+                             {"128x256 2x1 coop", Large2x1::make(M, N, K, L, a, b, d, sms)}};
   for (int round = 0; round < 2;
        ++round) {  // twice, round-robin: the second round after every kernel warmed the clocks
     for (const Case& c : cases) {
       const float ms = median_ms(c.run, iters);
       CHECK_CUDA(cudaDeviceSynchronize());
-      const std::vector<float> out = to_host(d, size_t(M) * N);
+      const std::vector<float> out = to_host(d, nd);
       float diff = 0;
       for (size_t i = 0; i < out.size(); ++i) diff = std::max(diff, std::fabs(out[i] - ref[i]));
       std::printf("round %d  %-32s %8.3f ms %7.1f TFLOP/s  max|diff|/max|D| %.2e\n", round, c.name, ms, flop / ms / 1e9,

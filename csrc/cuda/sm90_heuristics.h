@@ -175,10 +175,11 @@ constexpr int64_t kThinN = 32;
 // MOE8_SM90_CLUSTER=auto pairs along M where both sides of the weight are at most this wide.
 constexpr int64_t kAutoM2Width = 2048;
 // The weight gradient's ping-pong default: at least this many experts, at most this many 128x128 tiles, at most
-// this many rows per expert on average (the GEMM's K). Past ~1,500 rows the 128x256 tile's fewer operand bytes per
-// FLOP win: OLMoE's (2,048 rows) 17% / 4% faster on it, Qwen3-30B-A3B's (1,024) 2% / 25% slower (docs/kernels.md).
+// this many rows per expert on average (the GEMM's K). From 256 rows up (measured 256-2,048) the 128x256 tiles with
+// 128x64 epilogue subtiles won in 20 of 24 weight gradients at Qwen3-30B-A3B's and OLMoE's widths, and the
+// Qwen3-30B-A3B block was 4-5% faster on them (docs/kernels.md); fewer rows were not measured against them.
 constexpr int kPongWgradMinGroups = 16;
-constexpr int64_t kPongWgradMaxRowsPerGroup = 1536;
+constexpr int64_t kPongWgradMaxRowsPerGroup = 128;
 constexpr int64_t kPongWgradMaxTiles = 40000;
 
 inline bool small_rows(int64_t rows, int groups) { return groups > 0 && rows <= kSmallRowsPerGroup * groups; }

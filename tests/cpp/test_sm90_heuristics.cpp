@@ -101,21 +101,23 @@ TEST(Sm90Heuristics, FusedActDgradTiles) {
 }
 
 TEST(Sm90Heuristics, WgradTiles) {
-  // Ping-pong by shape (16,384 tokens): Qwen3 (25k and 12k 128x128 tiles, 1,024 rows per expert); not OLMoE
-  // (2,048 rows per expert), GPT-OSS (2,048), DeepSeek-V3 (458k tiles) nor Mixtral (8 experts).
+  // Ping-pong by shape only for many experts of few rows (<= 128 on average) and at most 40,000 128x128 tiles:
+  // not Qwen3-30B-A3B at 16,384 tokens (1,024 rows per expert) nor at 2,048 (128 experts of 128 rows: yes), not
+  // OLMoE (2,048), GPT-OSS (2,048), DeepSeek-V3 (458k tiles) nor Mixtral (8 experts).
   const int64_t tokens = 16384;
-  EXPECT_TRUE(h::wgrad_pong(128, tokens * 8, 1536, 2048));
-  EXPECT_TRUE(h::wgrad_pong(128, tokens * 8, 2048, 768));
+  EXPECT_FALSE(h::wgrad_pong(128, tokens * 8, 1536, 2048));
+  EXPECT_FALSE(h::wgrad_pong(128, tokens * 8, 2048, 768));
+  EXPECT_FALSE(h::wgrad_pong(128, 4096 * 8, 1536, 2048));  // 256 rows per expert
+  EXPECT_TRUE(h::wgrad_pong(128, 2048 * 8, 1536, 2048));
+  EXPECT_TRUE(h::wgrad_pong(128, 2048 * 8, 2048, 768));
   EXPECT_FALSE(h::wgrad_pong(64, tokens * 8, 2048, 2048));
-  EXPECT_FALSE(h::wgrad_pong(64, tokens * 8, 2048, 1024));
-  EXPECT_TRUE(h::wgrad_pong(64, tokens * 4, 2048, 2048));  // half the tokens: 1,024 rows per expert
-  EXPECT_FALSE(h::wgrad_pong(32, tokens * 4, 5760, 2880));
-  EXPECT_TRUE(h::wgrad_pong(32, tokens * 2, 2880, 2880));
-  EXPECT_FALSE(h::wgrad_pong(256, tokens * 8, 4096, 7168));
-  EXPECT_FALSE(h::wgrad_pong(8, tokens * 2, 28672, 4096));
-  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, tokens * 8));
-  EXPECT_FALSE(h::wgrad_pong_if_balanced(8, tokens * 2));
-  EXPECT_FALSE(h::wgrad_pong_if_balanced(64, tokens * 8));
+  EXPECT_TRUE(h::wgrad_pong(64, 1024 * 8, 2048, 2048));
+  EXPECT_FALSE(h::wgrad_pong(32, tokens * 2, 2880, 2880));
+  EXPECT_FALSE(h::wgrad_pong(8, 512 * 2, 28672, 4096));    // 8 experts
+  EXPECT_FALSE(h::wgrad_pong(256, 4096 * 8, 4096, 7168));  // 128 rows per expert, but 458k tiles
+  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, 4096 * 8));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(256, tokens * 8));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(8, 512 * 2));
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, kNone), Tile::kPong128);
   EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kEpi64);     // 28 tiles of the GEMM's N (kd)
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
