@@ -208,7 +208,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
     // only bf16 reads pong: f16 hands no offsets to the balance hint
     const bool pong = bf16 && (heuristics::wgrad_pong(groups, rows, n, kd) ||
-                               (heuristics::wgrad_pong_if_balanced(groups, rows) &&
+                               (heuristics::wgrad_pong_if_balanced(groups, rows, n, kd) &&
                                 sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
     const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, heuristics::sm90_overrides());
     auto launch = [&](auto g) {

@@ -174,13 +174,16 @@ constexpr int64_t kSmallRowsPerGroup = 128;
 constexpr int64_t kThinN = 32;
 // MOE8_SM90_CLUSTER=auto pairs along M where both sides of the weight are at most this wide.
 constexpr int64_t kAutoM2Width = 2048;
-// The weight gradient's ping-pong default: at least this many experts, at most this many 128x128 tiles, at most
-// this many rows per expert on average (the GEMM's K). From 256 rows up (measured 256-2,048) the 128x256 tiles with
-// 128x64 epilogue subtiles won in 20 of 24 weight gradients at Qwen3-30B-A3B's and OLMoE's widths, and the
-// Qwen3-30B-A3B block was 4-5% faster on them (docs/kernels.md); fewer rows were not measured against them.
+// The weight gradient's ping-pong default by shape: at least this many experts, at most this many 128x128 tiles, at
+// most this many rows per expert on average (the GEMM's K). From 256 rows up (measured 256-2,048) the 128x256 tiles
+// with 128x64 epilogue subtiles won in 20 of 24 weight gradients at Qwen3-30B-A3B's and OLMoE's widths, and the
+// Qwen3-30B-A3B block was 4-5% faster on them on three H100s (docs/kernels.md); fewer rows were not measured again.
 constexpr int kPongWgradMinGroups = 16;
 constexpr int64_t kPongWgradMaxRowsPerGroup = 128;
 constexpr int64_t kPongWgradMaxTiles = 40000;
+// Past kPongWgradMaxTiles (large weights: DeepSeek-V3's 458k tiles) ping-pong wins with balanced routing up to this
+// many rows per expert: 12-14% at 512 rows against the 128x64-subtile tiles (H200), while skewed it loses 6-9%.
+constexpr int64_t kPongWgradBalancedMaxRowsPerGroup = 1536;
 
 inline bool small_rows(int64_t rows, int groups) { return groups > 0 && rows <= kSmallRowsPerGroup * groups; }
 
@@ -252,15 +255,21 @@ inline std::optional<Tile> act_dgrad_tile(int64_t n, int64_t rows, int groups, c
   return std::nullopt;
 }
 
-// Whether the routing-balance hint is worth consulting for the weight gradient over `rows` rows (then a balanced
-// answer means ping-pong): enough experts, few enough rows each.
-inline bool wgrad_pong_if_balanced(int groups, int64_t rows) {
-  return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups;
+// The 128x128 output tiles of the weight gradient db [groups, n, kd].
+inline int64_t wgrad_pong_tiles(int groups, int64_t n, int64_t kd) {
+  return groups * ((n + 127) / 128) * ((kd + 127) / 128);
 }
-// Whether the weight gradient db [groups, n, kd] over `rows` rows takes the 128x128 ping-pong tile by default by
-// its shape alone: those experts and at most kPongWgradMaxTiles 128x128 output tiles.
+// Whether the weight gradient db [groups, n, kd] over `rows` rows takes the 128x128 ping-pong tile by its shape
+// alone: enough experts of few rows each, at most kPongWgradMaxTiles 128x128 output tiles.
 inline bool wgrad_pong(int groups, int64_t rows, int64_t n, int64_t kd) {
-  return wgrad_pong_if_balanced(groups, rows) && groups * ((n + 127) / 128) * ((kd + 127) / 128) <= kPongWgradMaxTiles;
+  return groups >= kPongWgradMinGroups && rows <= kPongWgradMaxRowsPerGroup * groups &&
+         wgrad_pong_tiles(groups, n, kd) <= kPongWgradMaxTiles;
+}
+// Whether the routing-balance hint is worth consulting for it (then a balanced answer means ping-pong): large
+// weights (past kPongWgradMaxTiles) of enough experts, at most kPongWgradBalancedMaxRowsPerGroup rows each.
+inline bool wgrad_pong_if_balanced(int groups, int64_t rows, int64_t n, int64_t kd) {
+  return groups >= kPongWgradMinGroups && rows <= kPongWgradBalancedMaxRowsPerGroup * groups &&
+         wgrad_pong_tiles(groups, n, kd) > kPongWgradMaxTiles;
 }
 
 // The weight gradient db [groups, n, kd]: the GEMM's N is kd and its M the weight's other side n. pong: the

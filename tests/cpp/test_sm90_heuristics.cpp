@@ -115,9 +115,14 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_FALSE(h::wgrad_pong(32, tokens * 2, 2880, 2880));
   EXPECT_FALSE(h::wgrad_pong(8, 512 * 2, 28672, 4096));    // 8 experts
   EXPECT_FALSE(h::wgrad_pong(256, 4096 * 8, 4096, 7168));  // 128 rows per expert, but 458k tiles
-  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, 4096 * 8));
-  EXPECT_FALSE(h::wgrad_pong_if_balanced(256, tokens * 8));
-  EXPECT_FALSE(h::wgrad_pong_if_balanced(8, 512 * 2));
+  // The balance hint: only for large weights (past 40,000 tiles) of at most 1,536 rows per expert: DeepSeek-V3 at
+  // 16,384 tokens (512 rows), not Qwen3-30B-A3B (small weights), OLMoE nor Mixtral.
+  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, tokens * 8, 4096, 7168));
+  EXPECT_TRUE(h::wgrad_pong_if_balanced(256, tokens * 8, 7168, 2048));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(256, tokens * 8 * 4, 4096, 7168));  // 2,048 rows per expert
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(128, tokens * 8, 1536, 2048));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(64, tokens * 8, 2048, 2048));
+  EXPECT_FALSE(h::wgrad_pong_if_balanced(8, tokens * 2, 28672, 4096));
   EXPECT_EQ(h::wgrad_tile(true, 1536, 2048, true, kNone), Tile::kPong128);
   EXPECT_EQ(h::wgrad_tile(true, 4096, 7168, false, kNone), Tile::kEpi64);     // 28 tiles of the GEMM's N (kd)
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
