@@ -23,6 +23,9 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
+--prepared-store also times the forward and dgrad GEMMs with D stored through per-group descriptors made once per
+call (MOE8_SM90_PREPARED_STORE=1, prepared_store_sm90.cuh) beside the default (CUTLASS's per-CTA rewrite at each
+group change).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -211,6 +214,9 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
+            prepared = args.prepared_store and kind in ("fwd", "dgrad")
+            if prepared:
+                cands["prepared store"] = with_env(mine, {"MOE8_SM90_PREPARED_STORE": "1"})
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
@@ -233,6 +239,8 @@ def bench(shape, dims, routing, args, device, gen):
                 row["quant_cols_gbps"] = {
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
+            if prepared:
+                row["prepared_store_ms"] = {"default": ms["moe8"], "prepared": ms["prepared store"]}
             if bounds.get(kind):
                 row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
             if "moe8_ms" in row and "torch_ms" in row:
@@ -349,6 +357,7 @@ def tiles_text(r) -> str:
         ("schedules_ms", "schedules"),
         ("promotions_ms", "promotions"),
         ("quant_cols_ms", "column quantisation"),
+        ("prepared_store_ms", "D's descriptors"),
         ("bounds_ms", "same FLOPs"),
     ):
         if key not in r:
@@ -417,6 +426,12 @@ def main() -> int:
         default="",
         help=f"comma-separated, from {QUANT_COLS}: also time the FP8 weight gradient's column quantisation of "
         "both operands with each kernel (MOE8_QUANT_COLS)",
+    )
+    ap.add_argument(
+        "--prepared-store",
+        action="store_true",
+        help="also time the forward and dgrad GEMMs with D's descriptors made once per call "
+        "(MOE8_SM90_PREPARED_STORE=1) beside the default",
     )
     ap.add_argument(
         "--bounds",

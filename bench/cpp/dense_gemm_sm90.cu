@@ -50,6 +50,23 @@ using T = cutlass::bfloat16_t;
     }                                                                                 \
   } while (0)
 
+// A launcher of Gemm on args, its workspace allocated once; exits if CUTLASS cannot run the configuration.
+template <class Gemm>
+std::function<void()> launcher(typename Gemm::Arguments const& args) {
+  auto gemm = std::make_shared<Gemm>();
+  void* ws = nullptr;
+  const size_t bytes = Gemm::get_workspace_size(args);
+  if (bytes) CHECK_CUDA(cudaMalloc(&ws, bytes));
+  if (gemm->can_implement(args) != cutlass::Status::kSuccess ||
+      gemm->initialize(args, ws) != cutlass::Status::kSuccess) {
+    std::fprintf(stderr, "CUTLASS: cannot run this configuration\n");
+    std::exit(1);
+  }
+  return [gemm] {
+    if (gemm->run() != cutlass::Status::kSuccess) std::exit(2);
+  };
+}
+
 template <class Tile, class Cluster, class KernelSchedule, class EpilogueSchedule, class EpilogueTile>
 struct Dense {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -63,7 +80,7 @@ struct Dense {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  // A launcher for D = A · B^T, its workspace allocated once.
+  // A launcher for D = A · B^T.
   static std::function<void()> make(int M, int N, int K, int L, const T* a, const T* b, T* d, int sms) {
     using SA = typename Kernel::StrideA;
     using SB = typename Kernel::StrideB;
@@ -74,18 +91,7 @@ struct Dense {
         {a, cutlass::make_cute_packed_stride(SA{}, {M, K, L}), b, cutlass::make_cute_packed_stride(SB{}, {N, K, L})},
         {{1.0f, 0.0f}, nullptr, SD{}, d, cutlass::make_cute_packed_stride(SD{}, {M, N, L})}};
     args.hw_info.sm_count = sms;
-    auto gemm = std::make_shared<Gemm>();
-    void* ws = nullptr;
-    const size_t bytes = Gemm::get_workspace_size(args);
-    if (bytes) CHECK_CUDA(cudaMalloc(&ws, bytes));
-    if (gemm->can_implement(args) != cutlass::Status::kSuccess ||
-        gemm->initialize(args, ws) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "CUTLASS: cannot run this configuration\n");
-      std::exit(1);
-    }
-    return [gemm] {
-      if (gemm->run() != cutlass::Status::kSuccess) std::exit(2);
-    };
+    return launcher<Gemm>(args);
   }
 };
 
@@ -302,18 +308,7 @@ struct GroupedGemm {
     args.epilogue.thread.beta = 0.0f;
     args.hw_info.sm_count = sms;
     set_eq(args, e);
-    auto gemm = std::make_shared<Gemm>();
-    void* ws = nullptr;
-    const size_t bytes = Gemm::get_workspace_size(args);
-    if (bytes) CHECK_CUDA(cudaMalloc(&ws, bytes));
-    if (gemm->can_implement(args) != cutlass::Status::kSuccess ||
-        gemm->initialize(args, ws) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "CUTLASS: cannot run this grouped configuration\n");
-      std::exit(1);
-    }
-    return [gemm] {
-      if (gemm->run() != cutlass::Status::kSuccess) std::exit(2);
-    };
+    return launcher<Gemm>(args);
   }
 };
 

@@ -92,11 +92,23 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
+      if constexpr (G::kPreparedStore)
+        prepare_store_descriptors<G>(ck.w, offsets.ptr<int32_t>(), groups, rows, n, c.data, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s);
     };
-    const heuristics::Tile tile = heuristics::rows_tile(std::is_same_v<T, cutlass::bfloat16_t>, n, kd, rows, groups,
-                                                        heuristics::sm90_overrides());
+    constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
+    const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
+    const heuristics::Tile tile = heuristics::rows_tile(bf16, n, kd, rows, groups, env);
+    if constexpr (bf16) {
+      if (heuristics::prepared_store(tile, env)) {
+        if (layout == WeightLayout::kNK)
+          launch_prepared_tile<FwdGemmPrepared>(tile, launch);
+        else
+          launch_prepared_tile<DgradGemmPrepared>(tile, launch);
+        return;
+      }
+    }
     if (layout == WeightLayout::kNK)
       launch_tile<FwdGemm, T>(tile, launch);
     else

@@ -16,6 +16,7 @@
 #include "cuda/gathered_rows_sm90.cuh"
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
+#include "cuda/prepared_store_sm90.cuh"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -86,23 +87,26 @@ struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
 };
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
-// what Fusion (an epilogue visitor taking the accumulators) makes of it.
+// what Fusion (an epilogue visitor taking the accumulators) makes of it. kPreparedStore: D stored through
+// per-group descriptors made before the launch (prepared_store_sm90.cuh), not rewritten at each group change.
 // NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C
 // and beta = 0 it would still compute 0 * (unloaded C registers).
 template <class T, class LayoutA, class LayoutB, class Config,
-          class Fusion = cutlass::epilogue::fusion::LinearCombination<T, float, void>>
+          class Fusion = cutlass::epilogue::fusion::LinearCombination<T, float, void>, bool kPrepared = false>
 struct GroupedGemm {
   using Element = T;
   using Tiles = Config;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+  static constexpr bool kPreparedStore = kPrepared;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       typename EpilogueTileOf<Config>::type, float, float,  //
       void, LayoutD*, kAlign,                               // C: none
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
+  using Epilogue = std::conditional_t<kPrepared, PreparedStoreEpilogue<CutlassEpilogue>, CutlassEpilogue>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
@@ -124,6 +128,14 @@ template <class T, class Config>  // a [M, K] row-major · (b[e] [N, K] row-majo
 using FwdGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config>;
 template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
 using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
+// The two with D's descriptors prepared (heuristics::prepared_store): the 128x64-subtile 128x256 tiles, bf16.
+using PlainFusion = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void>;
+template <class T, class Config>
+using FwdGemmPrepared =
+    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config, PlainFusion, true>;
+template <class T, class Config>
+using DgradGemmPrepared =
+    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, PlainFusion, true>;
 // M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Never the 64x128 small tile
 // (slower at every shape measured, docs/kernels.md).
 template <class T, class Config = TileLarge>
@@ -179,6 +191,13 @@ void launch_tile(Tile tile, Launch&& launch) {
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
 }
 
+// The same for the prepared-store GEMMs (heuristics::prepared_store chose kEpi64 or kEpi64Solo). bf16 only.
+template <template <class, class> class Gemm, class Launch>
+void launch_prepared_tile(Tile tile, Launch&& launch) {
+  tile == Tile::kEpi64Solo ? launch(Gemm<cutlass::bfloat16_t, TileLargeSoloEpi64>{})
+                           : launch(Gemm<cutlass::bfloat16_t, TileLargeEpi64>{});
+}
+
 using sm90_util::stride_with_ld;
 
 // ---------------------------------------------------------------------------------------------------
@@ -186,13 +205,13 @@ using sm90_util::stride_with_ld;
 
 using sm90_util::align_up;
 using sm90_util::kAlignWs;
-constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16;
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotDesc = sizeof(cute::TmaDescriptor);
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 
 inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 3 * align_up(g * kSlotPtr, kAlignWs) +
-         3 * align_up(g * kSlotStride, kAlignWs);
+         3 * align_up(g * kSlotStride, kAlignWs) + align_up(g * kSlotDesc, kAlignWs);
 }
 
 struct GroupArrays {
@@ -203,7 +222,8 @@ struct GroupArrays {
   void* stride_a;
   void* stride_b;
   void* stride_d;
-  void* cutlass_ws;  // kAlignWs-aligned
+  cute::TmaDescriptor* descs_d;  // the prepared-store GEMMs' D descriptors, one a group
+  void* cutlass_ws;              // kAlignWs-aligned
 };
 
 inline GroupArrays carve(void* workspace, int groups) {
@@ -217,6 +237,7 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.stride_a = c.take(g * kSlotStride);
   w.stride_b = c.take(g * kSlotStride);
   w.stride_d = c.take(g * kSlotStride);
+  w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(g * kSlotDesc));
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -267,6 +288,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = reinterpret_cast<T**>(w.ptr_d);
   args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
+  if constexpr (takes_prepared_store<decltype(args.epilogue)>::value) args.epilogue.descs = w.descs_d;
   args.hw_info = hw;
   if constexpr (std::is_same_v<FusionArgs, std::nullptr_t>) {
     args.epilogue.thread.alpha = 1.0f;
@@ -350,6 +372,27 @@ __global__ void __launch_bounds__(kPrepThreads)
 }
 
 using sm90_util::prep_blocks;
+
+// A prepared-store GEMM's D descriptors for this call (after prep_rows_kernel, before the GEMM, stream-ordered):
+// CUTLASS's D descriptor as its epilogue makes it, each group's address and dims put in on the device.
+template <class G>
+void prepare_store_descriptors(const GroupArrays& w, const int32_t* offsets, int groups, int64_t rows, int64_t n,
+                               void* c, cudaStream_t stream) {
+  static_assert(G::kPreparedStore, "a prepared-store GEMM");
+  using T = typename G::Element;
+  using Epi = typename G::Epilogue;
+  if (groups == 0 || rows == 0) return;
+  typename Epi::Arguments args{};
+  args.ptr_D = reinterpret_cast<T**>(w.ptr_d);
+  args.dD = static_cast<typename G::StrideD*>(w.stride_d);
+  args.descs = w.descs_d;
+  const typename Epi::Params p =
+      Epi::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, args, w.cutlass_ws);
+  const int blocks = (groups + kDescWarps - 1) / kDescWarps;
+  prep_store_descriptors_kernel<T, typename G::StrideD>
+      <<<blocks, 32 * kDescWarps, 0, stream>>>(p.tma_store_d, offsets, groups, rows, n, static_cast<T*>(c), w.descs_d);
+  check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
+}
 
 // ---------------------------------------------------------------------------------------------------
 

@@ -87,6 +87,7 @@ struct Sm90Overrides {
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
   Override<int> epilogue;     // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
   Override<bool> wgrad_pong;  // MOE8_SM90_WGRAD=pong|large: every bf16 weight gradient on ping-pong or not (wgrad_tile)
+  Override<bool> prepared_store;  // MOE8_SM90_PREPARED_STORE=0|1: D's descriptors made once per call (prepared_store)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -124,6 +125,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
   constexpr std::pair<const char*, bool> kWgrad[] = {{"pong", true}, {"large", false}};
+  constexpr std::pair<const char*, bool> kOnOff[] = {{"0", false}, {"1", true}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
@@ -137,6 +139,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
   o.wgrad_pong = read("MOE8_SM90_WGRAD", kWgrad);
+  o.prepared_store = read("MOE8_SM90_PREPARED_STORE", kOnOff);
   return o;
 }
 
@@ -303,6 +306,15 @@ inline Fp8Promotion fp8_promotion(Fp8Tile tile, bool wgrad, const Sm90Overrides&
 inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.get().value_or(Fp8Tile::kLarge); }
 
 // ------------------------------------------------------------------------------------ gathered rows
+
+// Whether a forward or dgrad on `tile` stores D through per-group descriptors the prep kernels make once per call
+// (prepared_store_sm90.cuh) instead of CUTLASS's rewrite of one descriptor per CTA at every group change, which
+// stalls the consumers before the next tile's first wgmma (docs/kernels.md: with D's descriptor fixed, equal
+// experts run at the plain kernel's time, 4-15% faster). The bf16 128x64-subtile 128x256 tiles only; opt-in
+// (MOE8_SM90_PREPARED_STORE=1) until timed on ragged groups.
+inline bool prepared_store(Tile tile, const Sm90Overrides& env) {
+  return (tile == Tile::kEpi64 || tile == Tile::kEpi64Solo) && env.prepared_store.get().value_or(false);
+}
 
 // The producer warps that copy the rows of the forward GEMM gathered inside its load (gathered_rows_sm90.cuh):
 // one (the mainloop warp) unless overridden, as the second warp's copies have not been timed yet.

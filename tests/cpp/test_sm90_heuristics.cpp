@@ -128,6 +128,15 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
   EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);     // f16: no ping-pong tile
   EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);        // the LoRA A gradient's kd = r
+  // The prepared store (D's descriptors made once per call): opt-in, the 128x64-subtile 128x256 tiles only.
+  const h::Sm90Overrides prepared = overrides({{"MOE8_SM90_PREPARED_STORE", "1"}});
+  EXPECT_FALSE(h::prepared_store(Tile::kEpi64, kNone));
+  EXPECT_FALSE(h::prepared_store(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})));
+  EXPECT_TRUE(h::prepared_store(Tile::kEpi64, prepared));
+  EXPECT_TRUE(h::prepared_store(Tile::kEpi64Solo, prepared));
+  EXPECT_FALSE(h::prepared_store(Tile::kLarge, prepared));
+  EXPECT_FALSE(h::prepared_store(Tile::kPong128, prepared));
+  EXPECT_FALSE(h::prepared_store(Tile::kSmall, prepared));
   // MOE8_SM90_WGRAD replaces the rules' ping-pong answer for bf16; the tile forced by MOE8_SM90_TILE still wins.
   const h::Sm90Overrides large = overrides({{"MOE8_SM90_WGRAD", "large"}});
   const h::Sm90Overrides pong = overrides({{"MOE8_SM90_WGRAD", "pong"}});
@@ -243,6 +252,10 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
               h::wgrad_tile(true, 1536, 2048, true, overrides({{"MOE8_SM90_WGRAD", "auto"}}));
             }),
             "MOE8_SM90_WGRAD: expected one of pong, large, got 'auto'");
+  EXPECT_EQ(message([&] {
+              h::prepared_store(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "yes"}}));
+            }),
+            "MOE8_SM90_PREPARED_STORE: expected one of 0, 1, got 'yes'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
