@@ -23,7 +23,7 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
---prepared-store also times the forward and dgrad GEMMs with D stored through per-group descriptors made once per
+--prepared-store also times the bf16 GEMMs with D stored through per-group descriptors made once per
 call (MOE8_SM90_PREPARED_STORE=1, prepared_store_sm90.cuh) beside the default (CUTLASS's per-CTA rewrite at each
 group change).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
@@ -214,7 +214,7 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
-            prepared = args.prepared_store and kind in ("fwd", "dgrad")
+            prepared = args.prepared_store and kind in ("fwd", "dgrad", "wgrad")
             if prepared:
                 cands["prepared store"] = with_env(mine, {"MOE8_SM90_PREPARED_STORE": "1"})
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
@@ -430,7 +430,7 @@ def main() -> int:
     ap.add_argument(
         "--prepared-store",
         action="store_true",
-        help="also time the forward and dgrad GEMMs with D's descriptors made once per call "
+        help="also time the bf16 GEMMs with D's descriptors made once per call "
         "(MOE8_SM90_PREPARED_STORE=1) beside the default",
     )
     ap.add_argument(

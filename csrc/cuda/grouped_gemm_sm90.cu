@@ -92,8 +92,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if constexpr (G::kPreparedStore)
-        prepare_store_descriptors<G>(ck.w, offsets.ptr<int32_t>(), groups, rows, n, c.data, s);
+      if constexpr (G::kPreparedStore) prepare_store_descriptors<G>(ck.w, groups, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s);
     };
@@ -222,15 +221,20 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     const bool pong = bf16 && (heuristics::wgrad_pong(groups, rows, n, kd) ||
                                (heuristics::wgrad_pong_if_balanced(groups, rows, n, kd) &&
                                 sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
-    const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, heuristics::sm90_overrides());
+    const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
+    const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, env);
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
       check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
+      if constexpr (G::kPreparedStore) prepare_store_descriptors<G>(ck.w, groups, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s);
     };
+    if constexpr (bf16) {
+      if (heuristics::prepared_store(tile, env)) return launch_prepared_tile<WgradGemmPrepared>(tile, launch);
+    }
     launch_tile<WgradGemm, T>(tile, launch);
   });
 }

@@ -128,7 +128,11 @@ template <class T, class Config>  // a [M, K] row-major · (b[e] [N, K] row-majo
 using FwdGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config>;
 template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
 using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
-// The two with D's descriptors prepared (heuristics::prepared_store): the 128x64-subtile 128x256 tiles, bf16.
+// M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Never the 64x128 small tile
+// (slower at every shape measured, docs/kernels.md).
+template <class T, class Config = TileLarge>
+using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
+// The three with D's descriptors prepared (heuristics::prepared_store): the 128x64-subtile 128x256 tiles, bf16.
 using PlainFusion = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void>;
 template <class T, class Config>
 using FwdGemmPrepared =
@@ -136,10 +140,9 @@ using FwdGemmPrepared =
 template <class T, class Config>
 using DgradGemmPrepared =
     GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, PlainFusion, true>;
-// M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Never the 64x128 small tile
-// (slower at every shape measured, docs/kernels.md).
-template <class T, class Config = TileLarge>
-using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
+template <class T, class Config>
+using WgradGemmPrepared =
+    GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config, PlainFusion, true>;
 
 // A GEMM of Plain's tiles, epilogue and operand types whose mainloop is Loader<Plain's> (gathered_rows_sm90.cuh).
 template <class PlainGemm, template <class> class Loader>
@@ -373,15 +376,15 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 using sm90_util::prep_blocks;
 
-// A prepared-store GEMM's D descriptors for this call (after prep_rows_kernel, before the GEMM, stream-ordered):
-// CUTLASS's D descriptor as its epilogue makes it, each group's address and dims put in on the device.
+// A prepared-store GEMM's D descriptors for this call, from the group arrays its prep kernel wrote (stream-ordered:
+// after that kernel, before the GEMM): CUTLASS's D descriptor as its epilogue makes it, each group's put in on the
+// device.
 template <class G>
-void prepare_store_descriptors(const GroupArrays& w, const int32_t* offsets, int groups, int64_t rows, int64_t n,
-                               void* c, cudaStream_t stream) {
+void prepare_store_descriptors(const GroupArrays& w, int groups, cudaStream_t stream) {
   static_assert(G::kPreparedStore, "a prepared-store GEMM");
   using T = typename G::Element;
   using Epi = typename G::Epilogue;
-  if (groups == 0 || rows == 0) return;
+  if (groups == 0) return;
   typename Epi::Arguments args{};
   args.ptr_D = reinterpret_cast<T**>(w.ptr_d);
   args.dD = static_cast<typename G::StrideD*>(w.stride_d);
@@ -389,8 +392,9 @@ void prepare_store_descriptors(const GroupArrays& w, const int32_t* offsets, int
   const typename Epi::Params p =
       Epi::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, args, w.cutlass_ws);
   const int blocks = (groups + kDescWarps - 1) / kDescWarps;
-  prep_store_descriptors_kernel<T, typename G::StrideD>
-      <<<blocks, 32 * kDescWarps, 0, stream>>>(p.tma_store_d, offsets, groups, rows, n, static_cast<T*>(c), w.descs_d);
+  prep_store_descriptors_kernel<T>
+      <<<blocks, 32 * kDescWarps, 0, stream>>>(p.tma_store_d, groups, w.shapes, reinterpret_cast<T* const*>(w.ptr_d),
+                                               static_cast<const typename G::StrideD*>(w.stride_d), w.descs_d);
   check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
 }
 

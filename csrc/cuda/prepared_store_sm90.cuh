@@ -1,5 +1,6 @@
 // cuda/prepared_store_sm90.cuh — the ptr-array epilogue storing D through per-group TMA descriptors made once per
-// call, before the GEMM, by prep_store_descriptors_kernel (one warp a group, in the caller's workspace).
+// call, before the GEMM, by prep_store_descriptors_kernel (one warp a group, in the caller's workspace), for the
+// forward, dgrad and weight-gradient GEMMs.
 //
 // CUTLASS's ptr-array epilogue keeps one D descriptor per CTA and warpgroup and rewrites it whenever the next tile
 // is in another group: the consumers' first warp writes the new address and dims, copies the descriptor to global
@@ -12,8 +13,6 @@
 #pragma once
 #include <cstdint>
 
-#include "cuda/common.cuh"
-#include "cuda/sm90_util.cuh"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -82,30 +81,30 @@ struct takes_prepared_store<A, std::void_t<decltype(std::declval<A&>().descs)>> 
 
 constexpr int kDescWarps = 4;  // groups a block of prep_store_descriptors_kernel
 
-// descs[e]: tma (the epilogue's D descriptor as CUTLASS made it) for group e's rows of c [rows, n] (row-major, the
-// forward's and dgrad's output): its address and dims replaced as CUTLASS's in-kernel rewrite does, in shared
-// memory by one lane, then copied out by the warp with the release fence. Empty groups get no tiles and no
-// descriptor.
-template <class Element, class StrideD, class TmaD>
+// descs[e]: tma (the epilogue's D descriptor as CUTLASS made it) for group e's D, from what the prep kernel wrote for
+// the GEMM (its pointer, problem shape and stride: what CUTLASS's in-kernel rewrite reads), its address and dims put
+// in by one lane in shared memory as that rewrite does, then copied out by the warp with the release fence. Groups
+// with no output (M or N 0) get no tiles and no descriptor.
+template <class Element, class GroupShape, class StrideD, class TmaD>
 __global__ void __launch_bounds__(32 * kDescWarps)
-    prep_store_descriptors_kernel(const __grid_constant__ TmaD tma, const int32_t* __restrict__ offsets, int groups,
-                                  int64_t rows, int64_t n, Element* c, cute::TmaDescriptor* descs) {
+    prep_store_descriptors_kernel(const __grid_constant__ TmaD tma, int groups, const GroupShape* __restrict__ shapes,
+                                  Element* const* __restrict__ ptr_d, const StrideD* __restrict__ stride_d,
+                                  cute::TmaDescriptor* descs) {
   using namespace cute;
   __shared__ cute::TmaDescriptor staged[kDescWarps];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
   if (group >= groups) return;  // the whole warp
-  int64_t begin, end;
-  group_range(offsets, group, rows, begin, end);
-  if (end == begin) return;
+  const GroupShape shape_mnk = shapes[group];
+  const int m = get<0>(shape_mnk), n = get<1>(shape_mnk);
+  if (m == 0 || n == 0) return;
   if (threadIdx.x % 32 == 0) {
     staged[warp] = *tma.get_tma_descriptor();
-    tma_descriptor_replace_addr_in_shared_mem(staged[warp], c + begin * n);
+    tma_descriptor_replace_addr_in_shared_mem(staged[warp], ptr_d[group]);
     cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
     cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
-    Tensor d = make_tensor(static_cast<const Element*>(nullptr),
-                           make_shape(static_cast<int>(end - begin), static_cast<int>(n), Int<1>{}),
-                           sm90_util::stride_with_ld<StrideD>(n));
+    Tensor d =
+        make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(m, n, Int<1>{}), stride_d[group]));
     cute::detail::fill_tma_gmem_shape_stride(tma, d, shape, stride);
     for (uint64_t& s : stride) s = s * sizeof_bits_v<Element> / 8;  // in bytes
     tma_descriptor_replace_dims_strides_in_shared_mem(staged[warp], shape, stride);

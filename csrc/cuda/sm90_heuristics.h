@@ -305,16 +305,18 @@ inline Fp8Promotion fp8_promotion(Fp8Tile tile, bool wgrad, const Sm90Overrides&
 // The FP8 weight gradient keeps the 1x2 cluster at every shape (robust under skewed routing).
 inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.get().value_or(Fp8Tile::kLarge); }
 
-// ------------------------------------------------------------------------------------ gathered rows
+// ------------------------------------------------------------------------------------ prepared store
 
-// Whether a forward or dgrad on `tile` stores D through per-group descriptors the prep kernels make once per call
-// (prepared_store_sm90.cuh) instead of CUTLASS's rewrite of one descriptor per CTA at every group change, which
-// stalls the consumers before the next tile's first wgmma (docs/kernels.md: with D's descriptor fixed, equal
-// experts run at the plain kernel's time, 4-15% faster). The bf16 128x64-subtile 128x256 tiles only; opt-in
+// Whether a bf16 GEMM (forward, dgrad, weight gradient) on `tile` stores D through per-group descriptors made once
+// per call (prepared_store_sm90.cuh) instead of CUTLASS's rewrite of one descriptor per CTA at every group change,
+// which stalls the consumers before the next tile's first wgmma (docs/kernels.md: with D's descriptor fixed, equal
+// experts run at the plain kernel's time, 4-15% faster). The 128x64-subtile 128x256 tiles only; opt-in
 // (MOE8_SM90_PREPARED_STORE=1) until timed on ragged groups.
 inline bool prepared_store(Tile tile, const Sm90Overrides& env) {
   return (tile == Tile::kEpi64 || tile == Tile::kEpi64Solo) && env.prepared_store.get().value_or(false);
 }
+
+// ------------------------------------------------------------------------------------ gathered rows
 
 // The producer warps that copy the rows of the forward GEMM gathered inside its load (gathered_rows_sm90.cuh):
 // one (the mainloop warp) unless overridden, as the second warp's copies have not been timed yet.

@@ -421,21 +421,23 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
   set_override("MOE8_SM90_WGRAD", nullptr);
 }
 
-// MOE8_SM90_PREPARED_STORE=1: the forward and dgrad store D through per-group descriptors made before the launch
-// (prepared_store_sm90.cuh): the reference's values and the default store's bits, with an empty group, groups of
-// fewer rows than a tile, partial tiles and rows past the last group, on both 128x64-subtile tiles (N 512: CTAs
-// paired; N 768: three 256-wide tiles, unpaired).
+// MOE8_SM90_PREPARED_STORE=1: the forward, dgrad and weight gradients store D through per-group descriptors made
+// before the launch (prepared_store_sm90.cuh): the reference's values and the default store's bits, with an empty
+// group, groups of fewer rows than a tile, partial tiles and rows past the last group, on both 128x64-subtile tiles
+// (N 512: CTAs paired; N 768: three 256-wide tiles, unpaired).
 TEST_F(Sm90Test, PreparedStoreGivesTheSameBits) {
   for (int64_t n : {512, 768}) {
     Problem p({200, 0, 300, 129, 5, 513, 160, 1}, 7, n, 384, 99000 + n);
     DeviceProblem d(p);
-    const WeightLayout layouts[] = {WeightLayout::kNK, WeightLayout::kKN};
-    std::vector<Bits> plain, prepared;
-    for (WeightLayout l : layouts) plain.push_back(d.forward(l));
+    auto all = [&] {
+      return std::vector<Bits>{d.forward(WeightLayout::kNK), d.forward(WeightLayout::kKN), d.wgrad(false),
+                               d.wgrad(true)};
+    };
+    const std::vector<Bits> plain = all();
     set_override("MOE8_SM90_PREPARED_STORE", "1");
-    for (WeightLayout l : layouts) prepared.push_back(d.forward(l));
+    const std::vector<Bits> prepared = all();
     set_override("MOE8_SM90_PREPARED_STORE", nullptr);
-    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(prepared[i] == plain[i]) << "N " << n << ", layout " << i;
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(prepared[i] == plain[i]) << "N " << n << ", GEMM " << i;
     EXPECT_TRUE(check_forward(p, WeightLayout::kNK, prepared[0], 0));
   }
 }

@@ -53,9 +53,11 @@ def test_bench_gemm_bounds_tiny(tmp_path):
     assert sorted({r["experts"] for r in rows}) == [1, 4] and len({r["rows"] for r in rows}) == 1
     bad = run("bench/bench_gemm.py", "--tiny", "--experts", "0")
     assert bad.returncode != 0 and "--experts: expected counts in 1..512, got [0]" in bad.stderr
-    # --prepared-store: the forward and dgrad beside themselves with D's descriptors made once per call
-    _, rows = gemm_rows(out, "--tiny --kinds fwd,dgrad,wgrad --routing balanced --iters 1 --prepared-store")
-    assert {r["kind"] for r in rows if "prepared_store_ms" in r} == {"fwd", "dgrad"}
+    # --prepared-store: the bf16 GEMMs beside themselves with D's descriptors made once per call
+    _, rows = gemm_rows(
+        out, "--tiny --kinds fwd,dgrad,wgrad,fp8_fwd --routing balanced --iters 1 --prepared-store"
+    )
+    assert {r["kind"] for r in rows if "prepared_store_ms" in r} == {"fwd", "dgrad", "wgrad"}
     assert all(
         set(r["prepared_store_ms"]) == {"default", "prepared"} for r in rows if "prepared_store_ms" in r
     )
