@@ -385,15 +385,17 @@ void prepare_store_descriptors(const GroupArrays& w, int groups, cudaStream_t st
   using T = typename G::Element;
   using Epi = typename G::Epilogue;
   if (groups == 0) return;
-  typename Epi::Arguments args{};
-  args.ptr_D = reinterpret_cast<T**>(w.ptr_d);
-  args.dD = static_cast<typename G::StrideD*>(w.stride_d);
-  args.descs = w.descs_d;
-  const typename Epi::Params p =
-      Epi::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, args, w.cutlass_ws);
+  // The template: every address, dim and stride in it is replaced on the device, so one host encode serves every
+  // call (the first call's pointer array stands in for its address, as in CUTLASS's own).
+  static const auto tma_store_d = [&] {
+    typename Epi::Arguments args{};
+    args.ptr_D = reinterpret_cast<T**>(w.ptr_d);
+    args.dD = static_cast<typename G::StrideD*>(w.stride_d);
+    return Epi::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, args, w.cutlass_ws).tma_store_d;
+  }();
   const int blocks = (groups + kDescWarps - 1) / kDescWarps;
   prep_store_descriptors_kernel<T>
-      <<<blocks, 32 * kDescWarps, 0, stream>>>(p.tma_store_d, groups, w.shapes, reinterpret_cast<T* const*>(w.ptr_d),
+      <<<blocks, 32 * kDescWarps, 0, stream>>>(tma_store_d, groups, w.shapes, reinterpret_cast<T* const*>(w.ptr_d),
                                                static_cast<const typename G::StrideD*>(w.stride_d), w.descs_d);
   check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
 }
