@@ -99,19 +99,11 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
     constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
     const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
     const heuristics::Tile tile = heuristics::rows_tile(bf16, n, kd, rows, groups, env);
-    if constexpr (bf16) {
-      if (heuristics::prepared_store(tile, env)) {
-        if (layout == WeightLayout::kNK)
-          launch_prepared_tile<FwdGemmPrepared>(tile, launch);
-        else
-          launch_prepared_tile<DgradGemmPrepared>(tile, launch);
-        return;
-      }
-    }
+    const bool prepared = heuristics::prepared_store(tile, env);
     if (layout == WeightLayout::kNK)
-      launch_tile<FwdGemm, T>(tile, launch);
+      launch_tile<FwdGemm, T>(tile, prepared, launch);
     else
-      launch_tile<DgradGemm, T>(tile, launch);
+      launch_tile<DgradGemm, T>(tile, prepared, launch);
   });
 }
 
@@ -232,10 +224,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s);
     };
-    if constexpr (bf16) {
-      if (heuristics::prepared_store(tile, env)) return launch_prepared_tile<WgradGemmPrepared>(tile, launch);
-    }
-    launch_tile<WgradGemm, T>(tile, launch);
+    launch_tile<WgradGemm, T>(tile, heuristics::prepared_store(tile, env), launch);
   });
 }
 

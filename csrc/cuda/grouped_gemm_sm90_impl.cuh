@@ -107,6 +107,8 @@ struct GroupedGemm {
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
   using Epilogue = std::conditional_t<kPrepared, PreparedStoreEpilogue<CutlassEpilogue>, CutlassEpilogue>;
+  // The same GEMM with D's descriptors prepared (heuristics::prepared_store).
+  using WithPreparedStore = GroupedGemm<T, LayoutA, LayoutB, Config, Fusion, true>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
@@ -132,17 +134,6 @@ using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::Row
 // (slower at every shape measured, docs/kernels.md).
 template <class T, class Config = TileLarge>
 using WgradGemm = GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config>;
-// The three with D's descriptors prepared (heuristics::prepared_store): the 128x64-subtile 128x256 tiles, bf16.
-using PlainFusion = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void>;
-template <class T, class Config>
-using FwdGemmPrepared =
-    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config, PlainFusion, true>;
-template <class T, class Config>
-using DgradGemmPrepared =
-    GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, PlainFusion, true>;
-template <class T, class Config>
-using WgradGemmPrepared =
-    GroupedGemm<T, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Config, PlainFusion, true>;
 
 // A GEMM of Plain's tiles, epilogue and operand types whose mainloop is Loader<Plain's> (gathered_rows_sm90.cuh).
 template <class PlainGemm, template <class> class Loader>
@@ -179,26 +170,24 @@ namespace heuristics = sm90_heuristics;
 using heuristics::Tile;
 
 // The configuration `tile` names (heuristics::rows_tile / wgrad_tile chose it) as Gemm<T, config>, handed to
-// launch. f16 has only the small, large and solo tiles.
+// launch; with prepared (heuristics::prepared_store, the 128x64-subtile tiles) its WithPreparedStore. f16 has only
+// the small, large and solo tiles.
 template <template <class, class> class Gemm, class T, class Launch>
-void launch_tile(Tile tile, Launch&& launch) {
+void launch_tile(Tile tile, bool prepared, Launch&& launch) {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    auto maybe_prepared = [&](auto gemm) {
+      using G = decltype(gemm);
+      return prepared ? launch(typename G::WithPreparedStore{}) : launch(G{});
+    };
     if (tile == Tile::kThin) return launch(Gemm<T, TileThin>{});
     if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
     if (tile == Tile::kPong128) return launch(Gemm<T, TilePong128>{});
     if (tile == Tile::kTall) return launch(Gemm<T, TileTall>{});
-    if (tile == Tile::kEpi64) return launch(Gemm<T, TileLargeEpi64>{});
-    if (tile == Tile::kEpi64Solo) return launch(Gemm<T, TileLargeSoloEpi64>{});
+    if (tile == Tile::kEpi64) return maybe_prepared(Gemm<T, TileLargeEpi64>{});
+    if (tile == Tile::kEpi64Solo) return maybe_prepared(Gemm<T, TileLargeSoloEpi64>{});
   }
   if (tile == Tile::kSmall) return launch(Gemm<T, TileSmall>{});
   tile == Tile::kSolo ? launch(Gemm<T, TileLargeSolo>{}) : launch(Gemm<T, TileLarge>{});
-}
-
-// The same for the prepared-store GEMMs (heuristics::prepared_store chose kEpi64 or kEpi64Solo). bf16 only.
-template <template <class, class> class Gemm, class Launch>
-void launch_prepared_tile(Tile tile, Launch&& launch) {
-  tile == Tile::kEpi64Solo ? launch(Gemm<cutlass::bfloat16_t, TileLargeSoloEpi64>{})
-                           : launch(Gemm<cutlass::bfloat16_t, TileLargeEpi64>{});
 }
 
 using sm90_util::stride_with_ld;

@@ -24,6 +24,7 @@ from .. import hf
 from .._env import ENV
 from ..attention import packed_sequences
 from ..loss import chunked_cross_entropy, hidden_states_as_logits, plain_lm_head
+from ..optim import AdamW
 from . import cuda_graphs, memory, output, report
 from .config import KEYS, RESUME_MAY_CHANGE, Config, DivergedError, FinetuneError, to_toml
 from .data import IGNORE, Data, fingerprint_changes, load_tokenizer
@@ -137,8 +138,6 @@ def adamw(groups: list[dict], lr: float, device: torch.device) -> torch.optim.Ad
     foreach step: it holds an fp32 temporary per parameter (the sqrt of exp_avg_sq, a whole param group at once)
     through the step, which makes the step of a full fine-tune 22 bytes per parameter instead of 18."""
     if device.type == "cuda":
-        from ..optim import AdamW
-
         return AdamW(groups, lr=lr, fused=True)
     return torch.optim.AdamW(groups, lr=lr, fused=False)
 
