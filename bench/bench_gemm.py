@@ -23,9 +23,9 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
---prepared-store also times the bf16 GEMMs with D stored through per-group descriptors made once per
-call (MOE8_SM90_PREPARED_STORE=1, prepared_store_sm90.cuh) beside the default (CUTLASS's per-CTA rewrite at each
-group change).
+--prepared also times the bf16 GEMMs with every TMA descriptor rewritten by CUTLASS at each group change
+(MOE8_SM90_PREPARED_STORE=0, MOE8_SM90_PREPARED_LOADS=0) and with D's alone made once per call, beside the default
+(D's, A's and B's made once per call; prepared_descriptors_sm90.cuh).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -214,9 +214,14 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
-            prepared = args.prepared_store and kind in ("fwd", "dgrad", "wgrad")
+            prepared = args.prepared and kind in ("fwd", "dgrad", "wgrad")
             if prepared:
-                cands["prepared store"] = with_env(mine, {"MOE8_SM90_PREPARED_STORE": "1"})
+                cands |= {
+                    f"prepared {label}": with_env(
+                        mine, {"MOE8_SM90_PREPARED_STORE": store, "MOE8_SM90_PREPARED_LOADS": loads}
+                    )
+                    for label, store, loads in PREPARED_MIXES
+                }
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
             for who in ("moe8", "torch"):
@@ -240,7 +245,7 @@ def bench(shape, dims, routing, args, device, gen):
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
             if prepared:
-                row["prepared_store_ms"] = {"default": ms["moe8"], "prepared": ms["prepared store"]}
+                row["prepared_ms"] = {label: ms[f"prepared {label}"] for label, _, _ in PREPARED_MIXES}
             if bounds.get(kind):
                 row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
             if "moe8_ms" in row and "torch_ms" in row:
@@ -260,6 +265,8 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 
 QUANT_COLS = ("packed", "staged")
+# --prepared: (label, MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS); the default is all three
+PREPARED_MIXES = (("none", "0", "0"), ("D", "1", "0"), ("D, A, B", "1", "1"))
 
 
 def quantize_wgrad_operands(dc, a, offsets):
@@ -357,7 +364,7 @@ def tiles_text(r) -> str:
         ("schedules_ms", "schedules"),
         ("promotions_ms", "promotions"),
         ("quant_cols_ms", "column quantisation"),
-        ("prepared_store_ms", "D's descriptors"),
+        ("prepared_ms", "descriptors made per call"),
         ("bounds_ms", "same FLOPs"),
     ):
         if key not in r:
@@ -428,10 +435,10 @@ def main() -> int:
         "both operands with each kernel (MOE8_QUANT_COLS)",
     )
     ap.add_argument(
-        "--prepared-store",
+        "--prepared",
         action="store_true",
-        help="also time the bf16 GEMMs with D's descriptors made once per call "
-        "(MOE8_SM90_PREPARED_STORE=1) beside the default",
+        help="also time the bf16 GEMMs with no descriptor made once per call and with D's alone "
+        "(MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS)",
     )
     ap.add_argument(
         "--bounds",

@@ -87,23 +87,24 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
   const int64_t ldb = layout == WeightLayout::kNK ? kd : n;
   dispatch_dtype(a.dtype, what, [&](auto t) {
     using T = decltype(t);
+    constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
+    const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
+    const heuristics::Tile tile = heuristics::rows_tile(bf16, n, kd, rows, groups, env);
+    const heuristics::Prepared prepared = heuristics::prepared(tile, env);
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if constexpr (G::kPreparedStore) prepare_store_descriptors<G>(ck.w, groups, s);
+      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, s);
       if (groups > 0 && rows > 0)
-        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s);
+        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, nullptr,
+                       prepared);
     };
-    constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
-    const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
-    const heuristics::Tile tile = heuristics::rows_tile(bf16, n, kd, rows, groups, env);
-    const bool prepared = heuristics::prepared_store(tile, env);
     if (layout == WeightLayout::kNK)
-      launch_tile<FwdGemm, T>(tile, prepared, launch);
+      launch_tile<FwdGemm, T>(tile, prepared.any(), launch);
     else
-      launch_tile<DgradGemm, T>(tile, prepared, launch);
+      launch_tile<DgradGemm, T>(tile, prepared.any(), launch);
   });
 }
 
@@ -215,16 +216,18 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
                                 sm90_util::routing_balanced(offsets.ptr<int32_t>(), groups, ck.device, s)));
     const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
     const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, env);
+    const heuristics::Prepared prepared = heuristics::prepared(tile, env);
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
       check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
-      if constexpr (G::kPreparedStore) prepare_store_descriptors<G>(ck.w, groups, s);
+      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, s);
       if (groups > 0 && rows > 0)
-        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s);
+        run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s, nullptr, nullptr,
+                       prepared);
     };
-    launch_tile<WgradGemm, T>(tile, heuristics::prepared_store(tile, env), launch);
+    launch_tile<WgradGemm, T>(tile, prepared.any(), launch);
   });
 }
 

@@ -16,7 +16,7 @@
 #include "cuda/gathered_rows_sm90.cuh"
 #include "cuda/grouped_gemm_sm90.h"
 #include "cuda/ops.h"
-#include "cuda/prepared_store_sm90.cuh"
+#include "cuda/prepared_descriptors_sm90.cuh"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -87,8 +87,9 @@ struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
 };
 
 // One grouped GEMM: D[g] (M x N, row-major) = A[g] (M x K) · B[g] (K x N), fp32 accumulation, D = acc, or
-// what Fusion (an epilogue visitor taking the accumulators) makes of it. kPreparedStore: D stored through
-// per-group descriptors made before the launch (prepared_store_sm90.cuh), not rewritten at each group change.
+// what Fusion (an epilogue visitor taking the accumulators) makes of it. kPrepared: the kernel can read and store
+// through per-group descriptors made before the launch (prepared_descriptors_sm90.cuh), not rewritten at each group
+// change; which of them it does is run_cutlass's `prepared`.
 // NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C
 // and beta = 0 it would still compute 0 * (unloaded C registers).
 template <class T, class LayoutA, class LayoutB, class Config,
@@ -98,7 +99,7 @@ struct GroupedGemm {
   using Tiles = Config;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
-  static constexpr bool kPreparedStore = kPrepared;
+  static constexpr bool kPreparedDescriptors = kPrepared;
 
   using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
@@ -107,16 +108,17 @@ struct GroupedGemm {
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
   using Epilogue = std::conditional_t<kPrepared, PreparedStoreEpilogue<CutlassEpilogue>, CutlassEpilogue>;
-  // The same GEMM with D's descriptors prepared (heuristics::prepared_store).
-  using WithPreparedStore = GroupedGemm<T, LayoutA, LayoutB, Config, Fusion, true>;
+  // The same GEMM with its descriptors prepared (heuristics::prepared).
+  using WithPreparedDescriptors = GroupedGemm<T, LayoutA, LayoutB, Config, Fusion, true>;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
       T, LayoutA*, kAlign,                                  //
       T, LayoutB*, kAlign,                                  //
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<kPrepared, PreparedLoadMainloop<CutlassMainloop>, CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -170,14 +172,14 @@ namespace heuristics = sm90_heuristics;
 using heuristics::Tile;
 
 // The configuration `tile` names (heuristics::rows_tile / wgrad_tile chose it) as Gemm<T, config>, handed to
-// launch; with prepared (heuristics::prepared_store, the 128x64-subtile tiles) its WithPreparedStore. f16 has only
+// launch; with prepared (heuristics::prepared, the 128x64-subtile tiles) its WithPreparedDescriptors. f16 has only
 // the small, large and solo tiles.
 template <template <class, class> class Gemm, class T, class Launch>
 void launch_tile(Tile tile, bool prepared, Launch&& launch) {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
     auto maybe_prepared = [&](auto gemm) {
       using G = decltype(gemm);
-      return prepared ? launch(typename G::WithPreparedStore{}) : launch(G{});
+      return prepared ? launch(typename G::WithPreparedDescriptors{}) : launch(G{});
     };
     if (tile == Tile::kThin) return launch(Gemm<T, TileThin>{});
     if (tile == Tile::kM2) return launch(Gemm<T, TileLargeM2>{});
@@ -203,7 +205,7 @@ static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 3 * align_up(g * kSlotPtr, kAlignWs) +
-         3 * align_up(g * kSlotStride, kAlignWs) + align_up(g * kSlotDesc, kAlignWs);
+         3 * align_up(g * kSlotStride, kAlignWs) + align_up(3 * g * kSlotDesc, kAlignWs);
 }
 
 struct GroupArrays {
@@ -214,8 +216,9 @@ struct GroupArrays {
   void* stride_a;
   void* stride_b;
   void* stride_d;
-  cute::TmaDescriptor* descs_d;  // the prepared-store GEMMs' D descriptors, one a group
-  void* cutlass_ws;              // kAlignWs-aligned
+  cute::TmaDescriptor* descs_d;   // prepared descriptors (prepared_descriptors_sm90.cuh): D's, one a group
+  cute::TmaDescriptor* descs_ab;  // and A's and B's, two a group
+  void* cutlass_ws;               // kAlignWs-aligned
 };
 
 inline GroupArrays carve(void* workspace, int groups) {
@@ -229,7 +232,8 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.stride_a = c.take(g * kSlotStride);
   w.stride_b = c.take(g * kSlotStride);
   w.stride_d = c.take(g * kSlotStride);
-  w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(g * kSlotDesc));
+  w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(3 * g * kSlotDesc));
+  w.descs_ab = w.descs_d + g;
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -258,10 +262,12 @@ template <class A>
 struct takes_gather_source<A, std::void_t<decltype(std::declval<A&>().mainloop.src)>> : std::true_type {};
 
 // gathered: where a gathered-rows mainloop (GatheredFwdGemm) reads its rows from; fusion: the epilogue
-// visitor's arguments (nullptr: D = the accumulators).
+// visitor's arguments (nullptr: D = the accumulators); prepared: which of a kPrepared GEMM's descriptors it takes
+// from prepare_descriptors (the others CUTLASS rewrites in the kernel).
 template <class G, class FusionArgs = std::nullptr_t>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Schedule schedule,
-                 cudaStream_t stream, const GatherSource* gathered = nullptr, FusionArgs fusion = nullptr) {
+                 cudaStream_t stream, const GatherSource* gathered = nullptr, FusionArgs fusion = nullptr,
+                 heuristics::Prepared prepared = {}) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
   cutlass::KernelHardwareInfo hw;
@@ -280,7 +286,10 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = reinterpret_cast<T**>(w.ptr_d);
   args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
-  if constexpr (takes_prepared_store<decltype(args.epilogue)>::value) args.epilogue.descs = w.descs_d;
+  if constexpr (takes_prepared_descriptors<typename Gemm::Arguments>::value) {
+    args.epilogue.descs = prepared.store ? w.descs_d : nullptr;
+    args.mainloop.descs = prepared.loads ? w.descs_ab : nullptr;
+  }
   args.hw_info = hw;
   if constexpr (std::is_same_v<FusionArgs, std::nullptr_t>) {
     args.epilogue.thread.alpha = 1.0f;
@@ -365,28 +374,39 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 using sm90_util::prep_blocks;
 
-// A prepared-store GEMM's D descriptors for this call, from the group arrays its prep kernel wrote (stream-ordered:
-// after that kernel, before the GEMM): CUTLASS's D descriptor as its epilogue makes it, each group's put in on the
-// device.
+// A kPrepared GEMM's descriptors for this call, from the group arrays its prep kernel wrote (stream-ordered: after
+// that kernel, before the GEMM): CUTLASS's A, B and D descriptors as its mainloop and epilogue make them, each
+// group's put in on the device.
 template <class G>
-void prepare_store_descriptors(const GroupArrays& w, int groups, cudaStream_t stream) {
-  static_assert(G::kPreparedStore, "a prepared-store GEMM");
+void prepare_descriptors(const GroupArrays& w, int groups, cudaStream_t stream) {
+  static_assert(G::kPreparedDescriptors, "a GEMM taking prepared descriptors");
   using T = typename G::Element;
+  using Main = typename G::Mainloop;
   using Epi = typename G::Epilogue;
   if (groups == 0) return;
-  // The template: every address, dim and stride in it is replaced on the device, so one host encode serves every
-  // call (the first call's pointer array stands in for its address, as in CUTLASS's own).
-  static const auto tma_store_d = [&] {
-    typename Epi::Arguments args{};
-    args.ptr_D = reinterpret_cast<T**>(w.ptr_d);
-    args.dD = static_cast<typename G::StrideD*>(w.stride_d);
-    return Epi::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, args, w.cutlass_ws).tma_store_d;
+  // The templates: every address, dim and stride in them is replaced on the device, so one host encode serves every
+  // call (the first call's pointer arrays stand in for the addresses, as in CUTLASS's own).
+  static const auto templates = [&] {
+    const ProblemShape shapes{groups, w.shapes, nullptr};
+    typename Main::Arguments main{};
+    main.ptr_A = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_a));
+    main.dA = static_cast<typename G::StrideA*>(w.stride_a);
+    main.ptr_B = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b));
+    main.dB = static_cast<typename G::StrideB*>(w.stride_b);
+    typename Epi::Arguments epi{};
+    epi.ptr_D = reinterpret_cast<T**>(w.ptr_d);
+    epi.dD = static_cast<typename G::StrideD*>(w.stride_d);
+    const auto m = Main::to_underlying_arguments(shapes, main, w.cutlass_ws);
+    return cute::make_tuple(m.tma_load_a, m.tma_load_b,
+                            Epi::to_underlying_arguments(shapes, epi, w.cutlass_ws).tma_store_d);
   }();
   const int blocks = (groups + kDescWarps - 1) / kDescWarps;
-  prep_store_descriptors_kernel<T>
-      <<<blocks, 32 * kDescWarps, 0, stream>>>(tma_store_d, groups, w.shapes, reinterpret_cast<T* const*>(w.ptr_d),
-                                               static_cast<const typename G::StrideD*>(w.stride_d), w.descs_d);
-  check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
+  prep_descriptors_kernel<T><<<blocks, 32 * kDescWarps, 0, stream>>>(
+      cute::get<0>(templates), cute::get<1>(templates), cute::get<2>(templates), groups, w.shapes,
+      reinterpret_cast<T* const*>(w.ptr_a), reinterpret_cast<T* const*>(w.ptr_b), reinterpret_cast<T* const*>(w.ptr_d),
+      static_cast<const typename G::StrideA*>(w.stride_a), static_cast<const typename G::StrideB*>(w.stride_b),
+      static_cast<const typename G::StrideD*>(w.stride_d), w.descs_ab, w.descs_d);
+  check_launch("grouped_gemm_sm90: prep_descriptors_kernel");
 }
 
 // ---------------------------------------------------------------------------------------------------

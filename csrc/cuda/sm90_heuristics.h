@@ -87,7 +87,8 @@ struct Sm90Overrides {
   Override<QuantCols> quant_cols;  // MOE8_QUANT_COLS=packed|staged: the FP8 column quantisation's kernel
   Override<int> epilogue;     // MOE8_SM90_EPILOGUE=32|64: the bf16 128x256 tiles' epilogue subtile width (default 64)
   Override<bool> wgrad_pong;  // MOE8_SM90_WGRAD=pong|large: every bf16 weight gradient on ping-pong or not (wgrad_tile)
-  Override<bool> prepared_store;  // MOE8_SM90_PREPARED_STORE=0|1: D's descriptors made once per call (prepared_store)
+  Override<bool> prepared_store;  // MOE8_SM90_PREPARED_STORE=0|1: D's descriptors made once per call (prepared)
+  Override<bool> prepared_loads;  // MOE8_SM90_PREPARED_LOADS=0|1: A's and B's descriptors made once per call (prepared)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -140,6 +141,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
   o.wgrad_pong = read("MOE8_SM90_WGRAD", kWgrad);
   o.prepared_store = read("MOE8_SM90_PREPARED_STORE", kOnOff);
+  o.prepared_loads = read("MOE8_SM90_PREPARED_LOADS", kOnOff);
   return o;
 }
 
@@ -305,15 +307,23 @@ inline Fp8Promotion fp8_promotion(Fp8Tile tile, bool wgrad, const Sm90Overrides&
 // The FP8 weight gradient keeps the 1x2 cluster at every shape (robust under skewed routing).
 inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.get().value_or(Fp8Tile::kLarge); }
 
-// ------------------------------------------------------------------------------------ prepared store
+// ------------------------------------------------------------------------------------ prepared descriptors
 
-// Whether a bf16 GEMM (forward, dgrad, weight gradient) on `tile` stores D through per-group descriptors made once
-// per call (prepared_store_sm90.cuh) instead of CUTLASS's rewrite of one descriptor per CTA at every group change,
-// which stalls the consumers before the next tile's first wgmma (docs/kernels.md: with D's descriptor fixed, equal
-// experts run at the plain kernel's time, 4-15% faster). The 128x64-subtile 128x256 tiles only; opt-in
-// (MOE8_SM90_PREPARED_STORE=1) until timed on ragged groups.
-inline bool prepared_store(Tile tile, const Sm90Overrides& env) {
-  return (tile == Tile::kEpi64 || tile == Tile::kEpi64Solo) && env.prepared_store.get().value_or(false);
+// Which of a bf16 GEMM's (forward, dgrad, weight gradient) TMA descriptors are made once per call, one a group
+// (prepared_descriptors_sm90.cuh), instead of CUTLASS's rewrite of one descriptor per CTA at every group change.
+struct Prepared {
+  bool store = false;  // D's: CUTLASS's rewrite stalls the consumers before the next tile's first wgmma
+  bool loads = false;  // A's and B's: rewritten by the producer warp, ahead of the consumers
+  bool any() const { return store || loads; }
+};
+
+// The 128x64-subtile 128x256 tiles only, all three by default: with them the GEMMs are 2-6% faster and the
+// Qwen3-30B-A3B and OLMoE blocks 2-4% on an H100, A's and B's adding ~1% to D's
+// (bench/results/prepared_descriptors_h100.md); with every descriptor fixed, equal experts run at the plain
+// kernel's time (docs/kernels.md).
+inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
+  if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
+  return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(true)};
 }
 
 // ------------------------------------------------------------------------------------ gathered rows

@@ -421,25 +421,37 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
   set_override("MOE8_SM90_WGRAD", nullptr);
 }
 
-// MOE8_SM90_PREPARED_STORE=1: the forward, dgrad and weight gradients store D through per-group descriptors made
-// before the launch (prepared_store_sm90.cuh): the reference's values and the default store's bits, with an empty
-// group, groups of fewer rows than a tile, partial tiles and rows past the last group, on both 128x64-subtile tiles
-// (N 512: CTAs paired; N 768: three 256-wide tiles, unpaired).
-TEST_F(Sm90Test, PreparedStoreGivesTheSameBits) {
-  for (int64_t n : {512, 768}) {
-    Problem p({200, 0, 300, 129, 5, 513, 160, 1}, 7, n, 384, 99000 + n);
-    DeviceProblem d(p);
-    auto all = [&] {
-      return std::vector<Bits>{d.forward(WeightLayout::kNK), d.forward(WeightLayout::kKN), d.wgrad(false),
-                               d.wgrad(true)};
-    };
-    const std::vector<Bits> plain = all();
-    set_override("MOE8_SM90_PREPARED_STORE", "1");
-    const std::vector<Bits> prepared = all();
-    set_override("MOE8_SM90_PREPARED_STORE", nullptr);
-    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(prepared[i] == plain[i]) << "N " << n << ", GEMM " << i;
-    EXPECT_TRUE(check_forward(p, WeightLayout::kNK, prepared[0], 0));
+// Prepared descriptors (prepared_descriptors_sm90.cuh): the forward, dgrad and weight gradients with D's, A's and
+// B's descriptors made before the launch, each mix of MOE8_SM90_PREPARED_STORE / _LOADS, give CUTLASS's rewritten
+// descriptors' bits and the reference's values, with an empty group, groups of fewer rows than a tile, partial
+// tiles and rows past the last group, on both 128x64-subtile tiles (N 512: CTAs paired; N 768: three 256-wide
+// tiles, unpaired), forced so that the test runs them whatever the rules pick.
+TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
+  for (const char* tile : {"epi64", "epi64solo"}) {
+    set_override("MOE8_SM90_TILE", tile);
+    for (int64_t n : {512, 768}) {
+      SCOPED_TRACE(std::string(tile) + ", N " + std::to_string(n));
+      Problem p({200, 0, 300, 129, 5, 513, 160, 1}, 7, n, 384, 99000 + n);
+      DeviceProblem d(p);
+      auto all = [&](const char* store, const char* loads) {
+        set_override("MOE8_SM90_PREPARED_STORE", store);
+        set_override("MOE8_SM90_PREPARED_LOADS", loads);
+        return std::vector<Bits>{d.forward(WeightLayout::kNK), d.forward(WeightLayout::kKN), d.wgrad(false),
+                                 d.wgrad(true)};
+      };
+      const std::vector<Bits> plain = all("0", "0");
+      const std::pair<const char*, const char*> mixes[] = {{"1", "0"}, {"0", "1"}, {"1", "1"}};
+      for (const auto& [store, loads] : mixes) {
+        const std::vector<Bits> prepared = all(store, loads);
+        for (size_t i = 0; i < plain.size(); ++i)
+          EXPECT_TRUE(prepared[i] == plain[i]) << "store " << store << ", loads " << loads << ", GEMM " << i;
+        EXPECT_TRUE(check_forward(p, WeightLayout::kNK, prepared[0], 0));
+      }
+      set_override("MOE8_SM90_PREPARED_STORE", nullptr);
+      set_override("MOE8_SM90_PREPARED_LOADS", nullptr);
+    }
   }
+  set_override("MOE8_SM90_TILE", nullptr);
 }
 
 // The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE; sm90_util::apply_schedule) moves only

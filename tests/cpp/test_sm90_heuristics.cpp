@@ -128,15 +128,22 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
   EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);     // f16: no ping-pong tile
   EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);        // the LoRA A gradient's kd = r
-  // The prepared store (D's descriptors made once per call): opt-in, the 128x64-subtile 128x256 tiles only.
-  const h::Sm90Overrides prepared = overrides({{"MOE8_SM90_PREPARED_STORE", "1"}});
-  EXPECT_FALSE(h::prepared_store(Tile::kEpi64, kNone));
-  EXPECT_FALSE(h::prepared_store(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})));
-  EXPECT_TRUE(h::prepared_store(Tile::kEpi64, prepared));
-  EXPECT_TRUE(h::prepared_store(Tile::kEpi64Solo, prepared));
-  EXPECT_FALSE(h::prepared_store(Tile::kLarge, prepared));
-  EXPECT_FALSE(h::prepared_store(Tile::kPong128, prepared));
-  EXPECT_FALSE(h::prepared_store(Tile::kSmall, prepared));
+  // Prepared descriptors (made once per call, one a group): D's, A's and B's by default, each can be turned off, the
+  // 128x64-subtile 128x256 tiles only.
+  auto is = [](h::Prepared p, bool store, bool loads) { return p.store == store && p.loads == loads; };
+  const h::Sm90Overrides all = overrides({{"MOE8_SM90_PREPARED_STORE", "1"}, {"MOE8_SM90_PREPARED_LOADS", "1"}});
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, kNone), true, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, kNone), true, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})), false, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "0"}})), true, false));
+  EXPECT_FALSE(
+      h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}, {"MOE8_SM90_PREPARED_LOADS", "0"}}))
+          .any());
+  EXPECT_TRUE(
+      is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}, {"MOE8_SM90_PREPARED_LOADS", "1"}})),
+         false, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, all), true, true));
+  for (Tile t : {Tile::kLarge, Tile::kPong128, Tile::kSmall, Tile::kTall}) EXPECT_FALSE(h::prepared(t, all).any());
   // MOE8_SM90_WGRAD replaces the rules' ping-pong answer for bf16; the tile forced by MOE8_SM90_TILE still wins.
   const h::Sm90Overrides large = overrides({{"MOE8_SM90_WGRAD", "large"}});
   const h::Sm90Overrides pong = overrides({{"MOE8_SM90_WGRAD", "pong"}});
@@ -253,9 +260,13 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
             }),
             "MOE8_SM90_WGRAD: expected one of pong, large, got 'auto'");
   EXPECT_EQ(message([&] {
-              h::prepared_store(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "yes"}}));
+              h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "yes"}}));
             }),
             "MOE8_SM90_PREPARED_STORE: expected one of 0, 1, got 'yes'");
+  EXPECT_EQ(message([&] {
+              h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "2"}}));
+            }),
+            "MOE8_SM90_PREPARED_LOADS: expected one of 0, 1, got '2'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));

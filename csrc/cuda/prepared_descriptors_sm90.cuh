@@ -1,0 +1,204 @@
+// cuda/prepared_descriptors_sm90.cuh — CUTLASS's ptr-array grouped GEMM with its per-group TMA descriptors made
+// once per call, before the GEMM, by prep_descriptors_kernel (one warp a group, in the caller's workspace): D's for
+// the epilogue's stores (PreparedStoreEpilogue), A's and B's for the mainloop's loads (PreparedLoadMainloop). Used by
+// the forward, dgrad and weight-gradient GEMMs.
+//
+// CUTLASS's ptr-array kernel keeps one descriptor per CTA for each of A, B and D and rewrites it whenever the next
+// tile is in another group: a lane writes the new address and dims in shared memory, the warp copies the descriptor
+// out with a release fence, after waiting for the TMA operations still using the old one. For D that is on the
+// consumers' critical path, before the next tile's first wgmma; with 64-128 experts nearly every tile starts a new
+// group. Here a group change only acquires the group's prepared descriptors and prefetches them into the SM's
+// descriptor cache, a whole mainloop ahead of the epilogue's first store (the kernel announces the next tile's group
+// before its mainloop). Every address, dim and stride is what CUTLASS's rewrite would have written, so the loads,
+// stores and results are the same bits. Each wrapper falls back to CUTLASS's own rewrite when its Arguments carry no
+// descriptors, so one kernel serves every mix (heuristics::prepared).
+// Build: included by grouped_gemm_sm90_impl.cuh only (CUTLASS headers, sm_90a).
+#pragma once
+#include <cstdint>
+
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace moe8::cuda::sm90 {
+
+// The group's descriptor made visible to this thread's TMA operations (written by an earlier kernel through the
+// generic proxy and released there) and fetched into the SM's descriptor cache.
+CUTLASS_DEVICE void acquire_prepared(const cute::TmaDescriptor* desc) {
+  cute::tma_descriptor_fence_acquire(desc);
+  cute::prefetch_tma_descriptor(desc);
+}
+
+// Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C.
+template <class Base>
+struct PreparedStoreEpilogue : Base {
+  using typename Base::TensorStorage;
+
+  struct Arguments : Base::Arguments {
+    const cute::TmaDescriptor* descs = nullptr;  // [groups] from prep_descriptors_kernel; null: CUTLASS's rewrite
+  };
+  struct Params : Base::Params {
+    const cute::TmaDescriptor* descs;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    p.descs = args.descs;
+    return p;
+  }
+
+  CUTLASS_DEVICE PreparedStoreEpilogue(Params const& params, TensorStorage& shared)
+      : Base(params, shared), descs_(params.descs) {}
+
+  // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
+  // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop.
+  template <bool IsLoad, class Storage, class P, class Map, class Shape>
+  CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, P const& params, Map tensormap, Shape shape,
+                                                int32_t next_batch, int32_t warp_group_idx) {
+    if (IsLoad || descs_ == nullptr)
+      return Base::template tensormaps_perform_update<IsLoad>(shared, params, tensormap, shape, next_batch,
+                                                              warp_group_idx);
+    acquire_prepared(descs_ + next_batch);
+  }
+  template <bool IsLoad, class Storage, class Map>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Map tensormap, int32_t warp_group_idx = 0) {
+    if (IsLoad || descs_ == nullptr)
+      Base::template tensormaps_cp_fence_release<IsLoad>(shared, tensormap, warp_group_idx);
+  }
+  template <bool IsLoad, class Map>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(Map tensormap) {
+    if (IsLoad || descs_ == nullptr) Base::template tensormaps_fence_acquire<IsLoad>(tensormap);
+  }
+
+  // CUTLASS's store, through the tile's group's prepared descriptor (the tile coordinate's l is the group: the kernel
+  // makes it from the scheduler's group index) or the CTA's rewritten one: one instantiation of the store either way.
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
+            class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma, class TensorMap>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
+                            StoreState store_state, ProblemShapeMNKL problem_shape, TileShapeMNK tile_shape,
+                            TileCoordMNKL tile_coord, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, TensorStorage& shared, TensorMap const& tensormap,
+                            int subtile_idx = -1) {
+    const cute::TmaDescriptor* desc =
+        descs_ != nullptr ? descs_ + static_cast<int>(cute::get<3>(tile_coord)) : tensormap;
+    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape, tile_shape, tile_coord,
+                       accumulators, tiled_mma, thread_idx, shared, desc, subtile_idx);
+  }
+
+ private:
+  const cute::TmaDescriptor* descs_;
+};
+
+// Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA).
+template <class Base>
+struct PreparedLoadMainloop : Base {
+  struct Arguments : Base::Arguments {
+    const cute::TmaDescriptor* descs = nullptr;  // [groups][A, B] from prep_descriptors_kernel; null: CUTLASS's
+  };
+  struct Params : Base::Params {
+    const cute::TmaDescriptor* descs;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    p.descs = args.descs;
+    return p;
+  }
+
+  // The producer warp's calls at each group change (its first tile's group included), in the kernel's order:
+  // perform_update, cp_fence_release, then, before the first load, fence_acquire.
+  template <class Storage, class Maps, class Shape>
+  CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, Params const& params, Maps const& tensormaps,
+                                                Shape shape, int32_t next_batch) {
+    descs_ = params.descs;
+    if (descs_ == nullptr) return Base::tensormaps_perform_update(shared, params, tensormaps, shape, next_batch);
+    group_ = next_batch;
+    acquire_prepared(descs_ + 2 * group_);
+    acquire_prepared(descs_ + 2 * group_ + 1);
+  }
+  template <class Storage, class Maps>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Maps const& tensormaps) {
+    if (descs_ == nullptr) Base::tensormaps_cp_fence_release(shared, tensormaps);
+  }
+  template <class Maps>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(Maps const& tensormaps) {
+    if (descs_ == nullptr) Base::tensormaps_fence_acquire(tensormaps);
+  }
+
+  // CUTLASS's load through the group's prepared descriptors or the CTA's rewritten ones: one instantiation either way.
+  template <class TensorA, class TensorB, class MapA, class MapB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& inputs,
+                           cute::tuple<MapA, MapB> const& tensormaps, BlockCoord const& blk, KTileIterator k_iter,
+                           int k_count, int thread_idx, uint32_t rank, typename Base::TensorStorage& smem) {
+    const bool prepared = descs_ != nullptr;
+    const cute::TmaDescriptor* a = prepared ? descs_ + 2 * group_ : cute::get<0>(tensormaps);
+    const cute::TmaDescriptor* b = prepared ? descs_ + 2 * group_ + 1 : cute::get<1>(tensormaps);
+    Base::load(params, pipeline, state, inputs, cute::make_tuple(a, b), blk, k_iter, k_count, thread_idx, rank, smem);
+  }
+
+ private:
+  const cute::TmaDescriptor* descs_ = nullptr;
+  int32_t group_ = 0;
+};
+
+template <class A, class = void>
+struct takes_prepared_descriptors : std::false_type {};
+template <class A>
+struct takes_prepared_descriptors<
+    A, std::void_t<decltype(std::declval<A&>().epilogue.descs), decltype(std::declval<A&>().mainloop.descs)>>
+    : std::true_type {};
+
+constexpr int kDescWarps = 4;  // groups a block of prep_descriptors_kernel
+
+// One descriptor made as CUTLASS's in-kernel rewrite makes it: tma's, with the group's address, and dims and
+// strides from its (rows, cols, 1) shape and stride, by one lane in shared memory; then copied out by the whole warp
+// (the copy is warp-aligned) with the release fence.
+template <class Element, class Tma, class Stride>
+CUTLASS_DEVICE void prepare_descriptor(cute::TmaDescriptor& staged, const Tma& tma, const void* ptr, int rows, int cols,
+                                       const Stride& stride, cute::TmaDescriptor* out) {
+  using namespace cute;
+  if (threadIdx.x % 32 == 0) {
+    staged = *tma.get_tma_descriptor();
+    tma_descriptor_replace_addr_in_shared_mem(staged, ptr);
+    cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
+    cute::array<uint64_t, 5> strides = {0, 0, 0, 0, 0};
+    Tensor t = make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(rows, cols, Int<1>{}), stride));
+    cute::detail::fill_tma_gmem_shape_stride(tma, t, shape, strides);
+    for (uint64_t& s : strides) s = s * sizeof_bits_v<Element> / 8;  // in bytes
+    tma_descriptor_replace_dims_strides_in_shared_mem(staged, shape, strides);
+  }
+  __syncwarp();
+  tma_descriptor_cp_fence_release(out, staged);
+  __syncwarp();
+}
+
+// For each group e with work (M, N and K > 0: the others get no tiles), from what the prep kernel wrote for the GEMM
+// (its pointers, problem shape and strides: what CUTLASS's rewrite reads): descs_d[e] from the epilogue's D
+// descriptor tma_d, and descs_ab[2e], descs_ab[2e + 1] from the mainloop's A and B descriptors tma_a, tma_b.
+template <class Element, class GroupShape, class StrideA, class StrideB, class StrideD, class TmaA, class TmaB,
+          class TmaD>
+__global__ void __launch_bounds__(32 * kDescWarps)
+    prep_descriptors_kernel(const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
+                            const __grid_constant__ TmaD tma_d, int groups, const GroupShape* __restrict__ shapes,
+                            Element* const* __restrict__ ptr_a, Element* const* __restrict__ ptr_b,
+                            Element* const* __restrict__ ptr_d, const StrideA* __restrict__ stride_a,
+                            const StrideB* __restrict__ stride_b, const StrideD* __restrict__ stride_d,
+                            cute::TmaDescriptor* descs_ab, cute::TmaDescriptor* descs_d) {
+  __shared__ cute::TmaDescriptor staged[kDescWarps];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
+  if (group >= groups) return;  // the whole warp
+  const GroupShape shape_mnk = shapes[group];
+  const int m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
+  if (m == 0 || n == 0 || k == 0) return;
+  prepare_descriptor<Element>(staged[warp], tma_d, ptr_d[group], m, n, stride_d[group], descs_d + group);
+  prepare_descriptor<Element>(staged[warp], tma_a, ptr_a[group], m, k, stride_a[group], descs_ab + 2 * group);
+  prepare_descriptor<Element>(staged[warp], tma_b, ptr_b[group], n, k, stride_b[group], descs_ab + 2 * group + 1);
+}
+
+}  // namespace moe8::cuda::sm90
