@@ -24,8 +24,8 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
 --prepared also times the bf16 GEMMs with every TMA descriptor rewritten by CUTLASS at each group change
-(MOE8_SM90_PREPARED_STORE=0, MOE8_SM90_PREPARED_LOADS=0) and with D's alone made once per call, beside the default
-(D's, A's and B's made once per call; prepared_descriptors_sm90.cuh).
+(MOE8_SM90_PREPARED_STORE=0) and with A's and B's made once per call too (MOE8_SM90_PREPARED_LOADS=1), beside the
+default (D's made once per call; prepared_descriptors_sm90.cuh).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -218,7 +218,8 @@ def bench(shape, dims, routing, args, device, gen):
             if prepared:
                 cands |= {
                     f"prepared {label}": with_env(
-                        mine, {"MOE8_SM90_PREPARED_STORE": store, "MOE8_SM90_PREPARED_LOADS": loads}
+                        mine,
+                        {"MOE8_SM90_PREPARED_STORE": store, "MOE8_SM90_PREPARED_LOADS": loads},
                     )
                     for label, store, loads in PREPARED_MIXES
                 }
@@ -245,7 +246,7 @@ def bench(shape, dims, routing, args, device, gen):
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
             if prepared:
-                row["prepared_ms"] = {label: ms[f"prepared {label}"] for label, _, _ in PREPARED_MIXES}
+                row["prepared_ms"] = {mix[0]: ms[f"prepared {mix[0]}"] for mix in PREPARED_MIXES}
             if bounds.get(kind):
                 row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
             if "moe8_ms" in row and "torch_ms" in row:
@@ -265,7 +266,7 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 
 QUANT_COLS = ("packed", "staged")
-# --prepared: (label, MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS); the default is all three
+# --prepared: (label, MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS); the default is "D"
 PREPARED_MIXES = (("none", "0", "0"), ("D", "1", "0"), ("D, A, B", "1", "1"))
 
 
@@ -437,7 +438,7 @@ def main() -> int:
     ap.add_argument(
         "--prepared",
         action="store_true",
-        help="also time the bf16 GEMMs with no descriptor made once per call and with D's alone "
+        help="also time the bf16 GEMMs with no descriptor made once per call and with A's and B's too "
         "(MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS)",
     )
     ap.add_argument(

@@ -317,13 +317,14 @@ struct Prepared {
   bool any() const { return store || loads; }
 };
 
-// The 128x64-subtile 128x256 tiles only, all three by default: with them the GEMMs are 2-6% faster and the
-// Qwen3-30B-A3B and OLMoE blocks 2-4% on an H100, A's and B's adding ~1% to D's
-// (bench/results/prepared_descriptors_h100.md); with every descriptor fixed, equal experts run at the plain
+// The 128x64-subtile 128x256 tiles only. D's by default: 2-6% off each GEMM on two H100s, the Qwen3-30B-A3B and
+// OLMoE blocks 1-4% faster. A's and B's opt-in: ~1% more on one H100, level or up to 5% slower on another (the
+// producer warp acquires them at a group change, holding back that tile's loads; acquiring D's there too was 1-4%
+// slower); bench/results/prepared_descriptors_h100.md. With every descriptor fixed, equal experts run at the plain
 // kernel's time (docs/kernels.md).
 inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
-  return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(true)};
+  return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(false)};
 }
 
 // ------------------------------------------------------------------------------------ gathered rows
