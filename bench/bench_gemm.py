@@ -25,7 +25,8 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 in ms and GB/s moved.
 --prepared also times the bf16 GEMMs with every TMA descriptor rewritten by CUTLASS at each group change
 (MOE8_SM90_PREPARED_STORE=0) and with A's and B's made once per call too (MOE8_SM90_PREPARED_LOADS=1), beside the
-default (D's made once per call; prepared_descriptors_sm90.cuh).
+default (D's made once per call; prepared_descriptors_sm90.cuh), and the FP8 GEMMs with D's rewritten and made once
+per call (MOE8_SM90_PREPARED_STORE=0 and 1).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -214,14 +215,16 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
-            prepared = args.prepared and kind in ("fwd", "dgrad", "wgrad")
+            # the FP8 GEMMs prepare D's descriptors only (MOE8_SM90_PREPARED_LOADS is bf16's)
+            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:2]
+            prepared = args.prepared
             if prepared:
                 cands |= {
                     f"prepared {label}": with_env(
                         mine,
                         {"MOE8_SM90_PREPARED_STORE": store, "MOE8_SM90_PREPARED_LOADS": loads},
                     )
-                    for label, store, loads in PREPARED_MIXES
+                    for label, store, loads in mixes
                 }
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
@@ -246,7 +249,7 @@ def bench(shape, dims, routing, args, device, gen):
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
             if prepared:
-                row["prepared_ms"] = {mix[0]: ms[f"prepared {mix[0]}"] for mix in PREPARED_MIXES}
+                row["prepared_ms"] = {mix[0]: ms[f"prepared {mix[0]}"] for mix in mixes}
             if bounds.get(kind):
                 row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
             if "moe8_ms" in row and "torch_ms" in row:
@@ -438,8 +441,8 @@ def main() -> int:
     ap.add_argument(
         "--prepared",
         action="store_true",
-        help="also time the bf16 GEMMs with no descriptor made once per call and with A's and B's too "
-        "(MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS)",
+        help="also time the GEMMs with no descriptor made once per call, with D's, and (bf16) with A's and B's "
+        "too (MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS)",
     )
     ap.add_argument(
         "--bounds",

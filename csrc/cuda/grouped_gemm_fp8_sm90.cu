@@ -35,6 +35,7 @@
 #include "cuda/blockwise_promotion_sm90.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "cuda/prepared_descriptors_sm90.cuh"
 #include "cuda/sm90_util.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -102,13 +103,16 @@ struct Fp8Gemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16, kAlignD = 8;  // elements per 16 bytes: TMA's alignment
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
       void, LayoutD*, kAlignD,                                        // C: none
       ElementD, LayoutD*, kAlignD,                                    // D
       typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
+  // D stored through per-group descriptors made before the launch where run_cutlass hands them over
+  // (heuristics::fp8_prepared_store), through CUTLASS's rewritten one otherwise (prepared_descriptors_sm90.cuh).
+  using Epilogue = sm90::PreparedStoreEpilogue<CutlassEpilogue>;
 
   using SerialMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,     //
@@ -194,7 +198,8 @@ static_assert(std::is_same_v<FwdLarge::StrideA, Wgrad::StrideA> && std::is_same_
 // ---------------------------------------------------------------------------------------------------
 // Workspace: per-group arrays (fixed slot sizes), then CUTLASS's own.
 
-constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotLayout = 32;
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotLayout = 32,
+                 kSlotDesc = sizeof(cute::TmaDescriptor);
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 static_assert(sizeof(FwdLarge::LayoutSFA) <= kSlotLayout && sizeof(FwdLarge::LayoutSFB) <= kSlotLayout &&
                   sizeof(Wgrad::LayoutSFA) <= kSlotLayout && sizeof(Wgrad::LayoutSFB) <= kSlotLayout,
@@ -214,7 +219,8 @@ static_assert(std::is_same_v<FwdLarge::StrideA, FwdSmall::StrideA> &&
 inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 5 * align_up(g * kSlotPtr, kAlignWs) +
-         3 * align_up(g * kSlotStride, kAlignWs) + 2 * align_up(g * kSlotLayout, kAlignWs);
+         3 * align_up(g * kSlotStride, kAlignWs) + 2 * align_up(g * kSlotLayout, kAlignWs) +
+         align_up(g * kSlotDesc, kAlignWs);
 }
 
 struct GroupArrays {
@@ -227,9 +233,10 @@ struct GroupArrays {
   void* stride_a;
   void* stride_b;
   void* stride_d;
-  void* layout_sfa;  // G::LayoutSFA[groups]
-  void* layout_sfb;  // G::LayoutSFB[groups]
-  void* cutlass_ws;  // kAlignWs-aligned
+  void* layout_sfa;              // G::LayoutSFA[groups]
+  void* layout_sfb;              // G::LayoutSFB[groups]
+  cute::TmaDescriptor* descs_d;  // D's prepared descriptors, one a group
+  void* cutlass_ws;              // kAlignWs-aligned
 };
 
 inline GroupArrays carve(void* workspace, int groups) {
@@ -247,6 +254,7 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.stride_d = c.take(g * kSlotStride);
   w.layout_sfa = c.take(g * kSlotLayout);
   w.layout_sfb = c.take(g * kSlotLayout);
+  w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(g * kSlotDesc));
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -328,9 +336,10 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
              bytes, workspace ? "" : " (null)");
 }
 
-// Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered).
+// Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered); with
+// prepared_store, D's descriptors made first from them (prepared_descriptors_sm90.cuh).
 template <class G>
-void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStream_t stream) {
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, bool prepared_store, cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using AB = typename G::ElementAB;
   using D = typename G::ElementD;
@@ -345,10 +354,20 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, cudaStre
       {reinterpret_cast<const AB**>(w.ptr_a), static_cast<typename G::StrideA*>(w.stride_a),
        reinterpret_cast<const AB**>(w.ptr_b), static_cast<typename G::StrideB*>(w.stride_b), w.ptr_sfa,
        static_cast<typename G::LayoutSFA*>(w.layout_sfa), w.ptr_sfb, static_cast<typename G::LayoutSFB*>(w.layout_sfb)},
-      {{}, nullptr, nullptr, reinterpret_cast<D**>(w.ptr_d), static_cast<typename G::StrideD*>(w.stride_d)},
+      {},
       hw};
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = reinterpret_cast<D**>(w.ptr_d);
+  args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  if (prepared_store) {
+    sm90::prepare_store_descriptors<typename G::Epilogue, D, ProblemShape>(
+        groups, w.shapes, args.epilogue.ptr_D, args.epilogue.dD, w.cutlass_ws, w.descs_d, stream);
+    check_launch("grouped_gemm_fp8_sm90: prep_store_descriptors_kernel");
+    args.epilogue.descs = w.descs_d;
+  }
   // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): no other order measured faster
   sm90_util::apply_schedule(args, {});
   Gemm gemm;
@@ -409,15 +428,15 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
   const DeviceFacts f = device_facts(device);
   const GroupArrays w = carve(workspace, groups);
   cudaStream_t s = as_stream(stream);
+  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   auto launch = [&](auto g) {
     using G = decltype(g);
     prep_fp8_kernel<G><<<prep_blocks(groups, rows * n / 8, f.sms), kPrepThreads, 0, s>>>(
         offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared_store(env), s);
   };
-  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
   launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, false, env), launch);
 }
@@ -453,15 +472,15 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
   const DeviceFacts f = device_facts(device);
   const GroupArrays w = carve(workspace, groups);
   cudaStream_t s = as_stream(stream);
+  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   auto launch = [&](auto g) {
     using G = decltype(g);
     prep_fp8_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, f.sms), kPrepThreads, 0, s>>>(
         offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
         a_scale.ptr<float>(), db.data, w);
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared_store(env), s);
   };
-  const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
   const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
   launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, true, env), launch);
 }

@@ -375,38 +375,34 @@ __global__ void __launch_bounds__(kPrepThreads)
 using sm90_util::prep_blocks;
 
 // A kPrepared GEMM's descriptors for this call, from the group arrays its prep kernel wrote (stream-ordered: after
-// that kernel, before the GEMM): CUTLASS's A, B and D descriptors as its mainloop and epilogue make them, each
-// group's put in on the device.
+// that kernel, before the GEMM): D's as its epilogue makes it and, with loads, A's and B's as its mainloop does,
+// each group's put in on the device.
 template <class G>
-void prepare_descriptors(const GroupArrays& w, int groups, cudaStream_t stream) {
+void prepare_descriptors(const GroupArrays& w, int groups, bool loads, cudaStream_t stream) {
   static_assert(G::kPreparedDescriptors, "a GEMM taking prepared descriptors");
   using T = typename G::Element;
   using Main = typename G::Mainloop;
-  using Epi = typename G::Epilogue;
   if (groups == 0) return;
-  // The templates: every address, dim and stride in them is replaced on the device, so one host encode serves every
-  // call (the first call's pointer arrays stand in for the addresses, as in CUTLASS's own).
-  static const auto templates = [&] {
-    const ProblemShape shapes{groups, w.shapes, nullptr};
+  prepare_store_descriptors<typename G::Epilogue, T, ProblemShape>(groups, w.shapes, reinterpret_cast<T**>(w.ptr_d),
+                                                                   static_cast<typename G::StrideD*>(w.stride_d),
+                                                                   w.cutlass_ws, w.descs_d, stream);
+  check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
+  if (!loads) return;
+  // The templates, as for D's: one host encode per GEMM type.
+  static const auto tma_ab = [&] {
     typename Main::Arguments main{};
     main.ptr_A = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_a));
     main.dA = static_cast<typename G::StrideA*>(w.stride_a);
     main.ptr_B = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b));
     main.dB = static_cast<typename G::StrideB*>(w.stride_b);
-    typename Epi::Arguments epi{};
-    epi.ptr_D = reinterpret_cast<T**>(w.ptr_d);
-    epi.dD = static_cast<typename G::StrideD*>(w.stride_d);
-    const auto m = Main::to_underlying_arguments(shapes, main, w.cutlass_ws);
-    return cute::make_tuple(m.tma_load_a, m.tma_load_b,
-                            Epi::to_underlying_arguments(shapes, epi, w.cutlass_ws).tma_store_d);
+    const auto m = Main::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, main, w.cutlass_ws);
+    return cute::make_tuple(m.tma_load_a, m.tma_load_b);
   }();
-  const int blocks = (groups + kDescWarps - 1) / kDescWarps;
-  prep_descriptors_kernel<T><<<blocks, 32 * kDescWarps, 0, stream>>>(
-      cute::get<0>(templates), cute::get<1>(templates), cute::get<2>(templates), groups, w.shapes,
-      reinterpret_cast<T* const*>(w.ptr_a), reinterpret_cast<T* const*>(w.ptr_b), reinterpret_cast<T* const*>(w.ptr_d),
-      static_cast<const typename G::StrideA*>(w.stride_a), static_cast<const typename G::StrideB*>(w.stride_b),
-      static_cast<const typename G::StrideD*>(w.stride_d), w.descs_ab, w.descs_d);
-  check_launch("grouped_gemm_sm90: prep_descriptors_kernel");
+  prep_load_descriptors_kernel<T><<<(groups + kDescWarps - 1) / kDescWarps, 32 * kDescWarps, 0, stream>>>(
+      cute::get<0>(tma_ab), cute::get<1>(tma_ab), groups, w.shapes, reinterpret_cast<T* const*>(w.ptr_a),
+      reinterpret_cast<T* const*>(w.ptr_b), static_cast<const typename G::StrideA*>(w.stride_a),
+      static_cast<const typename G::StrideB*>(w.stride_b), w.descs_ab);
+  check_launch("grouped_gemm_sm90: prep_load_descriptors_kernel");
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // cuda/prepared_descriptors_sm90.cuh — CUTLASS's ptr-array grouped GEMM with its per-group TMA descriptors made
-// once per call, before the GEMM, by prep_descriptors_kernel (one warp a group, in the caller's workspace): D's for
-// the epilogue's stores (PreparedStoreEpilogue), A's and B's for the mainloop's loads (PreparedLoadMainloop). Used by
-// the forward, dgrad and weight-gradient GEMMs.
+// once per call, before the GEMM, by prep_store_descriptors_kernel and prep_load_descriptors_kernel (one warp a
+// group, in the caller's workspace): D's for the epilogue's stores (PreparedStoreEpilogue: the bf16 forward, dgrad
+// and weight gradients, and the FP8 ones), A's and B's for the mainloop's loads (PreparedLoadMainloop: bf16).
 //
 // CUTLASS's ptr-array kernel keeps one descriptor per CTA for each of A, B and D and rewrites it whenever the next
 // tile is in another group: a lane writes the new address and dims in shared memory, the warp copies the descriptor
@@ -11,10 +11,13 @@
 // descriptor cache, a whole mainloop ahead of the epilogue's first store (the kernel announces the next tile's group
 // before its mainloop). Every address, dim and stride is what CUTLASS's rewrite would have written, so the loads,
 // stores and results are the same bits. Each wrapper falls back to CUTLASS's own rewrite when its Arguments carry no
-// descriptors, so one kernel serves every mix (heuristics::prepared).
-// Build: included by grouped_gemm_sm90_impl.cuh only (CUTLASS headers, sm_90a).
+// descriptors, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared_store).
+// Build: included by grouped_gemm_sm90_impl.cuh and grouped_gemm_fp8_sm90.cu (CUTLASS headers, sm_90a).
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
@@ -29,18 +32,17 @@ CUTLASS_DEVICE void acquire_prepared(const cute::TmaDescriptor* desc) {
   cute::prefetch_tma_descriptor(desc);
 }
 
-// Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C.
+// Base (a CUTLASS collective) with `descs`, an array of prepared descriptors, added to its Arguments and Params
+// (null: CUTLASS's own rewrite).
 template <class Base>
-struct PreparedStoreEpilogue : Base {
-  using typename Base::TensorStorage;
-
+struct TakesDescriptors : Base {
+  using Base::Base;
   struct Arguments : Base::Arguments {
-    const cute::TmaDescriptor* descs = nullptr;  // [groups] from prep_descriptors_kernel; null: CUTLASS's rewrite
+    const cute::TmaDescriptor* descs = nullptr;
   };
   struct Params : Base::Params {
     const cute::TmaDescriptor* descs;
   };
-
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     Params p;
@@ -48,9 +50,17 @@ struct PreparedStoreEpilogue : Base {
     p.descs = args.descs;
     return p;
   }
+};
+
+// Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C; descs: [groups] from
+// prep_store_descriptors_kernel.
+template <class Base>
+struct PreparedStoreEpilogue : TakesDescriptors<Base> {
+  using typename Base::TensorStorage;
+  using typename TakesDescriptors<Base>::Params;
 
   CUTLASS_DEVICE PreparedStoreEpilogue(Params const& params, TensorStorage& shared)
-      : Base(params, shared), descs_(params.descs) {}
+      : TakesDescriptors<Base>(params, shared), descs_(params.descs) {}
 
   // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
   // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop.
@@ -91,23 +101,11 @@ struct PreparedStoreEpilogue : Base {
   const cute::TmaDescriptor* descs_;
 };
 
-// Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA).
+// Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA); descs:
+// [groups][A, B] from prep_load_descriptors_kernel.
 template <class Base>
-struct PreparedLoadMainloop : Base {
-  struct Arguments : Base::Arguments {
-    const cute::TmaDescriptor* descs = nullptr;  // [groups][A, B] from prep_descriptors_kernel; null: CUTLASS's
-  };
-  struct Params : Base::Params {
-    const cute::TmaDescriptor* descs;
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
-    Params p;
-    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
-    p.descs = args.descs;
-    return p;
-  }
+struct PreparedLoadMainloop : TakesDescriptors<Base> {
+  using typename TakesDescriptors<Base>::Params;
 
   // The producer warp's calls at each group change (its first tile's group included), in the kernel's order:
   // perform_update, cp_fence_release, then, before the first load, fence_acquire.
@@ -153,7 +151,7 @@ struct takes_prepared_descriptors<
     A, std::void_t<decltype(std::declval<A&>().epilogue.descs), decltype(std::declval<A&>().mainloop.descs)>>
     : std::true_type {};
 
-constexpr int kDescWarps = 4;  // groups a block of prep_descriptors_kernel
+constexpr int kDescWarps = 4;  // groups a block of the prep_*_descriptors_kernels
 
 // One descriptor made as CUTLASS's in-kernel rewrite makes it: tma's, with the group's address, and dims and
 // strides from its (rows, cols, 1) shape and stride, by one lane in shared memory; then copied out by the whole warp
@@ -178,17 +176,13 @@ CUTLASS_DEVICE void prepare_descriptor(cute::TmaDescriptor& staged, const Tma& t
 }
 
 // For each group e with work (M, N and K > 0: the others get no tiles), from what the prep kernel wrote for the GEMM
-// (its pointers, problem shape and strides: what CUTLASS's rewrite reads): descs_d[e] from the epilogue's D
-// descriptor tma_d, and descs_ab[2e], descs_ab[2e + 1] from the mainloop's A and B descriptors tma_a, tma_b.
-template <class Element, class GroupShape, class StrideA, class StrideB, class StrideD, class TmaA, class TmaB,
-          class TmaD>
+// (its pointer, problem shape and stride: what CUTLASS's rewrite reads): descs_d[e] from the epilogue's D descriptor
+// tma_d. The same kernel serves the bf16 and the FP8 GEMMs.
+template <class Element, class GroupShape, class StrideD, class TmaD>
 __global__ void __launch_bounds__(32 * kDescWarps)
-    prep_descriptors_kernel(const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
-                            const __grid_constant__ TmaD tma_d, int groups, const GroupShape* __restrict__ shapes,
-                            Element* const* __restrict__ ptr_a, Element* const* __restrict__ ptr_b,
-                            Element* const* __restrict__ ptr_d, const StrideA* __restrict__ stride_a,
-                            const StrideB* __restrict__ stride_b, const StrideD* __restrict__ stride_d,
-                            cute::TmaDescriptor* descs_ab, cute::TmaDescriptor* descs_d) {
+    prep_store_descriptors_kernel(const __grid_constant__ TmaD tma_d, int groups, const GroupShape* __restrict__ shapes,
+                                  Element* const* __restrict__ ptr_d, const StrideD* __restrict__ stride_d,
+                                  cute::TmaDescriptor* descs_d) {
   __shared__ cute::TmaDescriptor staged[kDescWarps];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
@@ -197,8 +191,42 @@ __global__ void __launch_bounds__(32 * kDescWarps)
   const int m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
   if (m == 0 || n == 0 || k == 0) return;
   prepare_descriptor<Element>(staged[warp], tma_d, ptr_d[group], m, n, stride_d[group], descs_d + group);
+}
+
+// The same for the mainloop's A and B: descs_ab[2e], descs_ab[2e + 1] from tma_a, tma_b.
+template <class Element, class GroupShape, class StrideA, class StrideB, class TmaA, class TmaB>
+__global__ void __launch_bounds__(32 * kDescWarps)
+    prep_load_descriptors_kernel(const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b, int groups,
+                                 const GroupShape* __restrict__ shapes, Element* const* __restrict__ ptr_a,
+                                 Element* const* __restrict__ ptr_b, const StrideA* __restrict__ stride_a,
+                                 const StrideB* __restrict__ stride_b, cute::TmaDescriptor* descs_ab) {
+  __shared__ cute::TmaDescriptor staged[kDescWarps];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
+  if (group >= groups) return;  // the whole warp
+  const GroupShape shape_mnk = shapes[group];
+  const int m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
+  if (m == 0 || n == 0 || k == 0) return;
   prepare_descriptor<Element>(staged[warp], tma_a, ptr_a[group], m, k, stride_a[group], descs_ab + 2 * group);
   prepare_descriptor<Element>(staged[warp], tma_b, ptr_b[group], n, k, stride_b[group], descs_ab + 2 * group + 1);
+}
+
+// D's descriptors for this call of a GEMM whose epilogue is Epi (a PreparedStoreEpilogue), from the group arrays its
+// prep kernel wrote (stream-ordered: after that kernel, before the GEMM). The template descriptor is CUTLASS's, made
+// once per epilogue type: every address, dim and stride in it is replaced on the device (the first call's pointer
+// array stands in for its address, as in CUTLASS's own).
+template <class Epi, class Element, class ProblemShape, class GroupShape, class StrideD>
+void prepare_store_descriptors(int groups, GroupShape* shapes, Element** ptr_d, StrideD* stride_d, void* cutlass_ws,
+                               cute::TmaDescriptor* descs_d, cudaStream_t stream) {
+  if (groups == 0) return;
+  static const auto tma_d = [&] {
+    typename Epi::Arguments args{};
+    args.ptr_D = ptr_d;
+    args.dD = stride_d;
+    return Epi::to_underlying_arguments(ProblemShape{groups, shapes, nullptr}, args, cutlass_ws).tma_store_d;
+  }();
+  prep_store_descriptors_kernel<Element><<<(groups + kDescWarps - 1) / kDescWarps, 32 * kDescWarps, 0, stream>>>(
+      tma_d, groups, shapes, ptr_d, stride_d, descs_d);
 }
 
 }  // namespace moe8::cuda::sm90

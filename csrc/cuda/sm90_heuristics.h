@@ -327,6 +327,11 @@ inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(false)};
 }
 
+// Whether the FP8 forward and weight-gradient GEMMs (every tile) store D through per-group descriptors made once per
+// call (prepared_descriptors_sm90.cuh). MOE8_SM90_PREPARED_STORE=1 turns it on (opt-in until timed: an FP8 tile's
+// mainloop is about half a bf16 one's, so the rewrite's share of it is larger).
+inline bool fp8_prepared_store(const Sm90Overrides& env) { return env.prepared_store.get().value_or(false); }
+
 // ------------------------------------------------------------------------------------ gathered rows
 
 // The producer warps that copy the rows of the forward GEMM gathered inside its load (gathered_rows_sm90.cuh):

@@ -712,27 +712,36 @@ TEST_F(Sm90Fp8Test, OverlappedPromotionGivesTheSameBits) {
   set_override("MOE8_SM90_FP8_TILE", nullptr);
 }
 
-// The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE) gives the default's bits, forward and
-// weight gradient.
-TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
-  Fp8Problem p({0, 40, 200, 3, 700, 129}, 2, 512, 384, 950);
-  DeviceFp8 d(p);
+// An FP8 weight gradient on the GPU: 5 groups of 256, 0, 128, 384 and 512 rows (one empty), N 384, K 256, random
+// codes and scales from `seed`; run() under the overrides set at the time.
+struct Fp8WgradCase {
   const std::vector<int> off = offsets_of({256, 0, 128, 384, 512});
   const int64_t R = off.back(), E = 5, N = 384, K = 256, NBLK = col_scale_blocks(R, E);
-  Rng rng(951);
-  HostTensor dc_t = Fp8Problem::codes({N, R}, 952), a_t = Fp8Problem::codes({K, R}, 953);
-  HostTensor sd = random_tensor(DType::kF32, {NBLK, N}, rng, 0.5 / 448, 2.0 / 448);
-  HostTensor sa = random_tensor(DType::kF32, {NBLK, K}, rng, 0.5 / 448, 2.0 / 448);
-  HostTensor offs = ints({E + 1}, off);
-  HostTensor wsh(DType::kU8, {api::grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true)});
-  auto wgrad = [&] {
+  HostTensor dc_t, a_t, sd, sa, offs = ints({E + 1}, off);
+  HostTensor wsh{DType::kU8, {api::grouped_gemm_fp8_wgrad_workspace_bytes(static_cast<int>(E), true)}};
+  explicit Fp8WgradCase(uint64_t seed)
+      : dc_t(Fp8Problem::codes({N, R}, seed + 1)), a_t(Fp8Problem::codes({K, R}, seed + 2)) {
+    Rng rng(seed);
+    sd = random_tensor(DType::kF32, {NBLK, N}, rng, 0.5 / 448, 2.0 / 448);
+    sa = random_tensor(DType::kF32, {NBLK, K}, rng, 0.5 / 448, 2.0 / 448);
+  }
+  HostTensor run() const {
     HostTensor got(DType::kBF16, {E, N, K});
     Runner gpu(true);
     api::grouped_gemm_fp8_wgrad(gpu.in(dc_t), gpu.in(sd), gpu.in(a_t), gpu.in(sa), gpu.in(offs), gpu.out(got), 0, true,
                                 gpu.in(wsh));
     gpu.finish();
     return got;
-  };
+  }
+};
+
+// The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE) gives the default's bits, forward and
+// weight gradient.
+TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
+  Fp8Problem p({0, 40, 200, 3, 700, 129}, 2, 512, 384, 950);
+  DeviceFp8 d(p);
+  const Fp8WgradCase wg(951);
+  auto wgrad = [&] { return wg.run(); };
   const HostTensor fwd0 = d.run(), wgrad0 = wgrad();
   EXPECT_TRUE(check_fp8_gemm(p, fwd0, 0));
   for (const auto& [raster, swizzle] :
@@ -747,6 +756,35 @@ TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
   EXPECT_THROW(d.run(), Error);
   set_override("MOE8_SM90_RASTER", nullptr);
   set_override("MOE8_SM90_SWIZZLE", nullptr);
+}
+
+// D stored through per-group descriptors made before the launch (MOE8_SM90_PREPARED_STORE=1,
+// prepared_descriptors_sm90.cuh) gives CUTLASS's rewritten descriptor's bits, forward (every tile, at the ragged
+// shapes of gemm_cases()) and weight gradient.
+TEST_F(Sm90Fp8Test, PreparedStoreGivesTheSameBits) {
+  uint64_t seed = 1200;
+  for (const char* tile : {"large", "solo", "m2", "small"}) {
+    set_override("MOE8_SM90_FP8_TILE", tile);
+    for (const GemmCase& gc : gemm_cases()) {
+      SCOPED_TRACE(std::string(tile) + " " + gc.name);
+      Fp8Problem p(gc.counts, gc.tail, gc.N, gc.K, ++seed);
+      DeviceFp8 d(p);
+      set_override("MOE8_SM90_PREPARED_STORE", "0");
+      const HostTensor rewritten = d.run();
+      set_override("MOE8_SM90_PREPARED_STORE", "1");
+      const HostTensor prepared = d.run();
+      EXPECT_TRUE(check_fp8_gemm(p, prepared, gc.rows_per_group));
+      EXPECT_TRUE(rewritten.bitwise_equal(prepared)) << "the prepared store changed the bits";
+    }
+  }
+  set_override("MOE8_SM90_FP8_TILE", nullptr);
+  const Fp8WgradCase wg(1251);
+  auto wgrad = [&](const char* prepared) {
+    set_override("MOE8_SM90_PREPARED_STORE", prepared);
+    return wg.run();
+  };
+  EXPECT_TRUE(wgrad("0").bitwise_equal(wgrad("1"))) << "the prepared store changed the weight gradient's bits";
+  set_override("MOE8_SM90_PREPARED_STORE", nullptr);
 }
 
 TEST_F(Sm90Fp8Test, AllGroupsEmpty) {

@@ -141,6 +141,10 @@ TEST(Sm90Heuristics, WgradTiles) {
          false, true));
   EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, all), true, true));
   for (Tile t : {Tile::kLarge, Tile::kPong128, Tile::kSmall, Tile::kTall}) EXPECT_FALSE(h::prepared(t, all).any());
+  // The FP8 GEMMs' D: opt-in, by the same variable.
+  EXPECT_FALSE(h::fp8_prepared_store(kNone));
+  EXPECT_TRUE(h::fp8_prepared_store(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})));
+  EXPECT_FALSE(h::fp8_prepared_store(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})));
   // MOE8_SM90_WGRAD replaces the rules' ping-pong answer for bf16; the tile forced by MOE8_SM90_TILE still wins.
   const h::Sm90Overrides large = overrides({{"MOE8_SM90_WGRAD", "large"}});
   const h::Sm90Overrides pong = overrides({{"MOE8_SM90_WGRAD", "pong"}});
