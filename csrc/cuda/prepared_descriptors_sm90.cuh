@@ -175,22 +175,28 @@ CUTLASS_DEVICE void prepare_descriptor(cute::TmaDescriptor& staged, const Tma& t
   __syncwarp();
 }
 
-// For each group e with work (M, N and K > 0: the others get no tiles), from what the prep kernel wrote for the GEMM
-// (its pointer, problem shape and stride: what CUTLASS's rewrite reads): descs_d[e] from the epilogue's D descriptor
-// tma_d. The same kernel serves the bf16 and the FP8 GEMMs.
+// This warp's group of a prep_*_descriptors_kernel (one warp a group) and its (M, N, K); false for a warp past the
+// last group or a group with no work (M, N or K 0: no tiles, so no descriptor is read).
+template <class GroupShape>
+CUTLASS_DEVICE bool warp_group_with_work(int groups, const GroupShape* shapes, int& group, int& m, int& n, int& k) {
+  group = static_cast<int>(blockIdx.x) * kDescWarps + static_cast<int>(threadIdx.x / 32);
+  if (group >= groups) return false;
+  const GroupShape shape_mnk = shapes[group];
+  m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
+  return m != 0 && n != 0 && k != 0;
+}
+
+// descs_d[e] for each group e with work, from what the prep kernel wrote for the GEMM (its pointer, problem shape and
+// stride: what CUTLASS's rewrite reads) and the epilogue's D descriptor tma_d. It serves the bf16 and the FP8 GEMMs.
 template <class Element, class GroupShape, class StrideD, class TmaD>
 __global__ void __launch_bounds__(32 * kDescWarps)
     prep_store_descriptors_kernel(const __grid_constant__ TmaD tma_d, int groups, const GroupShape* __restrict__ shapes,
                                   Element* const* __restrict__ ptr_d, const StrideD* __restrict__ stride_d,
                                   cute::TmaDescriptor* descs_d) {
   __shared__ cute::TmaDescriptor staged[kDescWarps];
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
-  if (group >= groups) return;  // the whole warp
-  const GroupShape shape_mnk = shapes[group];
-  const int m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
-  if (m == 0 || n == 0 || k == 0) return;
-  prepare_descriptor<Element>(staged[warp], tma_d, ptr_d[group], m, n, stride_d[group], descs_d + group);
+  int group, m, n, k;
+  if (!warp_group_with_work(groups, shapes, group, m, n, k)) return;  // the whole warp
+  prepare_descriptor<Element>(staged[threadIdx.x / 32], tma_d, ptr_d[group], m, n, stride_d[group], descs_d + group);
 }
 
 // The same for the mainloop's A and B: descs_ab[2e], descs_ab[2e + 1] from tma_a, tma_b.
@@ -201,14 +207,11 @@ __global__ void __launch_bounds__(32 * kDescWarps)
                                  Element* const* __restrict__ ptr_b, const StrideA* __restrict__ stride_a,
                                  const StrideB* __restrict__ stride_b, cute::TmaDescriptor* descs_ab) {
   __shared__ cute::TmaDescriptor staged[kDescWarps];
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int group = static_cast<int>(blockIdx.x) * kDescWarps + warp;
-  if (group >= groups) return;  // the whole warp
-  const GroupShape shape_mnk = shapes[group];
-  const int m = cute::get<0>(shape_mnk), n = cute::get<1>(shape_mnk), k = cute::get<2>(shape_mnk);
-  if (m == 0 || n == 0 || k == 0) return;
-  prepare_descriptor<Element>(staged[warp], tma_a, ptr_a[group], m, k, stride_a[group], descs_ab + 2 * group);
-  prepare_descriptor<Element>(staged[warp], tma_b, ptr_b[group], n, k, stride_b[group], descs_ab + 2 * group + 1);
+  int group, m, n, k;
+  if (!warp_group_with_work(groups, shapes, group, m, n, k)) return;  // the whole warp
+  cute::TmaDescriptor& stage = staged[threadIdx.x / 32];
+  prepare_descriptor<Element>(stage, tma_a, ptr_a[group], m, k, stride_a[group], descs_ab + 2 * group);
+  prepare_descriptor<Element>(stage, tma_b, ptr_b[group], n, k, stride_b[group], descs_ab + 2 * group + 1);
 }
 
 // D's descriptors for this call of a GEMM whose epilogue is Epi (a PreparedStoreEpilogue), from the group arrays its

@@ -328,8 +328,8 @@ inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
 }
 
 // Whether the FP8 forward and weight-gradient GEMMs (every tile) store D through per-group descriptors made once per
-// call (prepared_descriptors_sm90.cuh). MOE8_SM90_PREPARED_STORE=1 turns it on (opt-in until timed: an FP8 tile's
-// mainloop is about half a bf16 one's, so the rewrite's share of it is larger).
+// call (prepared_descriptors_sm90.cuh). Opt-in (MOE8_SM90_PREPARED_STORE=1): on an H100 Qwen3-30B-A3B's FP8 gate_up
+// forward gained 5% and its down projection lost 10-16% (bench/results/prepared_descriptors_h100.md).
 inline bool fp8_prepared_store(const Sm90Overrides& env) { return env.prepared_store.get().value_or(false); }
 
 // ------------------------------------------------------------------------------------ gathered rows

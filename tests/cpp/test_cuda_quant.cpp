@@ -759,22 +759,22 @@ TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
 }
 
 // D stored through per-group descriptors made before the launch (MOE8_SM90_PREPARED_STORE=1,
-// prepared_descriptors_sm90.cuh) gives CUTLASS's rewritten descriptor's bits, forward (every tile, at the ragged
-// shapes of gemm_cases()) and weight gradient.
+// prepared_descriptors_sm90.cuh) gives CUTLASS's rewritten descriptor's bits: the forward on the cooperative and
+// the ping-pong tile at the ragged shapes of gemm_cases() but the largest (MatchesReference checks the values), and
+// the weight gradient.
 TEST_F(Sm90Fp8Test, PreparedStoreGivesTheSameBits) {
   uint64_t seed = 1200;
-  for (const char* tile : {"large", "solo", "m2", "small"}) {
+  for (const char* tile : {"large", "small"}) {
     set_override("MOE8_SM90_FP8_TILE", tile);
     for (const GemmCase& gc : gemm_cases()) {
+      if (gc.N * gc.K > 1024 * 1024) continue;
       SCOPED_TRACE(std::string(tile) + " " + gc.name);
       Fp8Problem p(gc.counts, gc.tail, gc.N, gc.K, ++seed);
       DeviceFp8 d(p);
       set_override("MOE8_SM90_PREPARED_STORE", "0");
       const HostTensor rewritten = d.run();
       set_override("MOE8_SM90_PREPARED_STORE", "1");
-      const HostTensor prepared = d.run();
-      EXPECT_TRUE(check_fp8_gemm(p, prepared, gc.rows_per_group));
-      EXPECT_TRUE(rewritten.bitwise_equal(prepared)) << "the prepared store changed the bits";
+      EXPECT_TRUE(rewritten.bitwise_equal(d.run())) << "the prepared store changed the bits";
     }
   }
   set_override("MOE8_SM90_FP8_TILE", nullptr);
