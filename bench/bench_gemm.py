@@ -23,10 +23,10 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 --quant-cols packed,staged times, beside each FP8 weight gradient, the column quantisation of its two operands
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
---prepared also times the bf16 GEMMs with every TMA descriptor rewritten by CUTLASS at each group change
-(MOE8_SM90_PREPARED_STORE=0) and with A's and B's made once per call too (MOE8_SM90_PREPARED_LOADS=1), beside the
-default (D's made once per call; prepared_descriptors_sm90.cuh), and the FP8 GEMMs with D's rewritten and made once
-per call (MOE8_SM90_PREPARED_STORE=0 and 1).
+--prepared also times each GEMM with every TMA descriptor rewritten by CUTLASS at each group change
+(MOE8_SM90_PREPARED_STORE=0), with D's made once per call (prepared_descriptors_sm90.cuh: bf16's default), acquired
+before the tile's mainloop or before its first store (MOE8_SM90_PREPARED_ACQUIRE), and for bf16 with A's and B's
+made once per call too (MOE8_SM90_PREPARED_LOADS=1).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -216,15 +216,19 @@ def bench(shape, dims, routing, args, device, gen):
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
             # the FP8 GEMMs prepare D's descriptors only (MOE8_SM90_PREPARED_LOADS is bf16's)
-            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:2]
+            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:3]
             prepared = args.prepared
             if prepared:
                 cands |= {
                     f"prepared {label}": with_env(
                         mine,
-                        {"MOE8_SM90_PREPARED_STORE": store, "MOE8_SM90_PREPARED_LOADS": loads},
+                        {
+                            "MOE8_SM90_PREPARED_STORE": store,
+                            "MOE8_SM90_PREPARED_LOADS": loads,
+                            "MOE8_SM90_PREPARED_ACQUIRE": acquire,
+                        },
                     )
-                    for label, store, loads in mixes
+                    for label, store, loads, acquire in mixes
                 }
             cands |= {f"bound {b}": fn for b, fn in bounds.get(kind, {}).items()}
             ms = interleaved_ms(cands, device, args.warmup, args.iters)
@@ -269,8 +273,13 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 
 QUANT_COLS = ("packed", "staged")
-# --prepared: (label, MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS); the default is "D"
-PREPARED_MIXES = (("none", "0", "0"), ("D", "1", "0"), ("D, A, B", "1", "1"))
+# --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE); bf16's default is "D", FP8's "none"
+PREPARED_MIXES = (
+    ("none", "0", "0", "mainloop"),
+    ("D", "1", "0", "mainloop"),
+    ("D acquired at the store", "1", "0", "store"),
+    ("D, A, B", "1", "1", "mainloop"),
+)
 
 
 def quantize_wgrad_operands(dc, a, offsets):

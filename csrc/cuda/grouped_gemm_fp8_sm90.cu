@@ -111,7 +111,7 @@ struct Fp8Gemm {
       typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
   // D stored through per-group descriptors made before the launch where run_cutlass hands them over
-  // (heuristics::fp8_prepared_store), through CUTLASS's rewritten one otherwise (prepared_descriptors_sm90.cuh).
+  // (heuristics::fp8_prepared), through CUTLASS's rewritten one otherwise (prepared_descriptors_sm90.cuh).
   using Epilogue = sm90::PreparedStoreEpilogue<CutlassEpilogue>;
 
   using SerialMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -337,9 +337,10 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
 }
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered); with
-// prepared_store, D's descriptors made first from them (prepared_descriptors_sm90.cuh).
+// prepared.store, D's descriptors made first from them (prepared_descriptors_sm90.cuh).
 template <class G>
-void run_cutlass(const GroupArrays& w, int groups, int device, int sms, bool prepared_store, cudaStream_t stream) {
+void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Prepared prepared,
+                 cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using AB = typename G::ElementAB;
   using D = typename G::ElementD;
@@ -362,11 +363,12 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, bool pre
   args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  if (prepared_store) {
+  if (prepared.store) {
     sm90::prepare_store_descriptors<typename G::Epilogue, D, ProblemShape>(
         groups, w.shapes, args.epilogue.ptr_D, args.epilogue.dD, w.cutlass_ws, w.descs_d, stream);
     check_launch("grouped_gemm_fp8_sm90: prep_store_descriptors_kernel");
     args.epilogue.descs = w.descs_d;
+    args.epilogue.acquire_at_store = prepared.acquire_at_store;
   }
   // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): no other order measured faster
   sm90_util::apply_schedule(args, {});
@@ -435,7 +437,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
         offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared_store(env), s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
   launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, false, env), launch);
@@ -479,7 +481,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
         offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
         a_scale.ptr<float>(), db.data, w);
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared_store(env), s);
+    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
   launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, true, env), launch);

@@ -288,6 +288,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
   args.epilogue.dD = static_cast<typename G::StrideD*>(w.stride_d);
   if constexpr (takes_prepared_descriptors<typename Gemm::Arguments>::value) {
     args.epilogue.descs = prepared.store ? w.descs_d : nullptr;
+    args.epilogue.acquire_at_store = prepared.acquire_at_store;
     args.mainloop.descs = prepared.loads ? w.descs_ab : nullptr;
   }
   args.hw_info = hw;

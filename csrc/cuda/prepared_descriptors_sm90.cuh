@@ -11,7 +11,7 @@
 // descriptor cache, a whole mainloop ahead of the epilogue's first store (the kernel announces the next tile's group
 // before its mainloop). Every address, dim and stride is what CUTLASS's rewrite would have written, so the loads,
 // stores and results are the same bits. Each wrapper falls back to CUTLASS's own rewrite when its Arguments carry no
-// descriptors, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared_store).
+// descriptors, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared).
 // Build: included by grouped_gemm_sm90_impl.cuh and grouped_gemm_fp8_sm90.cu (CUTLASS headers, sm_90a).
 #pragma once
 #include <cuda_runtime.h>
@@ -33,21 +33,24 @@ CUTLASS_DEVICE void acquire_prepared(const cute::TmaDescriptor* desc) {
 }
 
 // Base (a CUTLASS collective) with `descs`, an array of prepared descriptors, added to its Arguments and Params
-// (null: CUTLASS's own rewrite).
+// (null: CUTLASS's own rewrite), and where the epilogue acquires D's (acquire_at_store; the mainloop ignores it).
 template <class Base>
 struct TakesDescriptors : Base {
   using Base::Base;
   struct Arguments : Base::Arguments {
     const cute::TmaDescriptor* descs = nullptr;
+    bool acquire_at_store = false;
   };
   struct Params : Base::Params {
     const cute::TmaDescriptor* descs;
+    bool acquire_at_store;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
     p.descs = args.descs;
+    p.acquire_at_store = args.acquire_at_store;
     return p;
   }
 };
@@ -60,17 +63,21 @@ struct PreparedStoreEpilogue : TakesDescriptors<Base> {
   using typename TakesDescriptors<Base>::Params;
 
   CUTLASS_DEVICE PreparedStoreEpilogue(Params const& params, TensorStorage& shared)
-      : TakesDescriptors<Base>(params, shared), descs_(params.descs) {}
+      : TakesDescriptors<Base>(params, shared), descs_(params.descs), acquire_at_store_(params.acquire_at_store) {}
 
   // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
-  // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop.
+  // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop. With
+  // acquire_at_store only the prefetch is issued here and store() acquires.
   template <bool IsLoad, class Storage, class P, class Map, class Shape>
   CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, P const& params, Map tensormap, Shape shape,
                                                 int32_t next_batch, int32_t warp_group_idx) {
     if (IsLoad || descs_ == nullptr)
       return Base::template tensormaps_perform_update<IsLoad>(shared, params, tensormap, shape, next_batch,
                                                               warp_group_idx);
-    acquire_prepared(descs_ + next_batch);
+    if (acquire_at_store_)
+      cute::prefetch_tma_descriptor(descs_ + next_batch);
+    else
+      acquire_prepared(descs_ + next_batch);
   }
   template <bool IsLoad, class Storage, class Map>
   CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Map tensormap, int32_t warp_group_idx = 0) {
@@ -91,14 +98,20 @@ struct PreparedStoreEpilogue : TakesDescriptors<Base> {
                             TileCoordMNKL tile_coord, cute::Tensor<AccEngine, AccLayout> accumulators,
                             TiledMma tiled_mma, int thread_idx, TensorStorage& shared, TensorMap const& tensormap,
                             int subtile_idx = -1) {
-    const cute::TmaDescriptor* desc =
-        descs_ != nullptr ? descs_ + static_cast<int>(cute::get<3>(tile_coord)) : tensormap;
+    const int group = static_cast<int>(cute::get<3>(tile_coord));
+    const cute::TmaDescriptor* desc = descs_ != nullptr ? descs_ + group : tensormap;
+    if (descs_ != nullptr && acquire_at_store_ && group != acquired_) {  // every thread, as CUTLASS's own acquire
+      cute::tma_descriptor_fence_acquire(desc);
+      acquired_ = group;
+    }
     return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape, tile_shape, tile_coord,
                        accumulators, tiled_mma, thread_idx, shared, desc, subtile_idx);
   }
 
  private:
   const cute::TmaDescriptor* descs_;
+  bool acquire_at_store_;
+  int acquired_ = -1;  // the group whose descriptor this thread last acquired (acquire_at_store)
 };
 
 // Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA); descs:

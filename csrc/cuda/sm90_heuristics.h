@@ -89,6 +89,7 @@ struct Sm90Overrides {
   Override<bool> wgrad_pong;  // MOE8_SM90_WGRAD=pong|large: every bf16 weight gradient on ping-pong or not (wgrad_tile)
   Override<bool> prepared_store;  // MOE8_SM90_PREPARED_STORE=0|1: D's descriptors made once per call (prepared)
   Override<bool> prepared_loads;  // MOE8_SM90_PREPARED_LOADS=0|1: A's and B's descriptors made once per call (prepared)
+  Override<bool> acquire_at_store;  // MOE8_SM90_PREPARED_ACQUIRE=mainloop|store: where D's is acquired (prepared)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -127,6 +128,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
                                                               {"staged", QuantCols::kStaged}};
   constexpr std::pair<const char*, bool> kWgrad[] = {{"pong", true}, {"large", false}};
   constexpr std::pair<const char*, bool> kOnOff[] = {{"0", false}, {"1", true}};
+  constexpr std::pair<const char*, bool> kAcquire[] = {{"mainloop", false}, {"store", true}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
   o.tile = read("MOE8_SM90_TILE", kTiles);
@@ -142,6 +144,7 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.wgrad_pong = read("MOE8_SM90_WGRAD", kWgrad);
   o.prepared_store = read("MOE8_SM90_PREPARED_STORE", kOnOff);
   o.prepared_loads = read("MOE8_SM90_PREPARED_LOADS", kOnOff);
+  o.acquire_at_store = read("MOE8_SM90_PREPARED_ACQUIRE", kAcquire);
   return o;
 }
 
@@ -314,6 +317,9 @@ inline Fp8Tile fp8_wgrad_tile(const Sm90Overrides& env) { return env.fp8_tile.ge
 struct Prepared {
   bool store = false;  // D's: CUTLASS's rewrite stalls the consumers before the next tile's first wgmma
   bool loads = false;  // A's and B's: rewritten by the producer warp, ahead of the consumers
+  // D's acquired right before the tile's first store (where CUTLASS acquires its rewritten one), prefetched before
+  // the tile's mainloop, instead of both before the mainloop (opt-in until timed)
+  bool acquire_at_store = false;
   bool any() const { return store || loads; }
 };
 
@@ -324,13 +330,16 @@ struct Prepared {
 // kernel's time (docs/kernels.md).
 inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
-  return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(false)};
+  return {env.prepared_store.get().value_or(true), env.prepared_loads.get().value_or(false),
+          env.acquire_at_store.get().value_or(false)};
 }
 
 // Whether the FP8 forward and weight-gradient GEMMs (every tile) store D through per-group descriptors made once per
 // call (prepared_descriptors_sm90.cuh). Opt-in (MOE8_SM90_PREPARED_STORE=1): on an H100 Qwen3-30B-A3B's FP8 gate_up
 // forward gained 5% and its down projection lost 10-16% (bench/results/prepared_descriptors_h100.md).
-inline bool fp8_prepared_store(const Sm90Overrides& env) { return env.prepared_store.get().value_or(false); }
+inline Prepared fp8_prepared(const Sm90Overrides& env) {
+  return {env.prepared_store.get().value_or(false), false, env.acquire_at_store.get().value_or(false)};
+}
 
 // ------------------------------------------------------------------------------------ gathered rows
 

@@ -142,9 +142,15 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, all), true, true));
   for (Tile t : {Tile::kLarge, Tile::kPong128, Tile::kSmall, Tile::kTall}) EXPECT_FALSE(h::prepared(t, all).any());
   // The FP8 GEMMs' D: opt-in, by the same variable.
-  EXPECT_FALSE(h::fp8_prepared_store(kNone));
-  EXPECT_TRUE(h::fp8_prepared_store(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})));
-  EXPECT_FALSE(h::fp8_prepared_store(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})));
+  EXPECT_FALSE(h::fp8_prepared(kNone).any());
+  EXPECT_TRUE(is(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})), true, false));
+  EXPECT_FALSE(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})).any());
+  // Where D's is acquired: before the mainloop by default, before the first store opt-in.
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).acquire_at_store);
+  const h::Sm90Overrides at_store = overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "store"}});
+  EXPECT_TRUE(h::prepared(Tile::kEpi64, at_store).acquire_at_store);
+  EXPECT_TRUE(h::fp8_prepared(at_store).acquire_at_store);
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "mainloop"}})).acquire_at_store);
   // MOE8_SM90_WGRAD replaces the rules' ping-pong answer for bf16; the tile forced by MOE8_SM90_TILE still wins.
   const h::Sm90Overrides large = overrides({{"MOE8_SM90_WGRAD", "large"}});
   const h::Sm90Overrides pong = overrides({{"MOE8_SM90_WGRAD", "pong"}});
@@ -268,6 +274,10 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
               h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "2"}}));
             }),
             "MOE8_SM90_PREPARED_LOADS: expected one of 0, 1, got '2'");
+  EXPECT_EQ(message([&] {
+              h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "early"}}));
+            }),
+            "MOE8_SM90_PREPARED_ACQUIRE: expected one of mainloop, store, got 'early'");
   EXPECT_EQ(message([&] { h::with_overrides({}, bad); }), "MOE8_SM90_RASTER: expected one of m, n, got 'k'");
   EXPECT_EQ(message([&] {
               h::with_overrides({}, overrides({{"MOE8_SM90_SWIZZLE", "3"}}));
