@@ -217,8 +217,7 @@ def bench(shape, dims, routing, args, device, gen):
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
             # the FP8 GEMMs prepare D's descriptors only (MOE8_SM90_PREPARED_LOADS is bf16's)
             mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:3]
-            prepared = args.prepared
-            if prepared:
+            if args.prepared:
                 cands |= {
                     f"prepared {label}": with_env(
                         mine,
@@ -252,7 +251,7 @@ def bench(shape, dims, routing, args, device, gen):
                 row["quant_cols_gbps"] = {
                     q: moved / t / 1e6 for q, t in row["quant_cols_ms"].items() if isinstance(t, float)
                 }
-            if prepared:
+            if args.prepared:
                 row["prepared_ms"] = {mix[0]: ms[f"prepared {mix[0]}"] for mix in mixes}
             if bounds.get(kind):
                 row["bounds_ms"] = {b: ms[f"bound {b}"] for b in bounds[kind]}
@@ -450,8 +449,8 @@ def main() -> int:
     ap.add_argument(
         "--prepared",
         action="store_true",
-        help="also time the GEMMs with no descriptor made once per call, with D's, and (bf16) with A's and B's "
-        "too (MOE8_SM90_PREPARED_STORE, MOE8_SM90_PREPARED_LOADS)",
+        help="also time the GEMMs with no descriptor made once per call, with D's (acquired before the mainloop "
+        "or the store), and (bf16) with A's and B's too (MOE8_SM90_PREPARED_STORE, _ACQUIRE, _LOADS)",
     )
     ap.add_argument(
         "--bounds",

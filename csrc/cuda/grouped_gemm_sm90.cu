@@ -96,7 +96,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, ldb, a.data, b.data, c.data, ck.w);
       check_launch("grouped_gemm_sm90: prep_rows_kernel");
-      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared.loads, s);
+      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, nullptr,
                        prepared);
@@ -222,7 +222,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
           offsets.ptr<int32_t>(), groups, rows, n, kd, a.data, dc.data, db.data, ck.w);
       check_launch("grouped_gemm_wgrad_sm90: prep_wgrad_kernel");
-      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared.loads, s);
+      if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s, nullptr, nullptr,
                        prepared);

@@ -375,20 +375,22 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 using sm90_util::prep_blocks;
 
-// A kPrepared GEMM's descriptors for this call, from the group arrays its prep kernel wrote (stream-ordered: after
-// that kernel, before the GEMM): D's as its epilogue makes it and, with loads, A's and B's as its mainloop does,
-// each group's put in on the device.
+// A kPrepared GEMM's descriptors for this call, the ones `prepared` asks for, from the group arrays its prep kernel
+// wrote (stream-ordered: after that kernel, before the GEMM): D's as its epilogue makes it, A's and B's as its
+// mainloop does, each group's put in on the device.
 template <class G>
-void prepare_descriptors(const GroupArrays& w, int groups, bool loads, cudaStream_t stream) {
+void prepare_descriptors(const GroupArrays& w, int groups, heuristics::Prepared prepared, cudaStream_t stream) {
   static_assert(G::kPreparedDescriptors, "a GEMM taking prepared descriptors");
   using T = typename G::Element;
   using Main = typename G::Mainloop;
   if (groups == 0) return;
-  prepare_store_descriptors<typename G::Epilogue, T, ProblemShape>(groups, w.shapes, reinterpret_cast<T**>(w.ptr_d),
-                                                                   static_cast<typename G::StrideD*>(w.stride_d),
-                                                                   w.cutlass_ws, w.descs_d, stream);
-  check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
-  if (!loads) return;
+  if (prepared.store) {
+    prepare_store_descriptors<typename G::Epilogue, T, ProblemShape>(groups, w.shapes, reinterpret_cast<T**>(w.ptr_d),
+                                                                     static_cast<typename G::StrideD*>(w.stride_d),
+                                                                     w.cutlass_ws, w.descs_d, stream);
+    check_launch("grouped_gemm_sm90: prep_store_descriptors_kernel");
+  }
+  if (!prepared.loads) return;
   // The templates, as for D's: one host encode per GEMM type.
   static const auto tma_ab = [&] {
     typename Main::Arguments main{};
