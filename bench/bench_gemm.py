@@ -25,8 +25,9 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 in ms and GB/s moved.
 --prepared also times each GEMM with every TMA descriptor rewritten by CUTLASS at each group change
 (MOE8_SM90_PREPARED_STORE=0), with D's made once per call (prepared_descriptors_sm90.cuh: bf16's default), acquired
-before the tile's mainloop or before its first store (MOE8_SM90_PREPARED_ACQUIRE), and for bf16 with A's and B's
-made once per call too (MOE8_SM90_PREPARED_LOADS=1).
+before the tile's mainloop or before its first store (MOE8_SM90_PREPARED_ACQUIRE), with one ragged descriptor for
+every group's D (=ragged, ragged_tma_sm90.cuh), and for bf16 with A's and B's made once per call too
+(MOE8_SM90_PREPARED_LOADS=1).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -216,7 +217,7 @@ def bench(shape, dims, routing, args, device, gen):
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
             # the FP8 GEMMs prepare D's descriptors only (MOE8_SM90_PREPARED_LOADS is bf16's)
-            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:3]
+            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:4]
             if args.prepared:
                 cands |= {
                     f"prepared {label}": with_env(
@@ -272,11 +273,13 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 
 QUANT_COLS = ("packed", "staged")
-# --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE); bf16's default is "D", FP8's "none"
+# --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE); bf16's default is "D", FP8's "none"; the
+# first four are every GEMM's, the last bf16's
 PREPARED_MIXES = (
     ("none", "0", "0", "mainloop"),
     ("D", "1", "0", "mainloop"),
     ("D acquired at the store", "1", "0", "store"),
+    ("D ragged", "ragged", "0", "mainloop"),
     ("D, A, B", "1", "1", "mainloop"),
 )
 
@@ -450,7 +453,8 @@ def main() -> int:
         "--prepared",
         action="store_true",
         help="also time the GEMMs with no descriptor made once per call, with D's (acquired before the mainloop "
-        "or the store), and (bf16) with A's and B's too (MOE8_SM90_PREPARED_STORE, _ACQUIRE, _LOADS)",
+        "or the store), with one ragged descriptor for D, and (bf16) with A's and B's too "
+        "(MOE8_SM90_PREPARED_STORE=0|1|ragged, _ACQUIRE, _LOADS)",
     )
     ap.add_argument(
         "--bounds",

@@ -337,10 +337,11 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
 }
 
 // Launches the CUTLASS kernel over the group arrays the prep kernel has written (stream-ordered); with
-// prepared.store, D's descriptors made first from them (prepared_descriptors_sm90.cuh).
+// prepared.store, D's descriptors made first from them; with prepared.ragged, D's one ragged descriptor over ragged_d
+// (prepared_descriptors_sm90.cuh).
 template <class G>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Prepared prepared,
-                 cudaStream_t stream) {
+                 sm90::RaggedD ragged_d, cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using AB = typename G::ElementAB;
   using D = typename G::ElementD;
@@ -370,6 +371,7 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
     args.epilogue.descs = w.descs_d;
     args.epilogue.acquire_at_store = prepared.acquire_at_store;
   }
+  if (prepared.ragged) args.epilogue.ragged = ragged_d;
   // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): no other order measured faster
   sm90_util::apply_schedule(args, {});
   Gemm gemm;
@@ -437,7 +439,8 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
         offsets.ptr<int32_t>(), groups, rows, n, kd, a.ptr<uint8_t>(), a_scale.ptr<float>(), b.ptr<uint8_t>(),
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), s);
+    if (groups > 0 && rows > 0)
+      run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), sm90::RaggedD{c.data, rows, n, n}, s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
   launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, false, env), launch);
@@ -481,7 +484,9 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
         offsets.ptr<int32_t>(), groups, rows, n, kd, dc_t.ptr<uint8_t>(), dc_scale.ptr<float>(), a_t.ptr<uint8_t>(),
         a_scale.ptr<float>(), db.data, w);
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
-    if (groups > 0 && rows > 0) run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), s);
+    if (groups > 0 && rows > 0)
+      run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env),
+                     sm90::RaggedD{db.data, groups * n, kd, kd}, s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
   launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, true, env), launch);

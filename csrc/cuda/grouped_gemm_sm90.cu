@@ -99,7 +99,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, nullptr,
-                       prepared);
+                       prepared, RaggedD{c.data, rows, n, n});
     };
     if (layout == WeightLayout::kNK)
       launch_tile<FwdGemm, T>(tile, prepared.any(), launch);
@@ -225,7 +225,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s, nullptr, nullptr,
-                       prepared);
+                       prepared, RaggedD{db.data, groups * n, kd, kd});
     };
     launch_tile<WgradGemm, T>(tile, prepared.any(), launch);
   });

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/ragged_tma_sm90.cuh"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -55,25 +56,67 @@ struct TakesDescriptors : Base {
   }
 };
 
-// Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C; descs: [groups] from
-// prep_store_descriptors_kernel.
+// Where a GEMM's epilogue stores D through one ragged descriptor (ragged_tma_sm90.cuh): D's rows, all groups' stacked
+// from base, `cols` wide, ld apart (the forward's and dgrad's output, a weight gradient's [E * N, K]).
+struct RaggedD {
+  const void* base = nullptr;  // null: D not stored ragged
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+// Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C, its store rebuilt on
+// Moe8RaggedTmaStore (WithRaggedStore). D is stored through one of three:
+// - ragged (Arguments::ragged.base set): one descriptor for every group, made on the host per call; a group change
+//   only reads the group's first row (from its D pointer) for the stores' coordinates;
+// - prepared (descs set): descs[group] from prep_store_descriptors_kernel, acquired at a group change;
+// - neither: CUTLASS's rewrite of the CTA's descriptor.
 template <class Base>
-struct PreparedStoreEpilogue : TakesDescriptors<Base> {
-  using typename Base::TensorStorage;
-  using typename TakesDescriptors<Base>::Params;
+struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
+  using Cutlass = WithRaggedStore<Base>;
+  using typename Cutlass::TensorStorage;
+  using ElementD = typename Cutlass::ElementD;
+  struct Arguments : TakesDescriptors<Cutlass>::Arguments {
+    RaggedD ragged{};
+  };
+  struct Params : TakesDescriptors<Cutlass>::Params {
+    cute::TmaDescriptor ragged_desc;  // valid where ragged.base is set
+    RaggedD ragged;
+  };
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename TakesDescriptors<Cutlass>::Params&>(p) =
+        TakesDescriptors<Cutlass>::to_underlying_arguments(problem_shape, args, workspace);
+    p.ragged = args.ragged;
+    MOE8_CHECK(args.ragged.rows <= kRaggedBound, "grouped GEMM epilogue: a ragged D takes at most 2^30 rows, got ",
+               args.ragged.rows);
+    if (args.ragged.base != nullptr)
+      p.ragged_desc = ragged_rows_descriptor<ElementD, typename decltype(p.tma_store_d)::Traits>(
+          args.ragged.base, args.ragged.cols, args.ragged.ld, "grouped GEMM epilogue");
+    return p;
+  }
 
   CUTLASS_DEVICE PreparedStoreEpilogue(Params const& params, TensorStorage& shared)
-      : TakesDescriptors<Base>(params, shared), descs_(params.descs), acquire_at_store_(params.acquire_at_store) {}
+      : TakesDescriptors<Cutlass>(params, shared),
+        descs_(params.descs),
+        acquire_at_store_(params.acquire_at_store),
+        ragged_(params.ragged.base != nullptr ? &params.ragged_desc : nullptr),
+        ragged_base_(static_cast<const ElementD*>(params.ragged.base)),
+        ragged_ld_(params.ragged.ld) {}
 
   // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
   // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop. With
-  // acquire_at_store only the prefetch is issued here and store() acquires.
+  // acquire_at_store only the prefetch is issued here and store() acquires. Ragged: the group's first row.
   template <bool IsLoad, class Storage, class P, class Map, class Shape>
   CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, P const& params, Map tensormap, Shape shape,
                                                 int32_t next_batch, int32_t warp_group_idx) {
+    if (!IsLoad && ragged_ != nullptr) {
+      if (row0_ < 0) cute::prefetch_tma_descriptor(ragged_);  // the warp's first group
+      row0_ = static_cast<int32_t>((params.ptr_D[next_batch] - ragged_base_) / ragged_ld_);
+      return;
+    }
     if (IsLoad || descs_ == nullptr)
-      return Base::template tensormaps_perform_update<IsLoad>(shared, params, tensormap, shape, next_batch,
-                                                              warp_group_idx);
+      return Cutlass::template tensormaps_perform_update<IsLoad>(shared, params, tensormap, shape, next_batch,
+                                                                 warp_group_idx);
     if (acquire_at_store_)
       cute::prefetch_tma_descriptor(descs_ + next_batch);
     else
@@ -81,16 +124,18 @@ struct PreparedStoreEpilogue : TakesDescriptors<Base> {
   }
   template <bool IsLoad, class Storage, class Map>
   CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Map tensormap, int32_t warp_group_idx = 0) {
-    if (IsLoad || descs_ == nullptr)
-      Base::template tensormaps_cp_fence_release<IsLoad>(shared, tensormap, warp_group_idx);
+    if (IsLoad || (descs_ == nullptr && ragged_ == nullptr))
+      Cutlass::template tensormaps_cp_fence_release<IsLoad>(shared, tensormap, warp_group_idx);
   }
   template <bool IsLoad, class Map>
   CUTLASS_DEVICE void tensormaps_fence_acquire(Map tensormap) {
-    if (IsLoad || descs_ == nullptr) Base::template tensormaps_fence_acquire<IsLoad>(tensormap);
+    if (IsLoad || (descs_ == nullptr && ragged_ == nullptr))
+      Cutlass::template tensormaps_fence_acquire<IsLoad>(tensormap);
   }
 
-  // CUTLASS's store, through the tile's group's prepared descriptor (the tile coordinate's l is the group: the kernel
-  // makes it from the scheduler's group index) or the CTA's rewritten one: one instantiation of the store either way.
+  // CUTLASS's store, through the ragged descriptor at the group's rows, the tile's group's prepared descriptor (the
+  // tile coordinate's l is the group: the kernel makes it from the scheduler's group index) or the CTA's rewritten
+  // one: one instantiation of the store whichever.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
             class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma, class TensorMap>
   CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
@@ -98,20 +143,29 @@ struct PreparedStoreEpilogue : TakesDescriptors<Base> {
                             TileCoordMNKL tile_coord, cute::Tensor<AccEngine, AccLayout> accumulators,
                             TiledMma tiled_mma, int thread_idx, TensorStorage& shared, TensorMap const& tensormap,
                             int subtile_idx = -1) {
-    const int group = static_cast<int>(cute::get<3>(tile_coord));
-    const cute::TmaDescriptor* desc = descs_ != nullptr ? descs_ + group : tensormap;
-    if (descs_ != nullptr && acquire_at_store_ && group != acquired_) {  // every thread, as CUTLASS's own acquire
-      cute::tma_descriptor_fence_acquire(desc);
-      acquired_ = group;
+    RaggedRows target{tensormap, 0, -1};
+    if (ragged_ != nullptr) {
+      target = {ragged_, row0_, static_cast<int32_t>(cute::get<0>(problem_shape))};
+    } else if (descs_ != nullptr) {
+      const int group = static_cast<int>(cute::get<3>(tile_coord));
+      target.desc = descs_ + group;
+      if (acquire_at_store_ && group != acquired_) {  // every thread, as CUTLASS's own acquire
+        cute::tma_descriptor_fence_acquire(target.desc);
+        acquired_ = group;
+      }
     }
-    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape, tile_shape, tile_coord,
-                       accumulators, tiled_mma, thread_idx, shared, desc, subtile_idx);
+    return Cutlass::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape, tile_shape, tile_coord,
+                          accumulators, tiled_mma, thread_idx, shared, target, subtile_idx);
   }
 
  private:
   const cute::TmaDescriptor* descs_;
   bool acquire_at_store_;
-  int acquired_ = -1;  // the group whose descriptor this thread last acquired (acquire_at_store)
+  int acquired_ = -1;                  // the group whose descriptor this thread last acquired (acquire_at_store)
+  const cute::TmaDescriptor* ragged_;  // the ragged descriptor (in the kernel's parameters) or null
+  const ElementD* ragged_base_;
+  int64_t ragged_ld_;
+  int32_t row0_ = -1;  // the current group's first row of D (ragged; the hook's warp only)
 };
 
 // Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA); descs:

@@ -759,10 +759,10 @@ TEST_F(Sm90Fp8Test, SchedulesGiveTheSameBits) {
 }
 
 // D stored through per-group descriptors made before the launch (MOE8_SM90_PREPARED_STORE=1,
-// prepared_descriptors_sm90.cuh) gives CUTLASS's rewritten descriptor's bits: the forward on the cooperative and
-// the ping-pong tile at the ragged shapes of gemm_cases() but the largest (MatchesReference checks the values), and
-// the weight gradient, with D's descriptor acquired before the mainloop or before the store
-// (MOE8_SM90_PREPARED_ACQUIRE).
+// prepared_descriptors_sm90.cuh) or through one ragged descriptor (=ragged, ragged_tma_sm90.cuh) gives CUTLASS's
+// rewritten descriptor's bits: the forward on the cooperative and the ping-pong tile at the ragged shapes of
+// gemm_cases() but the largest (MatchesReference checks the values), and the weight gradient, with D's descriptor
+// acquired before the mainloop or before the store (MOE8_SM90_PREPARED_ACQUIRE).
 TEST_F(Sm90Fp8Test, PreparedStoreGivesTheSameBits) {
   uint64_t seed = 1200;
   for (const char* tile : {"large", "small"}) {
@@ -781,6 +781,8 @@ TEST_F(Sm90Fp8Test, PreparedStoreGivesTheSameBits) {
             << "the prepared store (acquired at the " << acquire << ") changed the bits";
       }
       set_override("MOE8_SM90_PREPARED_ACQUIRE", nullptr);
+      set_override("MOE8_SM90_PREPARED_STORE", "ragged");
+      EXPECT_TRUE(rewritten.bitwise_equal(d.run())) << "the ragged store changed the bits";
     }
   }
   set_override("MOE8_SM90_FP8_TILE", nullptr);
@@ -794,6 +796,7 @@ TEST_F(Sm90Fp8Test, PreparedStoreGivesTheSameBits) {
   set_override("MOE8_SM90_PREPARED_ACQUIRE", "store");
   EXPECT_TRUE(rewritten.bitwise_equal(wgrad("1"))) << "acquired at the store: the weight gradient's bits changed";
   set_override("MOE8_SM90_PREPARED_ACQUIRE", nullptr);
+  EXPECT_TRUE(rewritten.bitwise_equal(wgrad("ragged"))) << "the ragged store changed the weight gradient's bits";
   set_override("MOE8_SM90_PREPARED_STORE", nullptr);
 }
 

@@ -145,6 +145,14 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_FALSE(h::fp8_prepared(kNone).any());
   EXPECT_TRUE(is(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})), true, false));
   EXPECT_FALSE(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})).any());
+  // one ragged descriptor for D, in place of the prepared ones, opt-in for both
+  const auto ragged = overrides({{"MOE8_SM90_PREPARED_STORE", "ragged"}});
+  for (h::Prepared p : {h::prepared(Tile::kEpi64, ragged), h::fp8_prepared(ragged)}) {
+    EXPECT_TRUE(p.ragged && p.any());
+    EXPECT_FALSE(p.store);
+  }
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).ragged || h::fp8_prepared(kNone).ragged);
+  EXPECT_FALSE(h::prepared(Tile::kPong128, ragged).any());
   // Where D's is acquired: before the mainloop by default, before the first store opt-in.
   EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).acquire_at_store);
   const h::Sm90Overrides at_store = overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "store"}});
@@ -269,7 +277,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   EXPECT_EQ(message([&] {
               h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "yes"}}));
             }),
-            "MOE8_SM90_PREPARED_STORE: expected one of 0, 1, got 'yes'");
+            "MOE8_SM90_PREPARED_STORE: expected one of 0, 1, ragged, got 'yes'");
   EXPECT_EQ(message([&] {
               h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "2"}}));
             }),

@@ -1,0 +1,173 @@
+// cuda/ragged_tma_sm90.cuh — one TMA descriptor for every group's rows of a grouped GEMM's operand: the group's
+// first row and row count go in the copy's coordinates, not in a descriptor of its own, so a grouped GEMM needs no
+// descriptor per group and no rewrite or acquire at a group change (PreparedStoreEpilogue's ragged D).
+//
+// The operand is `rows x cols` elements, row stride ld, all groups' rows stacked (the forward's and dgrad's output
+// [R, N], a weight gradient's [E * N, K]). Its descriptor has four dims (innermost first):
+//   d0 = cols (stride 1), d1 = kRaggedBound (stride ld), d2 = d3 = kRaggedSpan (strides ld and 2^34 bytes - ld)
+// and a box of the operand's box (cols x rows) by 1 x 1. Row r of a group of `rows` rows that starts at row0 is
+// addressed as (c, kRaggedBound - rows + r, row0 + rows, kRaggedBound): its address is base + (row0 + r) * ld + c,
+// because d3's coordinate times its stride is 2^64 - 2^30 * ld bytes, which wraps to -2^30 * ld; and rows r >= rows
+// fall past d1's bound, so the TMA drops them on a store as it drops the rows past a per-group descriptor's end.
+// The same trick as Triton's ragged tensor descriptors (triton/tools/ragged_tma.py), written for CuTe's copy atoms.
+// Build: included by prepared_descriptors_sm90.cuh (CUTLASS headers, sm_90a).
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/error.h"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
+#include "cutlass/epilogue/collective/collective_epilogue.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+
+namespace moe8::cuda::sm90 {
+
+constexpr int32_t kRaggedBound = 1 << 30;      // d1: a group's rows end here; also d3's coordinate
+constexpr uint64_t kRaggedSpan = 0x7fff0000u;  // d2, d3: larger than any coordinate put there
+constexpr uint64_t kRaggedWrap = 1ull << 34;   // d3's stride in bytes is this minus ld: 2^30 * 2^34 = 2^64
+
+// What a TMA copy goes to: a group's rows through a ragged descriptor (rows >= 0), or through a descriptor of the
+// group's own (rows < 0: the copy's coordinates are used as they are).
+struct RaggedRows {
+  const cute::TmaDescriptor* desc;
+  int32_t row0;
+  int32_t rows;
+};
+
+// The ragged descriptor of an operand whose CuTe TMA atom is Traits (CUTLASS's own, for one group): its element,
+// box and swizzle, with the four dims above. Throws a moe8::Error naming `what` where the atom is not a rows x cols
+// box of a row-major operand or the driver refuses the descriptor.
+template <class Element, class Traits>
+cute::TmaDescriptor ragged_rows_descriptor(const void* base, int64_t cols, int64_t ld, const char* what) {
+  using namespace cute;
+  using Aux = typename Traits::AuxParams;
+  using Basis = typename Aux::TmaGmemBasis;
+  constexpr int kDims = decltype(rank(Basis{}))::value;
+  static_assert(kDims >= 2, "a TMA box of rows x cols");
+  // CUTLASS's dims for a probe of 3 rows: cols must be d0 and rows d1 (what the coordinates' mapping assumes)
+  cute::array<uint64_t, 5> shape = {1, 1, 1, 1, 1};
+  cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
+  Tensor probe = make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(int64_t(3), cols, Int<1>{}),
+                                                                               make_stride(ld, Int<1>{}, int64_t(0))));
+  cute::detail::fill_tma_gmem_shape_stride(Traits{}, probe, shape, stride);
+  MOE8_CHECK(shape[0] == static_cast<uint64_t>(cols) && stride[0] == 1 && shape[1] == 3 &&
+                 stride[1] == static_cast<uint64_t>(ld),
+             what, ": the ragged descriptor expects a row-major operand's TMA with cols as dim 0 and rows as dim 1");
+  const uint64_t ld_bytes = static_cast<uint64_t>(ld) * sizeof_bits_v<Element> / 8;
+  MOE8_CHECK(ld_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0, what,
+             ": the ragged descriptor needs 16-byte aligned rows, got a row stride of ", ld_bytes, " bytes");
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(kRaggedBound), kRaggedSpan, kRaggedSpan};
+  cuuint64_t strides[3] = {ld_bytes, ld_bytes, kRaggedWrap - ld_bytes};
+  cuuint32_t box[4] = {static_cast<cuuint32_t>(size<0>(Basis{})), static_cast<cuuint32_t>(size<1>(Basis{})), 1, 1};
+  cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapSwizzle swizzle =
+      TMA::to_CUtensorMapSwizzle(cute::detail::get_tma_swizzle_bits(typename Aux::TmaSwizzle{}),
+                                 cute::detail::get_tma_swizzle_base(typename Aux::TmaSwizzle{}));
+  TmaDescriptor desc{};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &desc, TMA::to_CUtensorMapDataType<Element>(), 4, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOE8_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled refused the ragged descriptor (CUresult ",
+             static_cast<int>(r), ")");
+  return desc;
+}
+
+}  // namespace moe8::cuda::sm90
+
+namespace cute {
+
+// A TMA store whose target is a RaggedRows (with(RaggedRows)), or a descriptor pointer as SM90_TMA_STORE's. An
+// epilogue built with it (WithRaggedStore) keeps one store instantiation for both.
+struct Moe8RaggedTmaStore : SM90_TMA_STORE {};
+struct Moe8RaggedTmaStoreTo : SM90_TMA_STORE {};
+
+// SM90_TMA_STORE's traits (the descriptor CUTLASS makes, its coordinate tensor), with with(RaggedRows).
+template <class NumBitsPerTMA, class AuxParams_>
+struct Copy_Traits<Moe8RaggedTmaStore, NumBitsPerTMA, AuxParams_> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  TmaDescriptor tma_desc_;
+  using AuxParams = AuxParams_;
+  AuxParams aux_params_;
+
+  CUTE_HOST_DEVICE constexpr TmaDescriptor const* get_tma_descriptor() const { return &tma_desc_; }
+
+  template <class GShape>
+  CUTE_HOST_DEVICE constexpr auto get_tma_tensor(GShape const& g_shape) const {
+    static_assert(is_congruent<decltype(g_shape), decltype(aux_params_.g_stride_)>::value);
+    return make_coord_tensor(make_layout(g_shape, aux_params_.g_stride_));
+  }
+
+  CUTE_HOST_DEVICE constexpr Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> with(
+      moe8::cuda::sm90::RaggedRows target) const {
+    return {target};
+  }
+  CUTE_HOST_DEVICE constexpr Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> with(
+      TmaDescriptor const* new_tma_desc) const {
+    return {{new_tma_desc, 0, -1}};
+  }
+};
+
+template <class NumBitsPerTMA>
+struct Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  moe8::cuda::sm90::RaggedRows target_;
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TS>::value, "Expected smem src for a TMA store");
+    const moe8::cuda::sm90::RaggedRows& t = traits.target_;
+    void const* const src_ptr = cute::raw_pointer_cast(src.data());
+    auto coord = dst.data().coord_;
+    if (t.rows >= 0) {
+      const int32_t bound = moe8::cuda::sm90::kRaggedBound;
+      const int32_t col = static_cast<int32_t>(get<0>(coord));
+      const int32_t row = bound - t.rows + static_cast<int32_t>(get<1>(coord));
+      const int32_t end = t.row0 + t.rows;
+      SM90_TMA_STORE_4D::copy(t.desc, src_ptr, col, row, end, bound);
+    } else {
+      detail::explode_tuple(detail::CallCOPY<SM90_TMA_STORE>{}, make_tuple(static_cast<void const*>(t.desc), src_ptr),
+                            seq<0, 1>{}, coord, tuple_seq<decltype(coord)>{});
+    }
+  }
+};
+
+}  // namespace cute
+
+namespace moe8::cuda::sm90 {
+
+// CUTLASS's ptr-array TMA epilogue Epi with its D stored by Moe8RaggedTmaStore (store() then takes a RaggedRows).
+template <class Epi>
+struct WithRaggedStoreOf;
+template <int StagesC, int StagesD, int Fragment, bool ReuseSmemC, bool DelayTmaStore, int EpiWarpGroups, class CtaTile,
+          class EpiTile, class ElementC, class StrideC, class ElementD, class StrideD, class Fusion, class CopyOpG2S,
+          class SmemLayoutAtomC, class CopyOpS2R, class CopyOpS2G, class SmemLayoutAtomD, class CopyOpR2S,
+          class CopyAtomC, class CopyOpR2R>
+struct WithRaggedStoreOf<cutlass::epilogue::collective::CollectiveEpilogue<
+    cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<StagesC, StagesD, Fragment, ReuseSmemC, DelayTmaStore,
+                                                      EpiWarpGroups>,
+    CtaTile, EpiTile, ElementC, StrideC, ElementD, StrideD, Fusion, CopyOpG2S, SmemLayoutAtomC, CopyOpS2R, CopyOpS2G,
+    SmemLayoutAtomD, CopyOpR2S, CopyAtomC, CopyOpR2R>> {
+  static_assert(std::is_same_v<CopyOpS2G, cute::SM90_TMA_STORE>, "CUTLASS's TMA store");
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<StagesC, StagesD, Fragment, ReuseSmemC, DelayTmaStore,
+                                                        EpiWarpGroups>,
+      CtaTile, EpiTile, ElementC, StrideC, ElementD, StrideD, Fusion, CopyOpG2S, SmemLayoutAtomC, CopyOpS2R,
+      cute::Moe8RaggedTmaStore, SmemLayoutAtomD, CopyOpR2S, CopyAtomC, CopyOpR2R>;
+};
+template <class Epi>
+using WithRaggedStore = typename WithRaggedStoreOf<Epi>::type;
+
+}  // namespace moe8::cuda::sm90
