@@ -27,7 +27,7 @@ in ms and GB/s moved.
 (MOE8_SM90_PREPARED_STORE=0), with D's made once per call (prepared_descriptors_sm90.cuh: bf16's default), acquired
 before the tile's mainloop or before its first store (MOE8_SM90_PREPARED_ACQUIRE), with one ragged descriptor for
 every group's D (=ragged, ragged_tma_sm90.cuh), and for bf16 with A's and B's made once per call too
-(MOE8_SM90_PREPARED_LOADS=1).
+(MOE8_SM90_PREPARED_LOADS=1) or with all three ragged (MOE8_SM90_PREPARED_LOADS=ragged).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -274,13 +274,14 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 QUANT_COLS = ("packed", "staged")
 # --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE); bf16's default is "D", FP8's "none"; the
-# first four are every GEMM's, the last bf16's
+# first four are every GEMM's, the last two bf16's
 PREPARED_MIXES = (
     ("none", "0", "0", "mainloop"),
     ("D", "1", "0", "mainloop"),
     ("D acquired at the store", "1", "0", "store"),
     ("D ragged", "ragged", "0", "mainloop"),
     ("D, A, B", "1", "1", "mainloop"),
+    ("D, A, B ragged", "ragged", "ragged", "mainloop"),
 )
 
 
@@ -453,8 +454,8 @@ def main() -> int:
         "--prepared",
         action="store_true",
         help="also time the GEMMs with no descriptor made once per call, with D's (acquired before the mainloop "
-        "or the store), with one ragged descriptor for D, and (bf16) with A's and B's too "
-        "(MOE8_SM90_PREPARED_STORE=0|1|ragged, _ACQUIRE, _LOADS)",
+        "or the store), with one ragged descriptor for D, and (bf16) with A's and B's too, prepared or ragged "
+        "(MOE8_SM90_PREPARED_STORE=0|1|ragged, _ACQUIRE, _LOADS=0|1|ragged)",
     )
     ap.add_argument(
         "--bounds",

@@ -341,7 +341,7 @@ inline void check_device_and_workspace(const char* what, int device, size_t need
 // (prepared_descriptors_sm90.cuh).
 template <class G>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Prepared prepared,
-                 sm90::RaggedD ragged_d, cudaStream_t stream) {
+                 sm90::RaggedView ragged_d, cudaStream_t stream) {
   using Gemm = typename G::Gemm;
   using AB = typename G::ElementAB;
   using D = typename G::ElementD;
@@ -440,7 +440,7 @@ void grouped_gemm_fp8_sm90(const TensorView& a, const TensorView& a_scale, const
         b_scale.ptr<float>(), c.data, w);
     check_launch("grouped_gemm_fp8_sm90: prep_fp8_kernel");
     if (groups > 0 && rows > 0)
-      run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), sm90::RaggedD{c.data, rows, n, n}, s);
+      run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env), sm90::RaggedView{c.data, rows, n, n}, s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_forward_tile(n, rows, groups, env);
   launch_tile<ScaleConfig>(tile, heuristics::fp8_promotion(tile, false, env), launch);
@@ -486,7 +486,7 @@ void grouped_gemm_fp8_wgrad_sm90(const TensorView& dc_t, const TensorView& dc_sc
     check_launch("grouped_gemm_fp8_wgrad_sm90: prep_fp8_wgrad_kernel");
     if (groups > 0 && rows > 0)
       run_cutlass<G>(w, groups, device, f.sms, heuristics::fp8_prepared(env),
-                     sm90::RaggedD{db.data, groups * n, kd, kd}, s);
+                     sm90::RaggedView{db.data, groups * n, kd, kd}, s);
   };
   const heuristics::Fp8Tile tile = heuristics::fp8_wgrad_tile(env);
   launch_tile<ScaleConfigWgrad>(tile, heuristics::fp8_promotion(tile, true, env), launch);

@@ -91,6 +91,9 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
     const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
     const heuristics::Tile tile = heuristics::rows_tile(bf16, n, kd, rows, groups, env);
     const heuristics::Prepared prepared = heuristics::prepared(tile, env);
+    // each operand's rows, all groups' (ragged descriptors): b's are its experts' N (forward) or Kd (dgrad) rows
+    const int64_t b_rows = groups * (layout == WeightLayout::kNK ? n : kd);
+    const RaggedViews ragged{{a.data, rows, kd, kd}, {b.data, b_rows, ldb, ldb}, {c.data, rows, n, n}};
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
@@ -99,7 +102,7 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
       if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, nullptr,
-                       prepared, RaggedD{c.data, rows, n, n});
+                       prepared, ragged);
     };
     if (layout == WeightLayout::kNK)
       launch_tile<FwdGemm, T>(tile, prepared.any(), launch);
@@ -217,6 +220,8 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
     const heuristics::Sm90Overrides& env = heuristics::sm90_overrides();
     const heuristics::Tile tile = heuristics::wgrad_tile(bf16, n, kd, pong, env);
     const heuristics::Prepared prepared = heuristics::prepared(tile, env);
+    // A = dc's rows, B = a's rows (both ragged along K), D = db's E x N rows
+    const RaggedViews ragged{{dc.data, rows, n, n}, {a.data, rows, kd, kd}, {db.data, groups * n, kd, kd}};
     auto launch = [&](auto g) {
       using G = decltype(g);
       prep_wgrad_kernel<G><<<prep_blocks(groups, n * kd / 8, ck.sms), kPrepThreads, 0, s>>>(
@@ -225,7 +230,7 @@ void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const Te
       if constexpr (G::kPreparedDescriptors) prepare_descriptors<G>(ck.w, groups, prepared, s);
       if (groups > 0 && rows > 0)
         run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::wgrad_schedule(tile, n), s, nullptr, nullptr,
-                       prepared, RaggedD{db.data, groups * n, kd, kd});
+                       prepared, ragged);
     };
     launch_tile<WgradGemm, T>(tile, prepared.any(), launch);
   });

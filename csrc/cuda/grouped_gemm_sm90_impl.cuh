@@ -263,12 +263,12 @@ struct takes_gather_source<A, std::void_t<decltype(std::declval<A&>().mainloop.s
 
 // gathered: where a gathered-rows mainloop (GatheredFwdGemm) reads its rows from; fusion: the epilogue
 // visitor's arguments (nullptr: D = the accumulators); prepared: which of a kPrepared GEMM's descriptors it takes
-// from prepare_descriptors (the others CUTLASS rewrites in the kernel), or with prepared.ragged, D's one ragged
-// descriptor for every group, over ragged_d (D's rows).
+// from prepare_descriptors (the others CUTLASS rewrites in the kernel), or with prepared.ragged (D) and
+// prepared.ragged_loads (A and B), one ragged descriptor each for every group, over `ragged`'s rows.
 template <class G, class FusionArgs = std::nullptr_t>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Schedule schedule,
                  cudaStream_t stream, const GatherSource* gathered = nullptr, FusionArgs fusion = nullptr,
-                 heuristics::Prepared prepared = {}, RaggedD ragged_d = {}) {
+                 heuristics::Prepared prepared = {}, const RaggedViews& ragged = {}) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
   cutlass::KernelHardwareInfo hw;
@@ -290,8 +290,12 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
   if constexpr (takes_prepared_descriptors<typename Gemm::Arguments>::value) {
     args.epilogue.descs = prepared.store ? w.descs_d : nullptr;
     args.epilogue.acquire_at_store = prepared.acquire_at_store;
-    if (prepared.ragged) args.epilogue.ragged = ragged_d;
+    if (prepared.ragged) args.epilogue.ragged = ragged.d;
     args.mainloop.descs = prepared.loads ? w.descs_ab : nullptr;
+    if (prepared.ragged_loads) {
+      args.mainloop.ragged_a = ragged.a;
+      args.mainloop.ragged_b = ragged.b;
+    }
   }
   args.hw_info = hw;
   if constexpr (std::is_same_v<FusionArgs, std::nullptr_t>) {

@@ -56,13 +56,6 @@ struct TakesDescriptors : Base {
   }
 };
 
-// Where a GEMM's epilogue stores D through one ragged descriptor (ragged_tma_sm90.cuh): D's rows, all groups' stacked
-// from base, `cols` wide, ld apart (the forward's and dgrad's output, a weight gradient's [E * N, K]).
-struct RaggedD {
-  const void* base = nullptr;  // null: D not stored ragged
-  int64_t rows = 0, cols = 0, ld = 0;
-};
-
 // Base: CUTLASS's CollectiveEpilogue<Sm90PtrArrayTmaWarpSpecialized...> with a D and no C, its store rebuilt on
 // Moe8RaggedTmaStore (WithRaggedStore). D is stored through one of three:
 // - ragged (Arguments::ragged.base set): one descriptor for every group, made on the host per call; a group change
@@ -75,11 +68,11 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   using typename Cutlass::TensorStorage;
   using ElementD = typename Cutlass::ElementD;
   struct Arguments : TakesDescriptors<Cutlass>::Arguments {
-    RaggedD ragged{};
+    RaggedView ragged{};
   };
   struct Params : TakesDescriptors<Cutlass>::Params {
     cute::TmaDescriptor ragged_desc;  // valid where ragged.base is set
-    RaggedD ragged;
+    RaggedView ragged;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
@@ -87,11 +80,10 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
     static_cast<typename TakesDescriptors<Cutlass>::Params&>(p) =
         TakesDescriptors<Cutlass>::to_underlying_arguments(problem_shape, args, workspace);
     p.ragged = args.ragged;
-    MOE8_CHECK(args.ragged.rows <= kRaggedBound, "grouped GEMM epilogue: a ragged D takes at most 2^30 rows, got ",
-               args.ragged.rows);
     if (args.ragged.base != nullptr)
-      p.ragged_desc = ragged_rows_descriptor<ElementD, typename decltype(p.tma_store_d)::Traits>(
-          args.ragged.base, args.ragged.cols, args.ragged.ld, "grouped GEMM epilogue");
+      p.ragged_desc =
+          ragged_rows_descriptor<ElementD, typename decltype(p.tma_store_d)::Traits, typename Cutlass::InternalStrideD>(
+              args.ragged, 1, "grouped GEMM epilogue: D");
     return p;
   }
 
@@ -168,11 +160,45 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   int32_t row0_ = -1;  // the current group's first row of D (ragged; the hook's warp only)
 };
 
-// Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA); descs:
-// [groups][A, B] from prep_load_descriptors_kernel.
+// Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA). A and B are read
+// through one of three:
+// - ragged (Arguments::ragged_a and ragged_b set): one descriptor each for every group, made on the host per call; a
+//   group change only reads the group's first rows (from its A and B pointers) and row counts for the coordinates;
+// - prepared (descs set): descs[2 group], descs[2 group + 1] from prep_load_descriptors_kernel;
+// - neither: CUTLASS's rewrite of the CTA's descriptors.
 template <class Base>
 struct PreparedLoadMainloop : TakesDescriptors<Base> {
-  using typename TakesDescriptors<Base>::Params;
+  // one group's (not StrideA and the like: the kernel reads the mainloop's to tell a grouped GEMM)
+  using OneElementA = typename Base::InternalElementA;
+  using OneElementB = typename Base::InternalElementB;
+  using OneStrideA = typename Base::InternalStrideA;
+  using OneStrideB = typename Base::InternalStrideB;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  struct Arguments : TakesDescriptors<Base>::Arguments {
+    RaggedView ragged_a{}, ragged_b{};  // both or neither
+  };
+  struct Params : TakesDescriptors<Base>::Params {
+    cute::TmaDescriptor ragged_a_desc, ragged_b_desc;  // valid where ragged_a.base is set
+    RaggedView ragged_a, ragged_b;
+  };
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename TakesDescriptors<Base>::Params&>(p) =
+        TakesDescriptors<Base>::to_underlying_arguments(problem_shape, args, workspace);
+    p.ragged_a = args.ragged_a;
+    p.ragged_b = args.ragged_b;
+    MOE8_CHECK((args.ragged_a.base == nullptr) == (args.ragged_b.base == nullptr),
+               "grouped GEMM mainloop: A and B are both ragged or neither");
+    if (args.ragged_a.base != nullptr) {
+      // multicast as CUTLASS's atoms: A over the cluster's CTAs along N, B along M
+      p.ragged_a_desc = ragged_rows_descriptor<OneElementA, typename decltype(p.tma_load_a)::Traits, OneStrideA>(
+          args.ragged_a, cute::size<1>(ClusterShape{}), "grouped GEMM mainloop: A");
+      p.ragged_b_desc = ragged_rows_descriptor<OneElementB, typename decltype(p.tma_load_b)::Traits, OneStrideB>(
+          args.ragged_b, cute::size<0>(ClusterShape{}), "grouped GEMM mainloop: B");
+    }
+    return p;
+  }
 
   // The producer warp's calls at each group change (its first tile's group included), in the kernel's order:
   // perform_update, cp_fence_release, then, before the first load, fence_acquire.
@@ -180,6 +206,27 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, Params const& params, Maps const& tensormaps,
                                                 Shape shape, int32_t next_batch) {
     descs_ = params.descs;
+    if (params.ragged_a.base != nullptr) {
+      if (ragged_a_.desc == nullptr) {  // the first group
+        ragged_a_.desc = &params.ragged_a_desc;
+        ragged_b_.desc = &params.ragged_b_desc;
+        cute::prefetch_tma_descriptor(ragged_a_.desc);
+        cute::prefetch_tma_descriptor(ragged_b_.desc);
+      }
+      // the group's rows of each operand: its non-contiguous mode (A: M, or K where M is contiguous; B: N, or K)
+      constexpr bool kAColsFirst =
+          cute::is_static<std::remove_reference_t<decltype(cute::get<0>(OneStrideA{}))>>::value;
+      constexpr bool kBColsFirst =
+          cute::is_static<std::remove_reference_t<decltype(cute::get<0>(OneStrideB{}))>>::value;
+      const int32_t m = cute::get<0>(shape), n = cute::get<1>(shape), k = cute::get<2>(shape);
+      ragged_a_.rows = kAColsFirst ? k : m;
+      ragged_b_.rows = kBColsFirst ? k : n;
+      ragged_a_.row0 = static_cast<int32_t>(
+          (params.ptr_A[next_batch] - static_cast<const OneElementA*>(params.ragged_a.base)) / params.ragged_a.ld);
+      ragged_b_.row0 = static_cast<int32_t>(
+          (params.ptr_B[next_batch] - static_cast<const OneElementB*>(params.ragged_b.base)) / params.ragged_b.ld);
+      return;
+    }
     if (descs_ == nullptr) return Base::tensormaps_perform_update(shared, params, tensormaps, shape, next_batch);
     group_ = next_batch;
     acquire_prepared(descs_ + 2 * group_);
@@ -187,19 +234,22 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   }
   template <class Storage, class Maps>
   CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Maps const& tensormaps) {
-    if (descs_ == nullptr) Base::tensormaps_cp_fence_release(shared, tensormaps);
+    if (descs_ == nullptr && ragged_a_.desc == nullptr) Base::tensormaps_cp_fence_release(shared, tensormaps);
   }
   template <class Maps>
   CUTLASS_DEVICE void tensormaps_fence_acquire(Maps const& tensormaps) {
-    if (descs_ == nullptr) Base::tensormaps_fence_acquire(tensormaps);
+    if (descs_ == nullptr && ragged_a_.desc == nullptr) Base::tensormaps_fence_acquire(tensormaps);
   }
 
-  // CUTLASS's load through the group's prepared descriptors or the CTA's rewritten ones: one instantiation either way.
+  // CUTLASS's load through the ragged descriptors (load_ragged), or through the group's prepared descriptors or the
+  // CTA's rewritten ones (one instantiation of CUTLASS's load for both).
   template <class TensorA, class TensorB, class MapA, class MapB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
                            typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& inputs,
                            cute::tuple<MapA, MapB> const& tensormaps, BlockCoord const& blk, KTileIterator k_iter,
                            int k_count, int thread_idx, uint32_t rank, typename Base::TensorStorage& smem) {
+    if (ragged_a_.desc != nullptr)
+      return load_ragged(params, pipeline, state, inputs, blk, k_iter, k_count, rank, smem);
     const bool prepared = descs_ != nullptr;
     const cute::TmaDescriptor* a = prepared ? descs_ + 2 * group_ : cute::get<0>(tensormaps);
     const cute::TmaDescriptor* b = prepared ? descs_ + 2 * group_ + 1 : cute::get<1>(tensormaps);
@@ -207,8 +257,49 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   }
 
  private:
+  // CUTLASS's load (sm90_mma_array_tma_gmma_ss_warpspecialized.hpp: the same partitions, multicast masks and stage
+  // order), each copy a ragged one at the group's rows.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_ragged(Params const& params, typename Base::MainloopPipeline pipeline,
+                                  typename Base::PipelineState write, cute::tuple<TensorA, TensorB> const& inputs,
+                                  BlockCoord const& blk, KTileIterator k_iter, int k_count, uint32_t rank,
+                                  typename Base::TensorStorage& smem) {
+    using namespace cute;
+    using LoadA = RaggedLoadOf<decltype(params.tma_load_a)>;
+    using LoadB = RaggedLoadOf<decltype(params.tma_load_b)>;
+    if (!elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Base::SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Base::SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    constexpr uint32_t kClusterX = size<0>(ClusterShape{});
+    const uint32_t bx = rank % kClusterX, by = rank / kClusterX;
+    auto block_tma_a = params.tma_load_a.get_slice(by);
+    auto block_tma_b = params.tma_load_b.get_slice(bx);
+    const auto [m, n, k, l] = blk;
+    Tensor tAgA = block_tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA,TMA_M,TMA_K,k)
+    Tensor tAsA = block_tma_a.partition_D(sA);                             // (TMA,TMA_M,TMA_K,PIPE)
+    Tensor tBgB = block_tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));  // (TMA,TMA_N,TMA_K,k)
+    Tensor tBsB = block_tma_b.partition_D(sB);                             // (TMA,TMA_N,TMA_K,PIPE)
+    uint16_t mask_a = 0, mask_b = 0;
+    auto block_layout = Layout<ClusterShape>{};  // (m,n) -> block_id
+    if constexpr (LoadA::kMulticast)
+      for (int j = 0; j < size<1>(block_layout); ++j) mask_a |= uint16_t(1) << block_layout(bx, j, Int<0>{});
+    if constexpr (LoadB::kMulticast)
+      for (int i = 0; i < size<0>(block_layout); ++i) mask_b |= uint16_t(1) << block_layout(i, by, Int<0>{});
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_count > 0; --k_count) {
+      pipeline.producer_acquire(write);
+      uint64_t* barrier = pipeline.producer_get_barrier(write);
+      const int stage = write.index();
+      copy(LoadA::make(ragged_a_, *barrier, mask_a), tAgA(_, _, _, *k_iter), tAsA(_, _, _, stage));
+      copy(LoadB::make(ragged_b_, *barrier, mask_b), tBgB(_, _, _, *k_iter), tBsB(_, _, _, stage));
+      ++k_iter;
+      ++write;
+    }
+  }
+
   const cute::TmaDescriptor* descs_ = nullptr;
   int32_t group_ = 0;
+  RaggedRows ragged_a_{nullptr, 0, 0}, ragged_b_{nullptr, 0, 0};  // the current group's rows (ragged)
 };
 
 template <class A, class = void>

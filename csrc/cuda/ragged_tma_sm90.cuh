@@ -38,43 +38,76 @@ struct RaggedRows {
   int32_t rows;
 };
 
-// The ragged descriptor of an operand whose CuTe TMA atom is Traits (CUTLASS's own, for one group): its element,
-// box and swizzle, with the four dims above. Throws a moe8::Error naming `what` where the atom is not a rows x cols
-// box of a row-major operand or the driver refuses the descriptor.
-template <class Element, class Traits>
-cute::TmaDescriptor ragged_rows_descriptor(const void* base, int64_t cols, int64_t ld, const char* what) {
+// An operand's rows (all groups' stacked, each `cols` elements, ld apart) for a ragged descriptor; base null: none.
+struct RaggedView {
+  const void* base = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+// A grouped GEMM's three operands' rows.
+struct RaggedViews {
+  RaggedView a, b, d;
+};
+
+// The ragged descriptor of an operand whose CuTe TMA atom is Traits (CUTLASS's own, for one group's operand of stride
+// type Stride: (rows, cols, 1) or (cols, rows, 1), the contiguous mode static 1), loaded by `multicast` CTAs of a
+// cluster (each a slice of the box's rows, as CuTe divides it): its element, box and swizzle, with the four dims
+// above. Throws a moe8::Error naming `what` where the atom is not a rows x cols box with cols contiguous, the rows
+// are more than kRaggedBound or not 16-byte aligned, or the driver refuses the descriptor.
+template <class Element, class Traits, class Stride>
+cute::TmaDescriptor ragged_rows_descriptor(const RaggedView& v, int multicast, const char* what) {
   using namespace cute;
   using Aux = typename Traits::AuxParams;
   using Basis = typename Aux::TmaGmemBasis;
-  constexpr int kDims = decltype(rank(Basis{}))::value;
-  static_assert(kDims >= 2, "a TMA box of rows x cols");
+  static_assert(decltype(rank(Basis{}))::value >= 2, "a TMA box of rows x cols");
   // CUTLASS's dims for a probe of 3 rows: cols must be d0 and rows d1 (what the coordinates' mapping assumes)
+  constexpr bool kColsFirst = is_static<std::remove_reference_t<decltype(get<0>(Stride{}))>>::value;
+  const auto shape3 = [&] {
+    if constexpr (kColsFirst)
+      return make_shape(v.cols, int64_t(3), Int<1>{});
+    else
+      return make_shape(int64_t(3), v.cols, Int<1>{});
+  }();
+  Stride stride_v{};
+  get<kColsFirst ? 1 : 0>(stride_v) = v.ld;
+  Tensor probe = make_tensor(static_cast<const Element*>(nullptr), make_layout(shape3, stride_v));
   cute::array<uint64_t, 5> shape = {1, 1, 1, 1, 1};
   cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
-  Tensor probe = make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(int64_t(3), cols, Int<1>{}),
-                                                                               make_stride(ld, Int<1>{}, int64_t(0))));
   cute::detail::fill_tma_gmem_shape_stride(Traits{}, probe, shape, stride);
-  MOE8_CHECK(shape[0] == static_cast<uint64_t>(cols) && stride[0] == 1 && shape[1] == 3 &&
-                 stride[1] == static_cast<uint64_t>(ld),
-             what, ": the ragged descriptor expects a row-major operand's TMA with cols as dim 0 and rows as dim 1");
-  const uint64_t ld_bytes = static_cast<uint64_t>(ld) * sizeof_bits_v<Element> / 8;
-  MOE8_CHECK(ld_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0, what,
+  MOE8_CHECK(shape[0] == static_cast<uint64_t>(v.cols) && stride[0] == 1 && shape[1] == 3 &&
+                 stride[1] == static_cast<uint64_t>(v.ld),
+             what,
+             ": the ragged descriptor expects a TMA with the operand's contiguous cols as dim 0 and rows as dim 1");
+  MOE8_CHECK(v.rows <= kRaggedBound, what, ": a ragged operand takes at most 2^30 rows, got ", v.rows);
+  const uint64_t ld_bytes = static_cast<uint64_t>(v.ld) * sizeof_bits_v<Element> / 8;
+  MOE8_CHECK(ld_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(v.base) % 16 == 0, what,
              ": the ragged descriptor needs 16-byte aligned rows, got a row stride of ", ld_bytes, " bytes");
-  cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(kRaggedBound), kRaggedSpan, kRaggedSpan};
+  const uint32_t box_rows = static_cast<uint32_t>(size<1>(Basis{}));
+  MOE8_CHECK(multicast >= 1 && box_rows % multicast == 0, what, ": a box of ", box_rows, " rows over ", multicast,
+             " CTAs");
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(v.cols), static_cast<cuuint64_t>(kRaggedBound), kRaggedSpan,
+                        kRaggedSpan};
   cuuint64_t strides[3] = {ld_bytes, ld_bytes, kRaggedWrap - ld_bytes};
-  cuuint32_t box[4] = {static_cast<cuuint32_t>(size<0>(Basis{})), static_cast<cuuint32_t>(size<1>(Basis{})), 1, 1};
+  cuuint32_t box[4] = {static_cast<cuuint32_t>(size<0>(Basis{})), box_rows / multicast, 1, 1};
   cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUtensorMapSwizzle swizzle =
       TMA::to_CUtensorMapSwizzle(cute::detail::get_tma_swizzle_bits(typename Aux::TmaSwizzle{}),
                                  cute::detail::get_tma_swizzle_base(typename Aux::TmaSwizzle{}));
   TmaDescriptor desc{};
   const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &desc, TMA::to_CUtensorMapDataType<Element>(), 4, const_cast<void*>(base), dims, strides, box, element_strides,
+      &desc, TMA::to_CUtensorMapDataType<Element>(), 4, const_cast<void*>(v.base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOE8_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled refused the ragged descriptor (CUresult ",
              static_cast<int>(r), ")");
   return desc;
 }
+
+// The four coordinates of a ragged copy from the two a group's own descriptor would take (cols, group row).
+struct RaggedCoords {
+  int32_t col, row, end, bound;
+  CUTLASS_DEVICE RaggedCoords(const RaggedRows& t, int32_t c0, int32_t c1)
+      : col(c0), row(kRaggedBound - t.rows + c1), end(t.row0 + t.rows), bound(kRaggedBound) {}
+};
 
 }  // namespace moe8::cuda::sm90
 
@@ -132,11 +165,9 @@ struct Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> {
     void const* const src_ptr = cute::raw_pointer_cast(src.data());
     auto coord = dst.data().coord_;
     if (t.rows >= 0) {
-      const int32_t bound = moe8::cuda::sm90::kRaggedBound;
-      const int32_t col = static_cast<int32_t>(get<0>(coord));
-      const int32_t row = bound - t.rows + static_cast<int32_t>(get<1>(coord));
-      const int32_t end = t.row0 + t.rows;
-      SM90_TMA_STORE_4D::copy(t.desc, src_ptr, col, row, end, bound);
+      const moe8::cuda::sm90::RaggedCoords c(t, static_cast<int32_t>(get<0>(coord)),
+                                             static_cast<int32_t>(get<1>(coord)));
+      SM90_TMA_STORE_4D::copy(t.desc, src_ptr, c.col, c.row, c.end, c.bound);
     } else {
       detail::explode_tuple(detail::CallCOPY<SM90_TMA_STORE>{}, make_tuple(static_cast<void const*>(t.desc), src_ptr),
                             seq<0, 1>{}, coord, tuple_seq<decltype(coord)>{});
@@ -144,7 +175,58 @@ struct Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> {
   }
 };
 
+// A TMA load through a ragged descriptor at a group's rows (always ragged: the mainloop takes this atom only when
+// both operands are; ragged_load_atom makes it), multicast to the CTAs of `mask` where kMulticast.
+template <bool kMulticast>
+struct Moe8RaggedTmaLoad {};
+
+template <bool kMulticast, class NumBitsPerTMA>
+struct Copy_Traits<Moe8RaggedTmaLoad<kMulticast>, NumBitsPerTMA> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  moe8::cuda::sm90::RaggedRows target_;
+  uint64_t* mbar_;
+  uint16_t mask_;
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TD>::value, "Expected smem dst for a TMA load");
+    auto coord = src.data().coord_;
+    void* const dst_ptr = cute::raw_pointer_cast(dst.data());
+    const moe8::cuda::sm90::RaggedCoords c(traits.target_, static_cast<int32_t>(get<0>(coord)),
+                                           static_cast<int32_t>(get<1>(coord)));
+    constexpr uint64_t kHint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    if constexpr (kMulticast)
+      SM90_TMA_LOAD_MULTICAST_4D::copy(traits.target_.desc, traits.mbar_, traits.mask_, kHint, dst_ptr, c.col, c.row,
+                                       c.end, c.bound);
+    else
+      SM90_TMA_LOAD_4D::copy(traits.target_.desc, traits.mbar_, kHint, dst_ptr, c.col, c.row, c.end, c.bound);
+  }
+};
+
 }  // namespace cute
+
+namespace moe8::cuda::sm90 {
+
+// The executable ragged load for CUTLASS's TMA atom Tma (a TiledCopy of SM90_TMA_LOAD or SM90_TMA_LOAD_MULTICAST):
+// the same bits per copy and element type, to `target`, arriving on `mbar`.
+template <class Tma>
+struct RaggedLoadOf;
+template <class Op, class NumBits, class Aux, class T, class... Rest>
+struct RaggedLoadOf<cute::TiledCopy<cute::Copy_Atom<cute::Copy_Traits<Op, NumBits, Aux>, T>, Rest...>> {
+  static constexpr bool kMulticast = std::is_same_v<Op, cute::SM90_TMA_LOAD_MULTICAST>;
+  using Traits = cute::Copy_Traits<cute::Moe8RaggedTmaLoad<kMulticast>, NumBits>;
+  using Atom = cute::Copy_Atom<Traits, T>;
+  CUTLASS_DEVICE static Atom make(RaggedRows target, uint64_t& mbar, uint16_t mask) {
+    return Atom{Traits{target, &mbar, mask}};
+  }
+};
+
+}  // namespace moe8::cuda::sm90
 
 namespace moe8::cuda::sm90 {
 

@@ -48,9 +48,9 @@ enum class Fp8Promotion { kSerial, kOverlap };
 enum class QuantCols { kPacked, kStaged };
 
 enum class Cluster { k1x2, k2x1, kAuto };
-// How a grouped GEMM's D descriptor follows its groups: CUTLASS's rewrite of the CTA's at every group change, one a
-// group made once per call (prepared_descriptors_sm90.cuh), or one for every group (ragged_tma_sm90.cuh).
-enum class StoreDescriptors { kRewrite, kPrepared, kRagged };
+// How a grouped GEMM's TMA descriptors follow its groups: CUTLASS's rewrite of the CTA's at every group change, one
+// a group made once per call (prepared_descriptors_sm90.cuh), or one for every group (ragged_tma_sm90.cuh).
+enum class Descriptors { kRewrite, kPrepared, kRagged };
 enum class Balance { kAuto, kBalanced, kSkewed };
 
 // ------------------------------------------------------------------------------------ overrides
@@ -92,9 +92,9 @@ struct Sm90Overrides {
   Override<bool> wgrad_pong;  // MOE8_SM90_WGRAD=pong|large: every bf16 weight gradient on ping-pong or not (wgrad_tile)
   // MOE8_SM90_PREPARED_STORE=0|1|ragged: D's descriptors rewritten per group change, made once per call, or one for
   // every group (prepared)
-  Override<StoreDescriptors> prepared_store;
-  Override<bool> prepared_loads;  // MOE8_SM90_PREPARED_LOADS=0|1: A's and B's descriptors made once per call (prepared)
-  Override<bool> acquire_at_store;  // MOE8_SM90_PREPARED_ACQUIRE=mainloop|store: where D's is acquired (prepared)
+  Override<Descriptors> prepared_store;
+  Override<Descriptors> prepared_loads;  // MOE8_SM90_PREPARED_LOADS=0|1|ragged: A's and B's (prepared)
+  Override<bool> acquire_at_store;       // MOE8_SM90_PREPARED_ACQUIRE=mainloop|store: where D's is acquired (prepared)
 };
 
 // The value `v` of environment variable `var` among `names` (unset when v is null); any other value gives
@@ -132,9 +132,8 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   constexpr std::pair<const char*, QuantCols> kQuantCols[] = {{"packed", QuantCols::kPacked},
                                                               {"staged", QuantCols::kStaged}};
   constexpr std::pair<const char*, bool> kWgrad[] = {{"pong", true}, {"large", false}};
-  constexpr std::pair<const char*, bool> kOnOff[] = {{"0", false}, {"1", true}};
-  constexpr std::pair<const char*, StoreDescriptors> kStore[] = {
-      {"0", StoreDescriptors::kRewrite}, {"1", StoreDescriptors::kPrepared}, {"ragged", StoreDescriptors::kRagged}};
+  constexpr std::pair<const char*, Descriptors> kDescriptors[] = {
+      {"0", Descriptors::kRewrite}, {"1", Descriptors::kPrepared}, {"ragged", Descriptors::kRagged}};
   constexpr std::pair<const char*, bool> kAcquire[] = {{"mainloop", false}, {"store", true}};
   auto read = [&](const char* var, const auto& names) { return parse_choice(var, getenv(var), names); };
   Sm90Overrides o;
@@ -149,8 +148,8 @@ Sm90Overrides parse_sm90_overrides(Getenv&& getenv) {
   o.quant_cols = read("MOE8_QUANT_COLS", kQuantCols);
   o.epilogue = read("MOE8_SM90_EPILOGUE", kEpilogue);
   o.wgrad_pong = read("MOE8_SM90_WGRAD", kWgrad);
-  o.prepared_store = read("MOE8_SM90_PREPARED_STORE", kStore);
-  o.prepared_loads = read("MOE8_SM90_PREPARED_LOADS", kOnOff);
+  o.prepared_store = read("MOE8_SM90_PREPARED_STORE", kDescriptors);
+  o.prepared_loads = read("MOE8_SM90_PREPARED_LOADS", kDescriptors);
   o.acquire_at_store = read("MOE8_SM90_PREPARED_ACQUIRE", kAcquire);
   return o;
 }
@@ -330,7 +329,8 @@ struct Prepared {
   // D stored through one descriptor for every group, the group's rows in the stores' coordinates
   // (ragged_tma_sm90.cuh): no descriptor per group at all (in place of store; opt-in until timed)
   bool ragged = false;
-  bool any() const { return store || loads || ragged; }
+  bool ragged_loads = false;  // A and B read the same way, one descriptor each (in place of loads; opt-in until timed)
+  bool any() const { return store || loads || ragged || ragged_loads; }
 };
 
 // The 128x64-subtile 128x256 tiles only. D's by default: 2-6% off each GEMM on two H100s, the Qwen3-30B-A3B and
@@ -340,18 +340,18 @@ struct Prepared {
 // kernel's time (docs/kernels.md).
 inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
-  const StoreDescriptors d = env.prepared_store.get().value_or(StoreDescriptors::kPrepared);
-  return {d == StoreDescriptors::kPrepared, env.prepared_loads.get().value_or(false),
-          env.acquire_at_store.get().value_or(false), d == StoreDescriptors::kRagged};
+  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kPrepared);
+  const Descriptors ab = env.prepared_loads.get().value_or(Descriptors::kRewrite);
+  return {d == Descriptors::kPrepared, ab == Descriptors::kPrepared, env.acquire_at_store.get().value_or(false),
+          d == Descriptors::kRagged, ab == Descriptors::kRagged};
 }
 
 // Whether the FP8 forward and weight-gradient GEMMs (every tile) store D through per-group descriptors made once per
 // call (prepared_descriptors_sm90.cuh). Opt-in (MOE8_SM90_PREPARED_STORE=1): on an H100 Qwen3-30B-A3B's FP8 gate_up
 // forward gained 5% and its down projection lost 10-16% (bench/results/prepared_descriptors_h100.md).
 inline Prepared fp8_prepared(const Sm90Overrides& env) {
-  const StoreDescriptors d = env.prepared_store.get().value_or(StoreDescriptors::kRewrite);
-  return {d == StoreDescriptors::kPrepared, false, env.acquire_at_store.get().value_or(false),
-          d == StoreDescriptors::kRagged};
+  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kRewrite);
+  return {d == Descriptors::kPrepared, false, env.acquire_at_store.get().value_or(false), d == Descriptors::kRagged};
 }
 
 // ------------------------------------------------------------------------------------ gathered rows

@@ -422,7 +422,7 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
 }
 
 // Prepared descriptors (prepared_descriptors_sm90.cuh): the forward, dgrad and weight gradients with D's, A's and
-// B's descriptors made before the launch, or D's one ragged descriptor (ragged_tma_sm90.cuh), each mix of
+// B's descriptors made before the launch, or one ragged descriptor each (ragged_tma_sm90.cuh), each mix of
 // MOE8_SM90_PREPARED_STORE / _LOADS / _ACQUIRE, give CUTLASS's rewritten descriptors' bits and the reference's values,
 // with an empty group, groups of fewer rows than a tile, partial tiles and rows past the last group, on both
 // 128x64-subtile tiles (N 512: CTAs paired; N 768: three 256-wide tiles, unpaired), forced so that the test runs them
@@ -442,7 +442,7 @@ TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
       };
       const std::vector<Bits> plain = all("0", "0");
       const std::pair<const char*, const char*> mixes[] = {
-          {"1", "0"}, {"0", "1"}, {"1", "1"}, {"ragged", "0"}, {"ragged", "1"}};
+          {"1", "0"}, {"0", "1"}, {"1", "1"}, {"ragged", "0"}, {"ragged", "1"}, {"1", "ragged"}, {"ragged", "ragged"}};
       for (const char* acquire : {"mainloop", "store"}) {
         set_override("MOE8_SM90_PREPARED_ACQUIRE", acquire);
         for (const auto& [store, loads] : mixes) {

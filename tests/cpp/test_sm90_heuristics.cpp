@@ -153,6 +153,9 @@ TEST(Sm90Heuristics, WgradTiles) {
   }
   EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).ragged || h::fp8_prepared(kNone).ragged);
   EXPECT_FALSE(h::prepared(Tile::kPong128, ragged).any());
+  const h::Prepared ragged_ab = h::prepared(Tile::kEpi64Solo, overrides({{"MOE8_SM90_PREPARED_LOADS", "ragged"}}));
+  EXPECT_TRUE(ragged_ab.ragged_loads && ragged_ab.store && !ragged_ab.loads && !ragged_ab.ragged);
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).ragged_loads);
   // Where D's is acquired: before the mainloop by default, before the first store opt-in.
   EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).acquire_at_store);
   const h::Sm90Overrides at_store = overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "store"}});
@@ -281,7 +284,7 @@ TEST(Sm90Heuristics, BadOverridesRaiseWhereRead) {
   EXPECT_EQ(message([&] {
               h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "2"}}));
             }),
-            "MOE8_SM90_PREPARED_LOADS: expected one of 0, 1, got '2'");
+            "MOE8_SM90_PREPARED_LOADS: expected one of 0, 1, ragged, got '2'");
   EXPECT_EQ(message([&] {
               h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "early"}}));
             }),
