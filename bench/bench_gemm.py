@@ -24,10 +24,10 @@ scheduler: m|n (MOE8_SM90_RASTER: down M or along N first) followed by the swizz
 (quantize_cols_1x128 of dc and a, what the FP8 wgrad reads) with each kernel (MOE8_QUANT_COLS, quant_cols.cu),
 in ms and GB/s moved.
 --prepared also times each GEMM with every TMA descriptor rewritten by CUTLASS at each group change
-(MOE8_SM90_PREPARED_STORE=0), with D's made once per call (prepared_descriptors_sm90.cuh: bf16's default), acquired
-before the tile's mainloop or before its first store (MOE8_SM90_PREPARED_ACQUIRE), with one ragged descriptor for
-every group's D (=ragged, ragged_tma_sm90.cuh), and for bf16 with A's and B's made once per call too
-(MOE8_SM90_PREPARED_LOADS=1) or with all three ragged (MOE8_SM90_PREPARED_LOADS=ragged).
+(MOE8_SM90_PREPARED_STORE=0 MOE8_SM90_PREPARED_LOADS=0), and with D's, A's and B's made once per call
+(prepared_descriptors_sm90.cuh; D's acquired before the tile's mainloop or before its first store,
+MOE8_SM90_PREPARED_ACQUIRE) or one ragged descriptor each for every group (=ragged, ragged_tma_sm90.cuh: bf16's
+default), or D's prepared and A's and B's ragged; the FP8 GEMMs with D's only, each way (ragged: their default).
 --bounds also times, beside each bf16 GEMM, what grouping costs it: cuBLAS on one dense GEMM of the same FLOPs
 and output tiles (torch.mm: no group boundaries, one weight) and, with balanced routing, the strided-batched
 GEMM of the same groups (torch.bmm: a weight per expert, every group the same size, no per-group descriptors).
@@ -216,8 +216,7 @@ def bench(shape, dims, routing, args, device, gen):
             quant_cols = args.quant_cols if kind == "fp8_wgrad" else []
             quantise = functools.partial(quantize_wgrad_operands, dc, a, offsets)
             cands |= {f"quant_cols {q}": with_env(quantise, {"MOE8_QUANT_COLS": q}) for q in quant_cols}
-            # the FP8 GEMMs prepare D's descriptors only (MOE8_SM90_PREPARED_LOADS is bf16's)
-            mixes = PREPARED_MIXES if ceil == "bf16" else PREPARED_MIXES[:4]
+            mixes = PREPARED_MIXES if ceil == "bf16" else FP8_PREPARED_MIXES
             if args.prepared:
                 cands |= {
                     f"prepared {label}": with_env(
@@ -273,15 +272,21 @@ FP8_PROMOTIONS = ("serial", "overlap")
 
 
 QUANT_COLS = ("packed", "staged")
-# --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE); bf16's default is "D", FP8's "none"; the
-# first four are every GEMM's, the last two bf16's
+# --prepared: (label, MOE8_SM90_PREPARED_STORE, _LOADS, _ACQUIRE). bf16's default is "D, A, B ragged"; D's prepared
+# or ragged with A's and B's left to CUTLASS's rewrite is refused (sm90_heuristics::prepared).
 PREPARED_MIXES = (
+    ("none", "0", "0", "mainloop"),
+    ("D, A, B", "1", "1", "mainloop"),
+    ("D acquired at the store, A, B", "1", "1", "store"),
+    ("D, A, B ragged", "ragged", "ragged", "mainloop"),
+    ("D prepared, A, B ragged", "1", "ragged", "mainloop"),
+)
+# the FP8 GEMMs (their loads are CUTLASS's): D's only; the default is "D ragged"
+FP8_PREPARED_MIXES = (
     ("none", "0", "0", "mainloop"),
     ("D", "1", "0", "mainloop"),
     ("D acquired at the store", "1", "0", "store"),
     ("D ragged", "ragged", "0", "mainloop"),
-    ("D, A, B", "1", "1", "mainloop"),
-    ("D, A, B ragged", "ragged", "ragged", "mainloop"),
 )
 
 
@@ -453,9 +458,9 @@ def main() -> int:
     ap.add_argument(
         "--prepared",
         action="store_true",
-        help="also time the GEMMs with no descriptor made once per call, with D's (acquired before the mainloop "
-        "or the store), with one ragged descriptor for D, and (bf16) with A's and B's too, prepared or ragged "
-        "(MOE8_SM90_PREPARED_STORE=0|1|ragged, _ACQUIRE, _LOADS=0|1|ragged)",
+        help="also time the GEMMs with every descriptor rewritten by CUTLASS, made once per call (D's acquired "
+        "before the mainloop or the store) or ragged (MOE8_SM90_PREPARED_STORE=0|1|ragged, _LOADS=0|1|ragged, "
+        "_ACQUIRE)",
     )
     ap.add_argument(
         "--bounds",

@@ -10,8 +10,9 @@
 // group. Here a group change only acquires the group's prepared descriptors and prefetches them into the SM's
 // descriptor cache, a whole mainloop ahead of the epilogue's first store (the kernel announces the next tile's group
 // before its mainloop). Every address, dim and stride is what CUTLASS's rewrite would have written, so the loads,
-// stores and results are the same bits. Each wrapper falls back to CUTLASS's own rewrite when its Arguments carry no
-// descriptors, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared).
+// stores and results are the same bits. The same wrappers take one ragged descriptor per operand instead
+// (ragged_tma_sm90.cuh: no descriptor per group at all, the rules' default), or fall back to CUTLASS's own rewrite
+// when their Arguments carry neither, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared).
 // Build: included by grouped_gemm_sm90_impl.cuh and grouped_gemm_fp8_sm90.cu (CUTLASS headers, sm_90a).
 #pragma once
 #include <cuda_runtime.h>

@@ -327,30 +327,33 @@ struct Prepared {
   // the tile's mainloop, instead of both before the mainloop (opt-in until timed)
   bool acquire_at_store = false;
   // D stored through one descriptor for every group, the group's rows in the stores' coordinates
-  // (ragged_tma_sm90.cuh): no descriptor per group at all (in place of store; opt-in until timed)
+  // (ragged_tma_sm90.cuh): no descriptor per group at all (in place of store)
   bool ragged = false;
-  bool ragged_loads = false;  // A and B read the same way, one descriptor each (in place of loads; opt-in until timed)
+  bool ragged_loads = false;  // A and B read the same way, one descriptor each (in place of loads)
   bool any() const { return store || loads || ragged || ragged_loads; }
 };
 
-// The 128x64-subtile 128x256 tiles only. D's by default: 2-6% off each GEMM on two H100s, the Qwen3-30B-A3B and
-// OLMoE blocks 1-4% faster. A's and B's opt-in: ~1% more on one H100, level or up to 5% slower on another (the
-// producer warp acquires them at a group change, holding back that tile's loads; acquiring D's there too was 1-4%
-// slower); bench/results/prepared_descriptors_h100.md. With every descriptor fixed, equal experts run at the plain
-// kernel's time (docs/kernels.md).
+// The 128x64-subtile 128x256 tiles only. All three ragged by default: on an H100 1-5% off 39 of 40 bf16 GEMMs
+// against CUTLASS's rewrite of all three, level in one (bench/results/ragged_descriptors_h100.md). The mixes whose
+// kernel takes prepared or ragged descriptors for D but leaves A's and B's to CUTLASS's rewrite (D set, A and B 0)
+// stopped with an illegal instruction in the producer warp on an H100 (the same file), so they raise instead.
 inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
-  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kPrepared);
-  const Descriptors ab = env.prepared_loads.get().value_or(Descriptors::kRewrite);
+  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kRagged);
+  const Descriptors ab = env.prepared_loads.get().value_or(Descriptors::kRagged);
+  MOE8_CHECK(d == Descriptors::kRewrite || ab != Descriptors::kRewrite,
+             "MOE8_SM90_PREPARED_LOADS=0 (CUTLASS's rewrite of A's and B's descriptors) needs "
+             "MOE8_SM90_PREPARED_STORE=0: with D's descriptors prepared or ragged, A's and B's are too (1 or ragged)");
   return {d == Descriptors::kPrepared, ab == Descriptors::kPrepared, env.acquire_at_store.get().value_or(false),
           d == Descriptors::kRagged, ab == Descriptors::kRagged};
 }
 
-// Whether the FP8 forward and weight-gradient GEMMs (every tile) store D through per-group descriptors made once per
-// call (prepared_descriptors_sm90.cuh). Opt-in (MOE8_SM90_PREPARED_STORE=1): on an H100 Qwen3-30B-A3B's FP8 gate_up
-// forward gained 5% and its down projection lost 10-16% (bench/results/prepared_descriptors_h100.md).
+// How the FP8 forward and weight-gradient GEMMs (every tile) store D: through one ragged descriptor by default, 1-7%
+// faster than CUTLASS's rewrite in all 20 FP8 GEMMs on an H100 (bench/results/ragged_descriptors_h100.md); through
+// per-group descriptors made once per call (MOE8_SM90_PREPARED_STORE=1) Qwen3-30B-A3B's down projection lost
+// 10-16% (bench/results/prepared_descriptors_h100.md). Their loads are CUTLASS's.
 inline Prepared fp8_prepared(const Sm90Overrides& env) {
-  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kRewrite);
+  const Descriptors d = env.prepared_store.get().value_or(Descriptors::kRagged);
   return {d == Descriptors::kPrepared, false, env.acquire_at_store.get().value_or(false), d == Descriptors::kRagged};
 }
 

@@ -423,10 +423,10 @@ TEST_F(Sm90Test, HintTilesGiveTheSameBits) {
 
 // Prepared descriptors (prepared_descriptors_sm90.cuh): the forward, dgrad and weight gradients with D's, A's and
 // B's descriptors made before the launch, or one ragged descriptor each (ragged_tma_sm90.cuh), each mix of
-// MOE8_SM90_PREPARED_STORE / _LOADS / _ACQUIRE, give CUTLASS's rewritten descriptors' bits and the reference's values,
-// with an empty group, groups of fewer rows than a tile, partial tiles and rows past the last group, on both
-// 128x64-subtile tiles (N 512: CTAs paired; N 768: three 256-wide tiles, unpaired), forced so that the test runs them
-// whatever the rules pick.
+// MOE8_SM90_PREPARED_STORE / _LOADS / _ACQUIRE the rules take, give CUTLASS's rewritten descriptors' bits and the
+// reference's values, with an empty group, groups of fewer rows than a tile, partial tiles and rows past the last
+// group, on both 128x64-subtile tiles (N 512: CTAs paired; N 768: three 256-wide tiles, unpaired), forced so that the
+// test runs them whatever the rules pick.
 TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
   for (const char* tile : {"epi64", "epi64solo"}) {
     set_override("MOE8_SM90_TILE", tile);
@@ -441,8 +441,8 @@ TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
                                  d.wgrad(true)};
       };
       const std::vector<Bits> plain = all("0", "0");
-      const std::pair<const char*, const char*> mixes[] = {
-          {"1", "0"}, {"0", "1"}, {"1", "1"}, {"ragged", "0"}, {"ragged", "1"}, {"1", "ragged"}, {"ragged", "ragged"}};
+      const std::pair<const char*, const char*> mixes[] = {{"0", "1"},      {"1", "1"},      {"ragged", "1"},
+                                                           {"0", "ragged"}, {"1", "ragged"}, {"ragged", "ragged"}};
       for (const char* acquire : {"mainloop", "store"}) {
         set_override("MOE8_SM90_PREPARED_ACQUIRE", acquire);
         for (const auto& [store, loads] : mixes) {
@@ -454,6 +454,8 @@ TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
         }
       }
       set_override("MOE8_SM90_PREPARED_ACQUIRE", nullptr);
+      // D's prepared or ragged with A's and B's left to CUTLASS's rewrite: refused (sm90_heuristics::prepared)
+      for (const char* store : {"1", "ragged"}) EXPECT_THROW(all(store, "0"), Error);
       set_override("MOE8_SM90_PREPARED_STORE", nullptr);
       set_override("MOE8_SM90_PREPARED_LOADS", nullptr);
     }

@@ -128,37 +128,36 @@ TEST(Sm90Heuristics, WgradTiles) {
   EXPECT_EQ(h::wgrad_tile(true, 2048, 768, false, kNone), Tile::kEpi64Solo);  // kd 768: 3 tiles
   EXPECT_EQ(h::wgrad_tile(false, 1536, 2048, true, kNone), Tile::kLarge);     // f16: no ping-pong tile
   EXPECT_EQ(h::wgrad_tile(true, 1536, 16, false, kNone), Tile::kThin);        // the LoRA A gradient's kd = r
-  // Prepared descriptors (made once per call, one a group): D's by default, A's and B's opt-in, the 128x64-subtile
-  // 128x256 tiles only.
-  auto is = [](h::Prepared p, bool store, bool loads) { return p.store == store && p.loads == loads; };
-  const h::Sm90Overrides all = overrides({{"MOE8_SM90_PREPARED_STORE", "1"}, {"MOE8_SM90_PREPARED_LOADS", "1"}});
-  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, kNone), true, false));
-  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, kNone), true, false));
-  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "1"}})), true, true));
-  EXPECT_FALSE(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})).any());
-  EXPECT_TRUE(
-      is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}, {"MOE8_SM90_PREPARED_LOADS", "1"}})),
-         false, true));
-  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, all), true, true));
-  for (Tile t : {Tile::kLarge, Tile::kPong128, Tile::kSmall, Tile::kTall}) EXPECT_FALSE(h::prepared(t, all).any());
-  // The FP8 GEMMs' D: opt-in, by the same variable.
-  EXPECT_FALSE(h::fp8_prepared(kNone).any());
-  EXPECT_TRUE(is(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})), true, false));
-  EXPECT_FALSE(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})).any());
-  // one ragged descriptor for D, in place of the prepared ones, opt-in for both
-  const auto ragged = overrides({{"MOE8_SM90_PREPARED_STORE", "ragged"}});
-  for (h::Prepared p : {h::prepared(Tile::kEpi64, ragged), h::fp8_prepared(ragged)}) {
-    EXPECT_TRUE(p.ragged && p.any());
-    EXPECT_FALSE(p.store);
+  // Descriptors made once per call or ragged: all three ragged by default on the 128x64-subtile 128x256 tiles only;
+  // D's prepared or ragged with A's and B's left to CUTLASS's rewrite raises.
+  auto is = [](h::Prepared p, bool store, bool loads, bool ragged, bool ragged_loads) {
+    return p.store == store && p.loads == loads && p.ragged == ragged && p.ragged_loads == ragged_loads;
+  };
+  auto with = [&](const char* store, const char* loads) {
+    return overrides({{"MOE8_SM90_PREPARED_STORE", store}, {"MOE8_SM90_PREPARED_LOADS", loads}});
+  };
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, kNone), false, false, true, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, kNone), false, false, true, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, with("1", "1")), true, true, false, false));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, with("1", "ragged")), true, false, false, true));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, with("0", "1")), false, true, false, false));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64Solo, with("ragged", "1")), false, true, true, false));
+  EXPECT_TRUE(is(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})), false, false, false, true));
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, with("0", "0")).any());
+  for (const char* store : {"1", "ragged"}) EXPECT_THROW(h::prepared(Tile::kEpi64, with(store, "0")), Error);
+  EXPECT_THROW(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_LOADS", "0"}})), Error);
+  for (Tile t : {Tile::kLarge, Tile::kPong128, Tile::kSmall, Tile::kTall}) {
+    EXPECT_FALSE(h::prepared(t, kNone).any());
+    EXPECT_FALSE(h::prepared(t, with("1", "0")).any());  // not consulted: no error either
   }
-  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).ragged || h::fp8_prepared(kNone).ragged);
-  EXPECT_FALSE(h::prepared(Tile::kPong128, ragged).any());
-  const h::Prepared ragged_ab = h::prepared(Tile::kEpi64Solo, overrides({{"MOE8_SM90_PREPARED_LOADS", "ragged"}}));
-  EXPECT_TRUE(ragged_ab.ragged_loads && ragged_ab.store && !ragged_ab.loads && !ragged_ab.ragged);
-  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).ragged_loads);
-  // Where D's is acquired: before the mainloop by default, before the first store opt-in.
-  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).acquire_at_store);
+  // The FP8 GEMMs' D (their loads are CUTLASS's): ragged by default, by the same variable.
+  EXPECT_TRUE(is(h::fp8_prepared(kNone), false, false, true, false));
+  EXPECT_TRUE(is(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "1"}})), true, false, false, false));
+  EXPECT_TRUE(is(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "ragged"}})), false, false, true, false));
+  EXPECT_FALSE(h::fp8_prepared(overrides({{"MOE8_SM90_PREPARED_STORE", "0"}})).any());
+  // where D's prepared descriptor is acquired: before the mainloop unless MOE8_SM90_PREPARED_ACQUIRE=store
   const h::Sm90Overrides at_store = overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "store"}});
+  EXPECT_FALSE(h::prepared(Tile::kEpi64, kNone).acquire_at_store);
   EXPECT_TRUE(h::prepared(Tile::kEpi64, at_store).acquire_at_store);
   EXPECT_TRUE(h::fp8_prepared(at_store).acquire_at_store);
   EXPECT_FALSE(h::prepared(Tile::kEpi64, overrides({{"MOE8_SM90_PREPARED_ACQUIRE", "mainloop"}})).acquire_at_store);

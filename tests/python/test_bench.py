@@ -53,15 +53,14 @@ def test_bench_gemm_bounds_tiny(tmp_path):
     assert sorted({r["experts"] for r in rows}) == [1, 4] and len({r["rows"] for r in rows}) == 1
     bad = run("bench/bench_gemm.py", "--tiny", "--experts", "0")
     assert bad.returncode != 0 and "--experts: expected counts in 1..512, got [0]" in bad.stderr
-    # --prepared: each GEMM with no descriptor made once per call, with D's (acquired before the mainloop or the
-    # store), with one ragged descriptor for D, and for bf16 with A's and B's too (prepared or ragged)
+    # --prepared: each GEMM with every descriptor rewritten by CUTLASS, made once per call or ragged (bf16: D, A and
+    # B; FP8: D)
     _, rows = gemm_rows(out, "--tiny --kinds fwd,dgrad,wgrad,fp8_fwd --routing balanced --iters 1 --prepared")
     assert {r["kind"] for r in rows if "prepared_ms" in r} == {"fwd", "dgrad", "wgrad", "fp8_fwd"}
+    bf16 = {"none", "D, A, B", "D acquired at the store, A, B", "D, A, B ragged", "D prepared, A, B ragged"}
+    fp8 = {"none", "D", "D acquired at the store", "D ragged"}
     for r in rows:
-        want = {"none", "D", "D acquired at the store", "D ragged"} | (
-            {"D, A, B", "D, A, B ragged"} if r["kind"] in ("fwd", "dgrad", "wgrad") else set()
-        )
-        assert set(r["prepared_ms"]) == want, r
+        assert set(r["prepared_ms"]) == (fp8 if r["kind"].startswith("fp8") else bf16), r
     # --routing uniform: each token's experts drawn uniformly, the rows per expert rounded to 16 with the total kept
     _, rows = gemm_rows(out, "--tiny --kinds fwd --routing uniform --iters 1 --bounds")
     assert rows and all(r["routing"] == "uniform" and set(r["bounds_ms"]) == {"dense"} for r in rows)
