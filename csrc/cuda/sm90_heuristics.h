@@ -336,7 +336,8 @@ struct Prepared {
 // The 128x64-subtile 128x256 tiles only. All three ragged by default: on an H100 1-5% off 39 of 40 bf16 GEMMs
 // against CUTLASS's rewrite of all three, level in one (bench/results/ragged_descriptors_h100.md). The mixes whose
 // kernel takes prepared or ragged descriptors for D but leaves A's and B's to CUTLASS's rewrite (D set, A and B 0)
-// stopped with an illegal instruction in the producer warp on an H100 (the same file), so they raise instead.
+// stopped with an illegal instruction in the producer warp on an H100: CUTLASS's rewrite writes through an asm input
+// operand the compiler had shared with the mainloop wrapper's null ragged pointer (the same file). They raise.
 inline Prepared prepared(Tile tile, const Sm90Overrides& env) {
   if (tile != Tile::kEpi64 && tile != Tile::kEpi64Solo) return {};
   const Descriptors d = env.prepared_store.get().value_or(Descriptors::kRagged);
