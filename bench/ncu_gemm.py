@@ -13,6 +13,7 @@ Cases (balanced routing, 16,384 tokens):
   dgrad_qwen3   Qwen3-30B-A3B down-projection dgrad, bf16: moe8, then torch._grouped_mm
   fwd_qwen3     Qwen3-30B-A3B up-projection forward, bf16: moe8, torch._grouped_mm, then cuBLAS on the same FLOPs
                 as one strided-batched GEMM (torch.bmm) and as one dense GEMM (torch.mm): what grouping costs
+  down_qwen3    Qwen3-30B-A3B down-projection forward (K = 768), bf16: the same four as fwd_qwen3
   act_dgrad_qwen3  Qwen3-30B-A3B down-projection dgrad with the routed activation backward in its epilogue
                 (moe8.fused.dgrad_activation_backward, the sm_90a fused kernel), then the plain dgrad and the
                 separate pass it replaces (activation_backward_routed)
@@ -43,6 +44,7 @@ CASES = (
     "fp8_mixtral",
     "dgrad_qwen3",
     "fwd_qwen3",
+    "down_qwen3",
     "act_dgrad_qwen3",
     "gathered_qwen3",
     "gathered_wgrad_qwen3",
@@ -112,8 +114,8 @@ def calls(case: str, device) -> list:
             lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
             lambda: ops.grouped_gemm_wgrad(rows, dc, offsets, 0, E, False),
         ]
-    if case == "fwd_qwen3":  # a [131072, 2048] . w[e] [1536, 2048]^T, 1,024 rows an expert
-        R, H, N, E = 131072, 2048, 1536, 128
+    if case in ("fwd_qwen3", "down_qwen3"):  # a [131072, K] . w[e] [N, K]^T, 1,024 rows an expert
+        R, H, N, E = (131072, 2048, 1536, 128) if case == "fwd_qwen3" else (131072, 768, 2048, 128)
         mine, theirs, _, _ = balanced_cases(R, H, N, E, ["fwd"], device)["fwd"]
         a = torch.randn(R, H, device=device, dtype=torch.bfloat16)
         w = torch.randn(E, N, H, device=device, dtype=torch.bfloat16) * H**-0.5

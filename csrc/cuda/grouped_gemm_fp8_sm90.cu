@@ -199,7 +199,7 @@ static_assert(std::is_same_v<FwdLarge::StrideA, Wgrad::StrideA> && std::is_same_
 // Workspace: per-group arrays (fixed slot sizes), then CUTLASS's own.
 
 constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotLayout = 32,
-                 kSlotDesc = sizeof(cute::TmaDescriptor);
+                 kSlotDesc = sizeof(cute::TmaDescriptor), kSlotStarts = sizeof(sm90::RaggedStarts);
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 static_assert(sizeof(FwdLarge::LayoutSFA) <= kSlotLayout && sizeof(FwdLarge::LayoutSFB) <= kSlotLayout &&
                   sizeof(Wgrad::LayoutSFA) <= kSlotLayout && sizeof(Wgrad::LayoutSFB) <= kSlotLayout,
@@ -220,7 +220,7 @@ inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 5 * align_up(g * kSlotPtr, kAlignWs) +
          3 * align_up(g * kSlotStride, kAlignWs) + 2 * align_up(g * kSlotLayout, kAlignWs) +
-         align_up(g * kSlotDesc, kAlignWs);
+         align_up(g * kSlotDesc, kAlignWs) + align_up(g * kSlotStarts, kAlignWs);
 }
 
 struct GroupArrays {
@@ -236,6 +236,7 @@ struct GroupArrays {
   void* layout_sfa;              // G::LayoutSFA[groups]
   void* layout_sfb;              // G::LayoutSFB[groups]
   cute::TmaDescriptor* descs_d;  // D's prepared descriptors, one a group
+  sm90::RaggedStarts* starts;    // each group's first row in D's ragged view (d only)
   void* cutlass_ws;              // kAlignWs-aligned
 };
 
@@ -255,6 +256,7 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.layout_sfa = c.take(g * kSlotLayout);
   w.layout_sfb = c.take(g * kSlotLayout);
   w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(g * kSlotDesc));
+  w.starts = static_cast<sm90::RaggedStarts*>(c.take(g * kSlotStarts));
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -278,6 +280,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     w.ptr_a[e] = a + begin * kd;
     w.ptr_b[e] = b + e * n * kd;
     w.ptr_d[e] = static_cast<cutlass::bfloat16_t*>(c) + begin * n;
+    w.starts[e] = {0, 0, static_cast<int32_t>(begin), 0};  // c's [R, n] rows
     w.ptr_sfa[e] = a_scale + begin * kb;
     w.ptr_sfb[e] = b_scale + e * nb * kb;
     static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(kd);
@@ -315,6 +318,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     w.ptr_a[e] = dc_t + begin;
     w.ptr_b[e] = a_t + begin;
     w.ptr_d[e] = static_cast<cutlass::bfloat16_t*>(db) + e * n * kd;
+    w.starts[e] = {0, 0, static_cast<int32_t>(e * n), 0};  // db's [E * n, kd] rows
     w.ptr_sfa[e] = dc_scale + block0 * n;
     w.ptr_sfb[e] = a_scale + block0 * kd;
     static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(rows);
@@ -371,7 +375,10 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
     args.epilogue.descs = w.descs_d;
     args.epilogue.acquire_at_store = prepared.acquire_at_store;
   }
-  if (prepared.ragged) args.epilogue.ragged = ragged_d;
+  if (prepared.ragged) {
+    args.epilogue.ragged = ragged_d;
+    args.epilogue.starts = w.starts;
+  }
   // CUTLASS's tile order (MOE8_SM90_RASTER / _SWIZZLE override it): no other order measured faster
   sm90_util::apply_schedule(args, {});
   Gemm gemm;

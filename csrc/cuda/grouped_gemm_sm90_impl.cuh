@@ -199,13 +199,15 @@ using sm90_util::stride_with_ld;
 
 using sm90_util::align_up;
 using sm90_util::kAlignWs;
-constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotDesc = sizeof(cute::TmaDescriptor);
+constexpr size_t kSlotShape = 16, kSlotPtr = 8, kSlotStride = 16, kSlotDesc = sizeof(cute::TmaDescriptor),
+                 kSlotStarts = sizeof(RaggedStarts);
 static_assert(sizeof(GroupShape) <= kSlotShape, "problem shape slot");
 
 inline size_t group_arrays_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups < 1 ? 1 : groups);
   return align_up(g * kSlotShape, kAlignWs) + 3 * align_up(g * kSlotPtr, kAlignWs) +
-         3 * align_up(g * kSlotStride, kAlignWs) + align_up(3 * g * kSlotDesc, kAlignWs);
+         3 * align_up(g * kSlotStride, kAlignWs) + align_up(3 * g * kSlotDesc, kAlignWs) +
+         align_up(g * kSlotStarts, kAlignWs);
 }
 
 struct GroupArrays {
@@ -218,6 +220,7 @@ struct GroupArrays {
   void* stride_d;
   cute::TmaDescriptor* descs_d;   // prepared descriptors (prepared_descriptors_sm90.cuh): D's, one a group
   cute::TmaDescriptor* descs_ab;  // and A's and B's, two a group
+  RaggedStarts* starts;           // each group's first rows in the operands' ragged views
   void* cutlass_ws;               // kAlignWs-aligned
 };
 
@@ -234,6 +237,7 @@ inline GroupArrays carve(void* workspace, int groups) {
   w.stride_d = c.take(g * kSlotStride);
   w.descs_d = static_cast<cute::TmaDescriptor*>(c.take(3 * g * kSlotDesc));
   w.descs_ab = w.descs_d + g;
+  w.starts = static_cast<RaggedStarts*>(c.take(g * kSlotStarts));
   w.cutlass_ws = c.take(0);
   return w;
 }
@@ -290,11 +294,15 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
   if constexpr (takes_prepared_descriptors<typename Gemm::Arguments>::value) {
     args.epilogue.descs = prepared.store ? w.descs_d : nullptr;
     args.epilogue.acquire_at_store = prepared.acquire_at_store;
-    if (prepared.ragged) args.epilogue.ragged = ragged.d;
+    if (prepared.ragged) {
+      args.epilogue.ragged = ragged.d;
+      args.epilogue.starts = w.starts;
+    }
     args.mainloop.descs = prepared.loads ? w.descs_ab : nullptr;
     if (prepared.ragged_loads) {
       args.mainloop.ragged_a = ragged.a;
       args.mainloop.ragged_b = ragged.b;
+      args.mainloop.starts = w.starts;
     }
   }
   args.hw_info = hw;
@@ -342,6 +350,9 @@ __global__ void __launch_bounds__(kPrepThreads)
     w.ptr_a[e] = const_cast<T*>(static_cast<const T*>(a) + (a_gathered ? 0 : begin * kd));
     w.ptr_b[e] = const_cast<T*>(static_cast<const T*>(b) + e * n * kd);
     w.ptr_d[e] = static_cast<T*>(c) + begin * n;
+    // the rows of a's [R, kd], b's [E * n * kd / ldb, ldb] (its experts stacked) and c's [R, n]
+    w.starts[e] = {static_cast<int32_t>(begin), static_cast<int32_t>(e * (n * kd / ldb)), static_cast<int32_t>(begin),
+                   0};
     static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(kd);
     static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(ldb);
     static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(n);
@@ -372,6 +383,8 @@ __global__ void __launch_bounds__(kPrepThreads)
     // a gathered-rows mainloop reads x through its own loads: every group's B pointer is x itself
     w.ptr_b[e] = const_cast<T*>(static_cast<const T*>(a) + (a_gathered ? 0 : begin * kd));
     w.ptr_d[e] = static_cast<T*>(db) + e * n * kd;
+    // the rows of dc's [R, n], a's [R, kd] and db's [E * n, kd]
+    w.starts[e] = {static_cast<int32_t>(begin), static_cast<int32_t>(begin), static_cast<int32_t>(e * n), 0};
     static_cast<typename G::StrideA*>(w.stride_a)[e] = stride_with_ld<typename G::StrideA>(n);
     static_cast<typename G::StrideB*>(w.stride_b)[e] = stride_with_ld<typename G::StrideB>(kd);
     static_cast<typename G::StrideD*>(w.stride_d)[e] = stride_with_ld<typename G::StrideD>(kd);
@@ -404,6 +417,7 @@ void prepare_descriptors(const GroupArrays& w, int groups, heuristics::Prepared 
     main.dA = static_cast<typename G::StrideA*>(w.stride_a);
     main.ptr_B = const_cast<const T**>(reinterpret_cast<T**>(w.ptr_b));
     main.dB = static_cast<typename G::StrideB*>(w.stride_b);
+    main.descs = w.descs_ab;  // the mode these templates are for (the wrapper takes ragged or prepared, one)
     const auto m = Main::to_underlying_arguments(ProblemShape{groups, w.shapes, nullptr}, main, w.cutlass_ws);
     return cute::make_tuple(m.tma_load_a, m.tma_load_b);
   }();

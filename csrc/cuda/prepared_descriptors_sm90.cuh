@@ -11,8 +11,11 @@
 // descriptor cache, a whole mainloop ahead of the epilogue's first store (the kernel announces the next tile's group
 // before its mainloop). Every address, dim and stride is what CUTLASS's rewrite would have written, so the loads,
 // stores and results are the same bits. The same wrappers take one ragged descriptor per operand instead
-// (ragged_tma_sm90.cuh: no descriptor per group at all, the rules' default), or fall back to CUTLASS's own rewrite
-// when their Arguments carry neither, so one kernel serves every mix (heuristics::prepared, heuristics::fp8_prepared).
+// (ragged_tma_sm90.cuh: no descriptor per group at all, the rules' default); the epilogue's rewrites D's descriptor
+// as CUTLASS does when its Arguments carry neither, so one kernel serves every mix the rules allow
+// (heuristics::prepared, heuristics::fp8_prepared). No descriptor is rewritten through CUTLASS's
+// tma_descriptor_replace_dims_strides_in_shared_mem: it writes the shared address into an asm input operand, a
+// register the compiler may share with any other value it knows to be 0 (replace_dims_strides_in_shared_mem).
 // Build: included by grouped_gemm_sm90_impl.cuh and grouped_gemm_fp8_sm90.cu (CUTLASS headers, sm_90a).
 #pragma once
 #include <cuda_runtime.h>
@@ -32,6 +35,55 @@ namespace moe8::cuda::sm90 {
 CUTLASS_DEVICE void acquire_prepared(const cute::TmaDescriptor* desc) {
   cute::tma_descriptor_fence_acquire(desc);
   cute::prefetch_tma_descriptor(desc);
+}
+
+template <int I>
+CUTLASS_DEVICE void replace_dim(uint32_t smem_desc, uint32_t dim) {
+  asm volatile("tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], %1, %2;" ::"r"(smem_desc), "n"(I),
+               "r"(dim)
+               : "memory");
+}
+template <int I>
+CUTLASS_DEVICE void replace_stride(uint32_t smem_desc, uint64_t stride) {
+#if (__CUDACC_VER_MAJOR__ > 12) || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 5)
+  const uint64_t field = stride;
+#else
+  const uint64_t field = stride >> 4;  // older PTX takes the stride without its 4 low bits
+#endif
+  asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], %1, %2;" ::"r"(smem_desc), "n"(I),
+               "l"(field)
+               : "memory");
+}
+
+// CUTLASS's tma_descriptor_replace_dims_strides_in_shared_mem (the five dims, the four outer byte strides) with the
+// descriptor's shared-memory address an input it is: CUTLASS's converts it into a const 0 passed as an input operand.
+CUTLASS_DEVICE void replace_dims_strides_in_shared_mem(cute::TmaDescriptor& desc, cute::array<uint32_t, 5> const& dims,
+                                                       cute::array<uint64_t, 5> const& strides) {
+  const uint32_t d = cute::cast_smem_ptr_to_uint(&desc);
+  replace_dim<0>(d, dims[0]);
+  replace_dim<1>(d, dims[1]);
+  replace_dim<2>(d, dims[2]);
+  replace_dim<3>(d, dims[3]);
+  replace_dim<4>(d, dims[4]);
+  replace_stride<0>(d, strides[1]);
+  replace_stride<1>(d, strides[2]);
+  replace_stride<2>(d, strides[3]);
+  replace_stride<3>(d, strides[4]);
+}
+
+// staged (tma's descriptor, in shared memory, by one thread) rewritten for a group's (rows, cols, 1) operand at ptr
+// with `stride`: what CUTLASS's in-kernel rewrite writes.
+template <class Element, class Tma, class Stride>
+CUTLASS_DEVICE void rewrite_in_shared_mem(cute::TmaDescriptor& staged, const Tma& tma, const void* ptr, int rows,
+                                          int cols, const Stride& stride) {
+  using namespace cute;
+  tma_descriptor_replace_addr_in_shared_mem(staged, ptr);
+  cute::array<uint32_t, 5> dims = {1, 1, 1, 1, 1};
+  cute::array<uint64_t, 5> strides = {0, 0, 0, 0, 0};
+  Tensor t = make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(rows, cols, Int<1>{}), stride));
+  cute::detail::fill_tma_gmem_shape_stride(tma, t, dims, strides);
+  for (uint64_t& s : strides) s = s * sizeof_bits_v<Element> / 8;  // in bytes
+  replace_dims_strides_in_shared_mem(staged, dims, strides);
 }
 
 // Base (a CUTLASS collective) with `descs`, an array of prepared descriptors, added to its Arguments and Params
@@ -62,7 +114,7 @@ struct TakesDescriptors : Base {
 // - ragged (Arguments::ragged.base set): one descriptor for every group, made on the host per call; a group change
 //   only reads the group's first row (from its D pointer) for the stores' coordinates;
 // - prepared (descs set): descs[group] from prep_store_descriptors_kernel, acquired at a group change;
-// - neither: CUTLASS's rewrite of the CTA's descriptor.
+// - neither: the CTA's descriptor rewritten as CUTLASS's epilogue rewrites it (rewrite_in_shared_mem).
 template <class Base>
 struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   using Cutlass = WithRaggedStore<Base>;
@@ -70,17 +122,20 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   using ElementD = typename Cutlass::ElementD;
   struct Arguments : TakesDescriptors<Cutlass>::Arguments {
     RaggedView ragged{};
+    const RaggedStarts* starts = nullptr;  // with ragged: each group's first row (.d)
   };
   struct Params : TakesDescriptors<Cutlass>::Params {
     cute::TmaDescriptor ragged_desc;  // valid where ragged.base is set
-    RaggedView ragged;
+    const RaggedStarts* starts;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename TakesDescriptors<Cutlass>::Params&>(p) =
         TakesDescriptors<Cutlass>::to_underlying_arguments(problem_shape, args, workspace);
-    p.ragged = args.ragged;
+    p.starts = args.ragged.base != nullptr ? args.starts : nullptr;
+    MOE8_CHECK(args.ragged.base == nullptr || args.starts != nullptr,
+               "grouped GEMM epilogue: a ragged D needs its groups' first rows");
     if (args.ragged.base != nullptr)
       p.ragged_desc =
           ragged_rows_descriptor<ElementD, typename decltype(p.tma_store_d)::Traits, typename Cutlass::InternalStrideD>(
@@ -92,28 +147,34 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
       : TakesDescriptors<Cutlass>(params, shared),
         descs_(params.descs),
         acquire_at_store_(params.acquire_at_store),
-        ragged_(params.ragged.base != nullptr ? &params.ragged_desc : nullptr),
-        ragged_base_(static_cast<const ElementD*>(params.ragged.base)),
-        ragged_ld_(params.ragged.ld) {}
+        ragged_(params.starts != nullptr ? &params.ragged_desc : nullptr),
+        starts_(params.starts) {}
 
   // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
   // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop. With
-  // acquire_at_store only the prefetch is issued here and store() acquires. Ragged: the group's first row.
+  // acquire_at_store only the prefetch is issued here and store() acquires. Ragged: the group's first row, a load
+  // whose value is first used by the tile's store, after its mainloop.
   template <bool IsLoad, class Storage, class P, class Map, class Shape>
   CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, P const& params, Map tensormap, Shape shape,
                                                 int32_t next_batch, int32_t warp_group_idx) {
-    if (!IsLoad && ragged_ != nullptr) {
-      if (row0_ < 0) cute::prefetch_tma_descriptor(ragged_);  // the warp's first group
-      row0_ = static_cast<int32_t>((params.ptr_D[next_batch] - ragged_base_) / ragged_ld_);
-      return;
-    }
-    if (IsLoad || descs_ == nullptr)
+    if constexpr (IsLoad) {  // no C: CUTLASS's does nothing
       return Cutlass::template tensormaps_perform_update<IsLoad>(shared, params, tensormap, shape, next_batch,
                                                                  warp_group_idx);
-    if (acquire_at_store_)
-      cute::prefetch_tma_descriptor(descs_ + next_batch);
-    else
-      acquire_prepared(descs_ + next_batch);
+    } else {
+      if (ragged_ != nullptr) {
+        if (row0_ < 0) cute::prefetch_tma_descriptor(ragged_);  // the warp's first group
+        row0_ = starts_[next_batch].d;
+      } else if (descs_ == nullptr) {
+        if (cute::elect_one_sync())
+          rewrite_in_shared_mem<ElementD>(shared.smem_tensormap_D[warp_group_idx], params.tma_store_d,
+                                          params.ptr_D[next_batch], cute::get<0>(shape), cute::get<1>(shape),
+                                          params.dD[next_batch]);
+      } else if (acquire_at_store_) {
+        cute::prefetch_tma_descriptor(descs_ + next_batch);
+      } else {
+        acquire_prepared(descs_ + next_batch);
+      }
+    }
   }
   template <bool IsLoad, class Storage, class Map>
   CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Map tensormap, int32_t warp_group_idx = 0) {
@@ -156,17 +217,15 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   bool acquire_at_store_;
   int acquired_ = -1;                  // the group whose descriptor this thread last acquired (acquire_at_store)
   const cute::TmaDescriptor* ragged_;  // the ragged descriptor (in the kernel's parameters) or null
-  const ElementD* ragged_base_;
-  int64_t ragged_ld_;
-  int32_t row0_ = -1;  // the current group's first row of D (ragged; the hook's warp only)
+  const RaggedStarts* starts_;         // with ragged_: each group's first rows
+  int32_t row0_ = -1;                  // the current group's first row of D (ragged; the hook's warp only)
 };
 
 // Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA). A and B are read
-// through one of three:
+// through one of two (a GEMM that rewrites them runs CUTLASS's own mainloop):
 // - ragged (Arguments::ragged_a and ragged_b set): one descriptor each for every group, made on the host per call; a
-//   group change only reads the group's first rows (from its A and B pointers) and row counts for the coordinates;
-// - prepared (descs set): descs[2 group], descs[2 group + 1] from prep_load_descriptors_kernel;
-// - neither: CUTLASS's rewrite of the CTA's descriptors.
+//   group change only reads the group's first rows (RaggedStarts) and row counts for the coordinates;
+// - prepared (descs set): descs[2 group], descs[2 group + 1] from prep_load_descriptors_kernel.
 template <class Base>
 struct PreparedLoadMainloop : TakesDescriptors<Base> {
   // one group's (not StrideA and the like: the kernel reads the mainloop's to tell a grouped GEMM)
@@ -176,22 +235,25 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   using OneStrideB = typename Base::InternalStrideB;
   using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
   struct Arguments : TakesDescriptors<Base>::Arguments {
-    RaggedView ragged_a{}, ragged_b{};  // both or neither
+    RaggedView ragged_a{}, ragged_b{};     // both or neither
+    const RaggedStarts* starts = nullptr;  // with them: each group's first rows (.a, .b)
   };
   struct Params : TakesDescriptors<Base>::Params {
-    cute::TmaDescriptor ragged_a_desc, ragged_b_desc;  // valid where ragged_a.base is set
-    RaggedView ragged_a, ragged_b;
+    cute::TmaDescriptor ragged_a_desc, ragged_b_desc;  // valid where starts is set
+    const RaggedStarts* starts;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename TakesDescriptors<Base>::Params&>(p) =
         TakesDescriptors<Base>::to_underlying_arguments(problem_shape, args, workspace);
-    p.ragged_a = args.ragged_a;
-    p.ragged_b = args.ragged_b;
-    MOE8_CHECK((args.ragged_a.base == nullptr) == (args.ragged_b.base == nullptr),
-               "grouped GEMM mainloop: A and B are both ragged or neither");
-    if (args.ragged_a.base != nullptr) {
+    const bool ragged = args.ragged_a.base != nullptr;
+    MOE8_CHECK(ragged == (args.ragged_b.base != nullptr) && ragged == (args.starts != nullptr),
+               "grouped GEMM mainloop: A and B are both ragged, with their groups' first rows, or neither");
+    MOE8_CHECK(ragged != (args.descs != nullptr), "grouped GEMM mainloop: A and B are read through ragged or prepared",
+               " descriptors, one of the two (CUTLASS's own mainloop rewrites them)");
+    p.starts = args.starts;
+    if (ragged) {
       // multicast as CUTLASS's atoms: A over the cluster's CTAs along N, B along M
       p.ragged_a_desc = ragged_rows_descriptor<OneElementA, typename decltype(p.tma_load_a)::Traits, OneStrideA>(
           args.ragged_a, cute::size<1>(ClusterShape{}), "grouped GEMM mainloop: A");
@@ -202,12 +264,12 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   }
 
   // The producer warp's calls at each group change (its first tile's group included), in the kernel's order:
-  // perform_update, cp_fence_release, then, before the first load, fence_acquire.
+  // perform_update, cp_fence_release, then, before the first load, fence_acquire: only the first does anything.
   template <class Storage, class Maps, class Shape>
-  CUTLASS_DEVICE void tensormaps_perform_update(Storage& shared, Params const& params, Maps const& tensormaps,
-                                                Shape shape, int32_t next_batch) {
+  CUTLASS_DEVICE void tensormaps_perform_update(Storage&, Params const& params, Maps const&, Shape shape,
+                                                int32_t next_batch) {
     descs_ = params.descs;
-    if (params.ragged_a.base != nullptr) {
+    if (params.starts != nullptr) {
       if (ragged_a_.desc == nullptr) {  // the first group
         ragged_a_.desc = &params.ragged_a_desc;
         ragged_b_.desc = &params.ragged_b_desc;
@@ -222,39 +284,30 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
       const int32_t m = cute::get<0>(shape), n = cute::get<1>(shape), k = cute::get<2>(shape);
       ragged_a_.rows = kAColsFirst ? k : m;
       ragged_b_.rows = kBColsFirst ? k : n;
-      ragged_a_.row0 = static_cast<int32_t>(
-          (params.ptr_A[next_batch] - static_cast<const OneElementA*>(params.ragged_a.base)) / params.ragged_a.ld);
-      ragged_b_.row0 = static_cast<int32_t>(
-          (params.ptr_B[next_batch] - static_cast<const OneElementB*>(params.ragged_b.base)) / params.ragged_b.ld);
+      const RaggedStarts starts = params.starts[next_batch];
+      ragged_a_.row0 = starts.a;
+      ragged_b_.row0 = starts.b;
       return;
     }
-    if (descs_ == nullptr) return Base::tensormaps_perform_update(shared, params, tensormaps, shape, next_batch);
     group_ = next_batch;
     acquire_prepared(descs_ + 2 * group_);
     acquire_prepared(descs_ + 2 * group_ + 1);
   }
   template <class Storage, class Maps>
-  CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage& shared, Maps const& tensormaps) {
-    if (descs_ == nullptr && ragged_a_.desc == nullptr) Base::tensormaps_cp_fence_release(shared, tensormaps);
-  }
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(Storage&, Maps const&) {}
   template <class Maps>
-  CUTLASS_DEVICE void tensormaps_fence_acquire(Maps const& tensormaps) {
-    if (descs_ == nullptr && ragged_a_.desc == nullptr) Base::tensormaps_fence_acquire(tensormaps);
-  }
+  CUTLASS_DEVICE void tensormaps_fence_acquire(Maps const&) {}
 
-  // CUTLASS's load through the ragged descriptors (load_ragged), or through the group's prepared descriptors or the
-  // CTA's rewritten ones (one instantiation of CUTLASS's load for both).
+  // CUTLASS's load through the ragged descriptors (load_ragged), or through the group's prepared descriptors.
   template <class TensorA, class TensorB, class MapA, class MapB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
                            typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& inputs,
-                           cute::tuple<MapA, MapB> const& tensormaps, BlockCoord const& blk, KTileIterator k_iter,
-                           int k_count, int thread_idx, uint32_t rank, typename Base::TensorStorage& smem) {
+                           cute::tuple<MapA, MapB> const&, BlockCoord const& blk, KTileIterator k_iter, int k_count,
+                           int thread_idx, uint32_t rank, typename Base::TensorStorage& smem) {
     if (ragged_a_.desc != nullptr)
       return load_ragged(params, pipeline, state, inputs, blk, k_iter, k_count, rank, smem);
-    const bool prepared = descs_ != nullptr;
-    const cute::TmaDescriptor* a = prepared ? descs_ + 2 * group_ : cute::get<0>(tensormaps);
-    const cute::TmaDescriptor* b = prepared ? descs_ + 2 * group_ + 1 : cute::get<1>(tensormaps);
-    Base::load(params, pipeline, state, inputs, cute::make_tuple(a, b), blk, k_iter, k_count, thread_idx, rank, smem);
+    Base::load(params, pipeline, state, inputs, cute::make_tuple(descs_ + 2 * group_, descs_ + 2 * group_ + 1), blk,
+               k_iter, k_count, thread_idx, rank, smem);
   }
 
  private:
@@ -318,19 +371,12 @@ constexpr int kDescWarps = 4;  // groups a block of the prep_*_descriptors_kerne
 template <class Element, class Tma, class Stride>
 CUTLASS_DEVICE void prepare_descriptor(cute::TmaDescriptor& staged, const Tma& tma, const void* ptr, int rows, int cols,
                                        const Stride& stride, cute::TmaDescriptor* out) {
-  using namespace cute;
   if (threadIdx.x % 32 == 0) {
     staged = *tma.get_tma_descriptor();
-    tma_descriptor_replace_addr_in_shared_mem(staged, ptr);
-    cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
-    cute::array<uint64_t, 5> strides = {0, 0, 0, 0, 0};
-    Tensor t = make_tensor(static_cast<const Element*>(nullptr), make_layout(make_shape(rows, cols, Int<1>{}), stride));
-    cute::detail::fill_tma_gmem_shape_stride(tma, t, shape, strides);
-    for (uint64_t& s : strides) s = s * sizeof_bits_v<Element> / 8;  // in bytes
-    tma_descriptor_replace_dims_strides_in_shared_mem(staged, shape, strides);
+    rewrite_in_shared_mem<Element>(staged, tma, ptr, rows, cols, stride);
   }
   __syncwarp();
-  tma_descriptor_cp_fence_release(out, staged);
+  cute::tma_descriptor_cp_fence_release(out, staged);
   __syncwarp();
 }
 

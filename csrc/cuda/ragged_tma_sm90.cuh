@@ -49,6 +49,12 @@ struct RaggedViews {
   RaggedView a, b, d;
 };
 
+// A group's first row in each operand's RaggedView, written by the GEMM's prep kernel, one a group: a group change
+// reads these 16 bytes and computes nothing from the group's pointers.
+struct alignas(16) RaggedStarts {
+  int32_t a, b, d, unused;
+};
+
 // The ragged descriptor of an operand whose CuTe TMA atom is Traits (CUTLASS's own, for one group's operand of stride
 // type Stride: (rows, cols, 1) or (cols, rows, 1), the contiguous mode static 1), loaded by `multicast` CTAs of a
 // cluster (each a slice of the box's rows, as CuTe divides it): its element, box and swizzle, with the four dims
