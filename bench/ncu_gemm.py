@@ -14,6 +14,9 @@ Cases (balanced routing, 16,384 tokens):
   fwd_qwen3     Qwen3-30B-A3B up-projection forward, bf16: moe8, torch._grouped_mm, then cuBLAS on the same FLOPs
                 as one strided-batched GEMM (torch.bmm) and as one dense GEMM (torch.mm): what grouping costs
   down_qwen3    Qwen3-30B-A3B down-projection forward (K = 768), bf16: the same four as fwd_qwen3
+  swiglu_qwen3  Qwen3-30B-A3B up-projection forward with SwiGLU in the GEMM's epilogue (moe8.ops.grouped_gemm_swiglu),
+                then the two calls it replaces (the GEMM, the activation) and each alone
+  swiglu_olmoe  the same at OLMoE-1B-7B's shape (H 2048, I 1024, 64 experts, 2,048 rows an expert)
   act_dgrad_qwen3  Qwen3-30B-A3B down-projection dgrad with the routed activation backward in its epilogue
                 (moe8.fused.dgrad_activation_backward, the sm_90a fused kernel), then the plain dgrad and the
                 separate pass it replaces (activation_backward_routed)
@@ -45,6 +48,8 @@ CASES = (
     "dgrad_qwen3",
     "fwd_qwen3",
     "down_qwen3",
+    "swiglu_qwen3",
+    "swiglu_olmoe",
     "act_dgrad_qwen3",
     "gathered_qwen3",
     "gathered_wgrad_qwen3",
@@ -113,6 +118,23 @@ def calls(case: str, device) -> list:
             lambda: ops.gathered_grouped_gemm_wgrad(x, row_to_slot, K, slot_to_row, dc, offsets, 0, E),
             lambda: ops.gather_rows(x, row_to_slot, K, None, slot_to_row.view(-1)),
             lambda: ops.grouped_gemm_wgrad(rows, dc, offsets, 0, E, False),
+        ]
+    if case in ("swiglu_qwen3", "swiglu_olmoe"):  # a [131072, 2048] . w[e] [2I, 2048]^T, then SwiGLU
+        R, H, I, E = (131072, 2048, 768, 128) if case == "swiglu_qwen3" else (131072, 2048, 1024, 64)
+        a = torch.randn(R, H, device=device, dtype=torch.bfloat16)
+        w = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * H**-0.5
+        offsets = torch.arange(0, R + 1, R // E, device=device, dtype=torch.int32)
+        swiglu = (ops.ACTIVATIONS["swiglu"], False, 1.702, 7.0)
+        h = ops.grouped_gemm(a, w, offsets, 0, None)
+
+        def two_calls():
+            ops.activation(ops.grouped_gemm(a, w, offsets, 0, None), *swiglu)
+
+        return [
+            lambda: ops.grouped_gemm_swiglu(a, w, offsets),
+            two_calls,
+            lambda: ops.grouped_gemm(a, w, offsets, 0, None),
+            lambda: ops.activation(h, *swiglu),
         ]
     if case in ("fwd_qwen3", "down_qwen3"):  # a [131072, K] . w[e] [N, K]^T, 1,024 rows an expert
         R, H, N, E = (131072, 2048, 1536, 128) if case == "fwd_qwen3" else (131072, 768, 2048, 128)

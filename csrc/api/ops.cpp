@@ -335,6 +335,31 @@ bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, i
   return true;
 }
 
+bool grouped_gemm_swiglu(const TensorView& a, const TensorView& b, const TensorView& offsets, const TensorView& h,
+                         const TensorView& act, intptr_t stream, bool check_indices, const TensorView& workspace) {
+  check_float_matrix("a", a);
+  const int64_t R = a.size(0), Kd = a.size(1);
+  const int64_t E = check_expert_weights("b", b, offsets, WeightLayout::kNK, -1, Kd, "a", a);
+  check_same_dtype("b", b, "a", a);
+  const int64_t N = b.size(1);
+  MOE8_CHECK(N % 2 == 0, "b: SwiGLU expects an even 2I, got shape [", E, ", ", N, ", ", Kd, "]");
+  check_tensor("h", h, "a", a);
+  check_same_dtype("h", h, "a", a);
+  check_shape("h", h, {R, N});
+  check_tensor("act", act, "a", a);
+  check_same_dtype("act", act, "a", a);
+  check_shape("act", act, {R, N / 2});
+  if (checks_values(check_indices, offsets)) check_offsets(offsets, R, stream);
+  if (!on_cuda(a, "grouped_gemm_swiglu")) {
+    cpu::grouped_gemm(a, b, offsets, WeightLayout::kNK, TensorView{}, h);
+    cpu::activation_forward(h, ActParams{}, act);
+    return true;
+  }
+  if (!usable_workspace(workspace, a, E) || !cuda::grouped_gemm_swiglu_sm90_supported(a, b, N)) return false;
+  cuda::grouped_gemm_swiglu_sm90(a, b, offsets, h, act, workspace.data, workspace.numel(), as_ptr(stream));
+  return true;
+}
+
 bool gathered_grouped_gemm_wgrad(const TensorView& x, const TensorView& row_to_slot, int top_k, const TensorView& dc,
                                  const TensorView& offsets, WeightLayout layout, const TensorView& db, intptr_t stream,
                                  bool check_indices, const TensorView& workspace) {

@@ -71,6 +71,15 @@ bool gathered_grouped_gemm(const TensorView& x, const TensorView& row_to_slot, i
                            const TensorView& offsets, WeightLayout layout, const TensorView& c, intptr_t stream,
                            bool check_indices = true, const TensorView& workspace = TensorView{});
 
+// The up projection's forward and its SwiGLU: h = grouped_gemm(a, b, offsets, kNK) [R, 2I] and act =
+// activation_forward(h, SwiGLU with h as [gate | up]) [R, I], a [R, Kd], b [E, 2I, Kd], no bias. On the CPU the
+// reference runs both; on a GPU the sm_90a kernel that computes act in the GEMM's epilogue where it applies (bfloat16,
+// I a multiple of 128, `workspace`; the same bits as the two calls), and otherwise nothing runs and false is returned
+// (the caller makes the two calls). Returns whether h and act were written.
+bool grouped_gemm_swiglu(const TensorView& a, const TensorView& b, const TensorView& offsets, const TensorView& h,
+                         const TensorView& act, intptr_t stream, bool check_indices = true,
+                         const TensorView& workspace = TensorView{});
+
 // db = grouped_gemm_wgrad(permute(x, row_to_slot), dc, offsets, layout) without the permuted rows: the sm_90a
 // kernel reads them from x inside the GEMM where it applies (a GPU, bfloat16, kNK, `workspace`). Checks as
 // gathered_grouped_gemm with dc [R, N] and db the weight's shape; where no kernel applies (the CPU among them)

@@ -185,6 +185,14 @@ NB_MODULE(_C, m) {
       nb::arg("x"), nb::arg("row_to_slot"), nb::arg("top_k"), nb::arg("b"), nb::arg("offsets"), nb::arg("layout"),
       nb::arg("c"), nb::arg("stream") = 0, nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
   m.def(
+      "grouped_gemm_swiglu",
+      [](Array a, Array b, Array offsets, Array h, Array act, intptr_t stream, bool check_indices, OptArray workspace) {
+        return moe8::api::grouped_gemm_swiglu(V(a), V(b), V(offsets), V(h), V(act), stream, check_indices,
+                                              V(workspace));
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("offsets"), nb::arg("h"), nb::arg("act"), nb::arg("stream") = 0,
+      nb::arg("check_indices") = true, nb::arg("workspace").none() = nb::none());
+  m.def(
       "gathered_grouped_gemm_wgrad",
       [](Array x, Array row_to_slot, int top_k, Array dc, Array offsets, int layout, Array db, intptr_t stream,
          bool check_indices, OptArray workspace) {

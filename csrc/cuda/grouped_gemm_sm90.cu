@@ -49,6 +49,9 @@ size_t grouped_gemm_sm90_workspace_bytes(int num_experts, int64_t, int64_t, int6
       bytes = std::max(bytes, rows_and_wgrad(TileLargeM2{}, TileThin{}, TilePong128{}, TileTall{}, TileLargeEpi64{},
                                              TileLargeSoloEpi64{}));
       bytes = std::max(
+          bytes, sm90_util::max_workspace_bytes<typename FwdSwiGLUGemm<T, TileLargeEpi64>::Gemm,
+                                                typename FwdSwiGLUGemm<T, TileLargeSoloEpi64>::Gemm>(num_experts, sms));
+      bytes = std::max(
           bytes,
           sm90_util::max_workspace_bytes<typename GatheredFwdGemm<T>::Gemm, typename GatheredFwdGemmTwoWarps<T>::Gemm,
                                          typename GatheredWgradGemm<T>::Gemm>(num_experts, sms));
@@ -109,6 +112,59 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
     else
       launch_tile<DgradGemm, T>(tile, prepared.any(), launch);
   });
+}
+
+namespace {
+// Rows [offsets[E], R) of act [R, I] zeroed (what activation_forward makes of h's zeroed rows there).
+__global__ void __launch_bounds__(sm90_util::kPrepThreads)
+    zero_act_tail_kernel(const int32_t* __restrict__ offsets, int groups, int64_t rows, void* act,
+                         int64_t row_vectors) {
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  sm90_util::zero_rows_past_groups(offsets, groups, rows, act, row_vectors, tid,
+                                   static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+}  // namespace
+
+bool grouped_gemm_swiglu_sm90_supported(const TensorView& a, const TensorView& b, int64_t n) {
+  return a.present && a.dtype == DType::kBF16 && n % (2 * sm90::kPairedCols) == 0 &&
+         grouped_gemm_sm90_supported(a, b, WeightLayout::kNK, n);
+}
+
+void grouped_gemm_swiglu_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, const TensorView& h,
+                              const TensorView& act, void* workspace, size_t workspace_bytes, void* stream) {
+  using namespace sm90;
+  const char* what = "grouped_gemm_swiglu_sm90";
+  const int groups = static_cast<int>(offsets.shape[0] - 1);
+  const int64_t rows = a.shape[0], kd = a.shape[1], n = h.shape[1];
+  MOE8_CHECK(h.dtype == DType::kBF16 && act.dtype == DType::kBF16 && h.shape[0] == rows && act.shape[0] == rows &&
+                 2 * act.shape[1] == n && n % (2 * kPairedCols) == 0,
+             what, ": expected bfloat16 h [R, 2I] and act [R, I] with I a multiple of ", kPairedCols, ", got h [",
+             h.shape[0], ", ", n, "] and act [", act.shape[0], ", ", act.shape[1], "] for ", rows, " rows");
+  MOE8_CHECK(reinterpret_cast<uintptr_t>(h.data) % 16 == 0 && reinterpret_cast<uintptr_t>(act.data) % 16 == 0, what,
+             ": h and act must be 16-byte aligned");
+  const Checked ck = check_call(what, a, groups, workspace, workspace_bytes);
+  cudaStream_t s = as_stream(stream);
+  using T = cutlass::bfloat16_t;
+  // h = the forward's c; b's rows [E * 2I, Kd]
+  const RaggedViews ragged{{a.data, rows, kd, kd}, {b.data, groups * n, kd, kd}, {h.data, rows, n, n}};
+  heuristics::Prepared prepared;
+  prepared.ragged = prepared.ragged_loads = true;
+  auto launch = [&](auto g) {
+    using G = decltype(g);
+    prep_rows_kernel<G><<<prep_blocks(groups, rows * n / 8, ck.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, n, kd, kd, a.data, b.data, h.data, ck.w);
+    check_launch("grouped_gemm_swiglu_sm90: prep_rows_kernel");
+    zero_act_tail_kernel<<<prep_blocks(groups, rows * n / 16, ck.sms), kPrepThreads, 0, s>>>(
+        offsets.ptr<int32_t>(), groups, rows, act.data, n / 16 /* I bf16 in 16-byte vectors */);
+    check_launch("grouped_gemm_swiglu_sm90: zero_act_tail_kernel");
+    if (groups > 0 && rows > 0)
+      run_cutlass<G>(ck.w, groups, ck.device, ck.sms, heuristics::rows_schedule(n, rows, groups), s, nullptr, nullptr,
+                     prepared, ragged, act.data);
+  };
+  if (heuristics::odd_large_tiles(n))
+    launch(FwdSwiGLUGemm<T, TileLargeSoloEpi64>{});
+  else
+    launch(FwdSwiGLUGemm<T, TileLargeEpi64>{});
 }
 
 namespace {
@@ -245,6 +301,13 @@ bool grouped_gemm_sm90_routing_balanced(const TensorView&, void*) { return false
 bool grouped_gemm_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
 
 bool grouped_gemm_gathered_sm90_supported(const TensorView&, const TensorView&, WeightLayout, int64_t) { return false; }
+
+bool grouped_gemm_swiglu_sm90_supported(const TensorView&, const TensorView&, int64_t) { return false; }
+
+void grouped_gemm_swiglu_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                              const TensorView&, void*, size_t, void*) {
+  fail("grouped_gemm_swiglu_sm90: moe8 was built without CUTLASS (MOE8_WITH_CUTLASS)");
+}
 
 void grouped_gemm_gathered_sm90(const TensorView&, const TensorView&, int, const TensorView&, const TensorView&,
                                 const TensorView&, void*, size_t, void*) {

@@ -37,6 +37,17 @@ void grouped_gemm_sm90(const TensorView& a, const TensorView& b, const TensorVie
 void grouped_gemm_wgrad_sm90(const TensorView& a, const TensorView& dc, const TensorView& offsets, const TensorView& db,
                              void* workspace, size_t workspace_bytes, void* stream);
 
+// Whether grouped_gemm_swiglu_sm90 can run: as grouped_gemm_sm90_supported for b [E, 2I, Kd] (kNK, n = 2I), a and b
+// bfloat16, and I a multiple of 128.
+bool grouped_gemm_swiglu_sm90_supported(const TensorView& a, const TensorView& b, int64_t n);
+
+// The up projection's forward with SwiGLU in its epilogue: h[r] = a[r] · b[e]^T (as grouped_gemm_sm90, kNK: the same
+// bits) and act[r] = SwiGLU(h[r]) with h as [gate | up] (as activation_forward of that h: the same bits), in one
+// kernel that never reads h back. a [R, Kd], b [E, 2I, Kd], h [R, 2I], act [R, I], all bfloat16; rows of h and act
+// past offsets[E] are zeroed. Each 128x256 tile computes 128 gate and the matching 128 up columns.
+void grouped_gemm_swiglu_sm90(const TensorView& a, const TensorView& b, const TensorView& offsets, const TensorView& h,
+                              const TensorView& act, void* workspace, size_t workspace_bytes, void* stream);
+
 // Whether grouped_gemm_gathered_sm90 can run: as grouped_gemm_sm90_supported for x as a, b [E, N, Kd] (kNK),
 // bfloat16, and x's elements (tokens x Kd) fewer than 2^32 - 1.
 bool grouped_gemm_gathered_sm90_supported(const TensorView& x, const TensorView& b, WeightLayout layout, int64_t n);

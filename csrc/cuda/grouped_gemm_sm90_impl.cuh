@@ -92,8 +92,11 @@ struct EpilogueTileOf<Config, std::void_t<typename Config::EpilogueTile>> {
 // change; which of them it does is run_cutlass's `prepared`.
 // NOTES: C is void and the fusion's source is void, so the epilogue never reads C; with a non-void C
 // and beta = 0 it would still compute 0 * (unloaded C registers).
+// kSwiGLU (with kPrepared; ragged descriptors): the up projection's forward with SwiGLU in its epilogue
+// (PreparedLoadMainloop's paired B rows, PreparedStoreEpilogue's act output).
 template <class T, class LayoutA, class LayoutB, class Config,
-          class Fusion = cutlass::epilogue::fusion::LinearCombination<T, float, void>, bool kPrepared = false>
+          class Fusion = cutlass::epilogue::fusion::LinearCombination<T, float, void>, bool kPrepared = false,
+          bool kSwiGLU = false>
 struct GroupedGemm {
   using Element = T;
   using Tiles = Config;
@@ -107,7 +110,7 @@ struct GroupedGemm {
       void, LayoutD*, kAlign,                               // C: none
       T, LayoutD*, kAlign,                                  // D
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
-  using Epilogue = std::conditional_t<kPrepared, PreparedStoreEpilogue<CutlassEpilogue>, CutlassEpilogue>;
+  using Epilogue = std::conditional_t<kPrepared, PreparedStoreEpilogue<CutlassEpilogue, kSwiGLU>, CutlassEpilogue>;
   // The same GEMM with its descriptors prepared (heuristics::prepared).
   using WithPreparedDescriptors = GroupedGemm<T, LayoutA, LayoutB, Config, Fusion, true>;
 
@@ -118,7 +121,7 @@ struct GroupedGemm {
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<kPrepared, PreparedLoadMainloop<CutlassMainloop>, CutlassMainloop>;
+  using Mainloop = std::conditional_t<kPrepared, PreparedLoadMainloop<CutlassMainloop, kSwiGLU>, CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -130,6 +133,11 @@ struct GroupedGemm {
 // The three kinds, in CUTLASS's (M, N, K) terms.
 template <class T, class Config>  // a [M, K] row-major · (b[e] [N, K] row-major)^T
 using FwdGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config>;
+// The up projection's forward with SwiGLU in the epilogue: h = a · gate_up[e]^T [M, 2I] and act = SwiGLU(h) [M, I]
+// (grouped_gemm_swiglu_sm90); the 128x64-subtile 128x256 tiles, ragged descriptors.
+template <class T, class Config>
+using FwdSwiGLUGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config,
+                                  cutlass::epilogue::fusion::LinearCombination<T, float, void>, true, true>;
 template <class T, class Config>  // a [M, K] row-major · b[e] [K, N] row-major
 using DgradGemm = GroupedGemm<T, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config>;
 // M = N, N = Kd, K = rows: A = dc^T (M-major, ld N), B = a (N-major, ld Kd). Never the 64x128 small tile
@@ -268,11 +276,12 @@ struct takes_gather_source<A, std::void_t<decltype(std::declval<A&>().mainloop.s
 // gathered: where a gathered-rows mainloop (GatheredFwdGemm) reads its rows from; fusion: the epilogue
 // visitor's arguments (nullptr: D = the accumulators); prepared: which of a kPrepared GEMM's descriptors it takes
 // from prepare_descriptors (the others CUTLASS rewrites in the kernel), or with prepared.ragged (D) and
-// prepared.ragged_loads (A and B), one ragged descriptor each for every group, over `ragged`'s rows.
+// prepared.ragged_loads (A and B), one ragged descriptor each for every group, over `ragged`'s rows; act: a
+// FwdSwiGLUGemm's SwiGLU output [R, I] (D, ragged.d, is h [R, 2I]).
 template <class G, class FusionArgs = std::nullptr_t>
 void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristics::Schedule schedule,
                  cudaStream_t stream, const GatherSource* gathered = nullptr, FusionArgs fusion = nullptr,
-                 heuristics::Prepared prepared = {}, const RaggedViews& ragged = {}) {
+                 heuristics::Prepared prepared = {}, const RaggedViews& ragged = {}, void* act = nullptr) {
   using Gemm = typename G::Gemm;
   using T = typename G::Element;
   cutlass::KernelHardwareInfo hw;
@@ -303,6 +312,12 @@ void run_cutlass(const GroupArrays& w, int groups, int device, int sms, heuristi
       args.mainloop.ragged_a = ragged.a;
       args.mainloop.ragged_b = ragged.b;
       args.mainloop.starts = w.starts;
+    }
+    if (act != nullptr) {  // FwdSwiGLUGemm: D is h [R, 2I], act [R, I]
+      const auto half = static_cast<int32_t>(ragged.d.cols / 2);
+      args.epilogue.act = static_cast<T*>(act);
+      args.epilogue.half = half;
+      args.mainloop.half = half;
     }
   }
   args.hw_info = hw;

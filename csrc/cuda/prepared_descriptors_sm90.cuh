@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/activation.cuh"
 #include "cuda/ragged_tma_sm90.cuh"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
@@ -115,7 +116,11 @@ struct TakesDescriptors : Base {
 //   only reads the group's first row (from its D pointer) for the stores' coordinates;
 // - prepared (descs set): descs[group] from prep_store_descriptors_kernel, acquired at a group change;
 // - neither: the CTA's descriptor rewritten as CUTLASS's epilogue rewrites it (rewrite_in_shared_mem).
-template <class Base>
+// kSwiGLU (ragged only): D is an up projection's h = [gate | up] [R, 2I] whose 256-wide tile n holds gate columns
+// [128 n, 128 n + 128) and up columns [I + 128 n, ...) (PreparedLoadMainloop<..., true> loads B so); the store puts
+// each half in its place (paired_col) and each thread writes SwiGLU(gate, up) of its accumulators to act [R, I]
+// (store_swiglu).
+template <class Base, bool kSwiGLU = false>
 struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   using Cutlass = WithRaggedStore<Base>;
   using typename Cutlass::TensorStorage;
@@ -123,10 +128,14 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   struct Arguments : TakesDescriptors<Cutlass>::Arguments {
     RaggedView ragged{};
     const RaggedStarts* starts = nullptr;  // with ragged: each group's first row (.d)
+    ElementD* act = nullptr;               // kSwiGLU: [R, half]
+    int32_t half = 0;                      // kSwiGLU: I
   };
   struct Params : TakesDescriptors<Cutlass>::Params {
     cute::TmaDescriptor ragged_desc;  // valid where ragged.base is set
     const RaggedStarts* starts;
+    ElementD* act;
+    int32_t half;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
@@ -140,6 +149,12 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
       p.ragged_desc =
           ragged_rows_descriptor<ElementD, typename decltype(p.tma_store_d)::Traits, typename Cutlass::InternalStrideD>(
               args.ragged, 1, "grouped GEMM epilogue: D");
+    p.act = args.act;
+    p.half = args.half;
+    MOE8_CHECK(!kSwiGLU || (args.ragged.base != nullptr && args.act != nullptr && args.half > 0 &&
+                            args.half % kPairedCols == 0 && args.ragged.cols == 2 * int64_t(args.half)),
+               "grouped GEMM epilogue: SwiGLU in the epilogue needs a ragged h of 2 I columns, I a multiple of ",
+               kPairedCols, ", and its output");
     return p;
   }
 
@@ -148,7 +163,9 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
         descs_(params.descs),
         acquire_at_store_(params.acquire_at_store),
         ragged_(params.starts != nullptr ? &params.ragged_desc : nullptr),
-        starts_(params.starts) {}
+        starts_(params.starts),
+        act_(params.act),
+        half_(params.half) {}
 
   // The kernel calls these for D (IsLoad false) when a consumer warpgroup's next tile is in another group, from its
   // first warp (the one whose elected lane issues the TMA stores), before that tile's mainloop. With
@@ -198,7 +215,10 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
                             TiledMma tiled_mma, int thread_idx, TensorStorage& shared, TensorMap const& tensormap,
                             int subtile_idx = -1) {
     RaggedRows target{tensormap, 0, -1};
-    if (ragged_ != nullptr) {
+    if constexpr (kSwiGLU) {
+      store_swiglu(problem_shape, tile_shape, tile_coord, accumulators, tiled_mma, thread_idx);
+      target = {ragged_, row0_, static_cast<int32_t>(cute::get<0>(problem_shape)), half_};
+    } else if (ragged_ != nullptr) {
       target = {ragged_, row0_, static_cast<int32_t>(cute::get<0>(problem_shape))};
     } else if (descs_ != nullptr) {
       const int group = static_cast<int>(cute::get<3>(tile_coord));
@@ -213,12 +233,51 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
   }
 
  private:
+  // act[r, 128 n + j] = SwiGLU(bf16(gate), bf16(up)) for the tile's rows r and its gate column j < 128, from this
+  // thread's accumulators, as activation_forward computes it from h (the same bits). In the wgmma accumulator layout
+  // (m64n256, the cooperative tile's warpgroup) a thread's element i + size / 2 is element i's row, 128 columns on,
+  // and elements 2q, 2q + 1 are one row's adjacent columns: one 32-bit store a pair.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma>
+  CUTLASS_DEVICE void store_swiglu(ProblemShapeMNKL problem_shape, TileShapeMNK tile_shape, TileCoordMNKL tile_coord,
+                                   cute::Tensor<AccEngine, AccLayout> const& acc, TiledMma tiled_mma, int thread_idx) {
+    using namespace cute;
+    static_assert(size<1>(TileShapeMNK{}) == 2 * kPairedCols, "a tile of 128 gate and 128 up columns");
+    constexpr int kElems = decltype(size(acc))::value, kHalf = kElems / 2;
+    static_assert(kElems % 4 == 0, "pairs of columns in both halves");
+    const int group = static_cast<int>(get<3>(tile_coord));
+    const int64_t row0 = starts_[group].d;
+    const int rows = static_cast<int>(get<0>(problem_shape));
+    const int m0 = static_cast<int>(get<0>(tile_coord)) * size<0>(tile_shape);
+    ElementD* out = act_ + static_cast<int64_t>(get<1>(tile_coord)) * kPairedCols;
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(tile_shape)));
+    ActParams swiglu;
+    swiglu.kind = ActKind::kSwiGLU;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const int m = m0 + static_cast<int>(get<0>(coords(i))), j = static_cast<int>(get<1>(coords(i)));
+      float v[2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < 2; ++t)
+        v[t] = act_forward(swiglu, static_cast<float>(ElementD(acc(i + t))),
+                           static_cast<float>(ElementD(acc(i + t + kHalf))));
+      if (m < rows) {
+        cutlass::Array<ElementD, 2> pair;
+        pair[0] = ElementD(v[0]);
+        pair[1] = ElementD(v[1]);
+        *reinterpret_cast<cutlass::Array<ElementD, 2>*>(out + (row0 + m) * half_ + j) = pair;
+      }
+    }
+  }
+
   const cute::TmaDescriptor* descs_;
   bool acquire_at_store_;
   int acquired_ = -1;                  // the group whose descriptor this thread last acquired (acquire_at_store)
   const cute::TmaDescriptor* ragged_;  // the ragged descriptor (in the kernel's parameters) or null
   const RaggedStarts* starts_;         // with ragged_: each group's first rows
-  int32_t row0_ = -1;                  // the current group's first row of D (ragged; the hook's warp only)
+  ElementD* act_;                      // kSwiGLU
+  int32_t half_;
+  int32_t row0_ = -1;  // the current group's first row of D (ragged; the hook's warp only)
 };
 
 // Base: CUTLASS's CollectiveMma<MainloopSm90ArrayTmaGmmaWarpSpecialized...> (A and B both by TMA). A and B are read
@@ -226,7 +285,10 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
 // - ragged (Arguments::ragged_a and ragged_b set): one descriptor each for every group, made on the host per call; a
 //   group change only reads the group's first rows (RaggedStarts) and row counts for the coordinates;
 // - prepared (descs set): descs[2 group], descs[2 group + 1] from prep_load_descriptors_kernel.
-template <class Base>
+// kPairedB (ragged only; the forward of an up projection, B = its [gate | up] weight rows, 2 I of them a group): the
+// 256-row B tile n is loaded as gate rows [128 n, 128 n + 128) and up rows [I + 128 n, ...), two boxes of 128 rows,
+// so that the tile's output columns pair each gate column with its up column (PreparedStoreEpilogue<..., true>).
+template <class Base, bool kPairedB = false>
 struct PreparedLoadMainloop : TakesDescriptors<Base> {
   // one group's (not StrideA and the like: the kernel reads the mainloop's to tell a grouped GEMM)
   using OneElementA = typename Base::InternalElementA;
@@ -237,10 +299,12 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
   struct Arguments : TakesDescriptors<Base>::Arguments {
     RaggedView ragged_a{}, ragged_b{};     // both or neither
     const RaggedStarts* starts = nullptr;  // with them: each group's first rows (.a, .b)
+    int32_t half = 0;                      // kPairedB: I
   };
   struct Params : TakesDescriptors<Base>::Params {
-    cute::TmaDescriptor ragged_a_desc, ragged_b_desc;  // valid where starts is set
+    cute::TmaDescriptor ragged_a_desc, ragged_b_desc;  // valid where starts is set (kPairedB: B's box 128 rows)
     const RaggedStarts* starts;
+    int32_t half;
   };
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
@@ -258,8 +322,12 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
       p.ragged_a_desc = ragged_rows_descriptor<OneElementA, typename decltype(p.tma_load_a)::Traits, OneStrideA>(
           args.ragged_a, cute::size<1>(ClusterShape{}), "grouped GEMM mainloop: A");
       p.ragged_b_desc = ragged_rows_descriptor<OneElementB, typename decltype(p.tma_load_b)::Traits, OneStrideB>(
-          args.ragged_b, cute::size<0>(ClusterShape{}), "grouped GEMM mainloop: B");
+          args.ragged_b, cute::size<0>(ClusterShape{}) * (kPairedB ? 2 : 1), "grouped GEMM mainloop: B");
     }
+    p.half = args.half;
+    MOE8_CHECK(!kPairedB || (ragged && args.half > 0 && args.half % kPairedCols == 0),
+               "grouped GEMM mainloop: paired gate and up rows need ragged descriptors and I a multiple of ",
+               kPairedCols);
     return p;
   }
 
@@ -345,9 +413,35 @@ struct PreparedLoadMainloop : TakesDescriptors<Base> {
       uint64_t* barrier = pipeline.producer_get_barrier(write);
       const int stage = write.index();
       copy(LoadA::make(ragged_a_, *barrier, mask_a), tAgA(_, _, _, *k_iter), tAsA(_, _, _, stage));
-      copy(LoadB::make(ragged_b_, *barrier, mask_b), tBgB(_, _, _, *k_iter), tBsB(_, _, _, stage));
+      if constexpr (kPairedB)
+        load_paired_b(params.half, static_cast<int32_t>(n), static_cast<int32_t>(*k_iter), *barrier, smem, stage);
+      else
+        copy(LoadB::make(ragged_b_, *barrier, mask_b), tBgB(_, _, _, *k_iter), tBsB(_, _, _, stage));
       ++k_iter;
       ++write;
+    }
+  }
+
+  // kPairedB: B's tile n for k-block k into the stage: its gate rows, then its up rows (the stage's rows 128-255
+  // start 128 rows of 128-byte swizzle atoms in: 16 KB, aligned as a TMA box needs). The two boxes carry the stage's
+  // B bytes that the pipeline's barrier expects.
+  CUTLASS_DEVICE void load_paired_b(int32_t half, int32_t n, int32_t k, uint64_t& barrier,
+                                    typename Base::TensorStorage& smem, int stage) {
+    using namespace cute;
+    using TileShape = typename Base::TileShape;
+    static_assert(size<1>(TileShape{}) == 2 * kPairedCols && size<0>(ClusterShape{}) == 1,
+                  "a 256-row B tile, not multicast along M");
+    constexpr int kRowElems = size<2>(TileShape{});  // K-major: one row of the box
+    static_assert(cosize_v<typename Base::SmemLayoutB> ==
+                      size<1>(TileShape{}) * kRowElems * size<2>(typename Base::SmemLayoutB{}),
+                  "B's stages packed one after another");
+    auto* stage_b = smem.smem_B.data() + stage * size<1>(TileShape{}) * kRowElems;
+    constexpr uint64_t kHint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const RaggedCoords c(ragged_b_, k * kRowElems, (h == 0 ? 0 : half) + n * kPairedCols);
+      SM90_TMA_LOAD_4D::copy(ragged_b_.desc, &barrier, kHint, stage_b + h * kPairedCols * kRowElems, c.col, c.row,
+                             c.end, c.bound);
     }
   }
 

@@ -31,12 +31,22 @@ constexpr uint64_t kRaggedSpan = 0x7fff0000u;  // d2, d3: larger than any coordi
 constexpr uint64_t kRaggedWrap = 1ull << 34;   // d3's stride in bytes is this minus ld: 2^30 * 2^34 = 2^64
 
 // What a TMA copy goes to: a group's rows through a ragged descriptor (rows >= 0), or through a descriptor of the
-// group's own (rows < 0: the copy's coordinates are used as they are).
+// group's own (rows < 0: the copy's coordinates are used as they are). half > 0 (stores only): the 256-wide tiles
+// along the columns hold gate and up halves (paired_col).
 struct RaggedRows {
   const cute::TmaDescriptor* desc;
   int32_t row0;
   int32_t rows;
+  int32_t half = 0;
 };
+
+// The columns of a [gate | up] output (2 x half wide) whose 256-wide tile n holds gate columns [128 n, 128 n + 128)
+// and then up columns [half + 128 n, ...): where the tile's column c goes (a store's box lies within one half).
+constexpr int32_t kPairedCols = 128;
+CUTE_HOST_DEVICE constexpr int32_t paired_col(int32_t c, int32_t half) {
+  const int32_t n = c / (2 * kPairedCols), j = c % (2 * kPairedCols);
+  return j < kPairedCols ? n * kPairedCols + j : half + n * kPairedCols + j - kPairedCols;
+}
 
 // An operand's rows (all groups' stacked, each `cols` elements, ld apart) for a ragged descriptor; base null: none.
 struct RaggedView {
@@ -171,7 +181,8 @@ struct Copy_Traits<Moe8RaggedTmaStoreTo, NumBitsPerTMA> {
     void const* const src_ptr = cute::raw_pointer_cast(src.data());
     auto coord = dst.data().coord_;
     if (t.rows >= 0) {
-      const moe8::cuda::sm90::RaggedCoords c(t, static_cast<int32_t>(get<0>(coord)),
+      const int32_t col = static_cast<int32_t>(get<0>(coord));
+      const moe8::cuda::sm90::RaggedCoords c(t, t.half > 0 ? moe8::cuda::sm90::paired_col(col, t.half) : col,
                                              static_cast<int32_t>(get<1>(coord)));
       SM90_TMA_STORE_4D::copy(t.desc, src_ptr, c.col, c.row, c.end, c.bound);
     } else {

@@ -124,6 +124,11 @@ void grouped_gemm_gathered_sm90(const TensorView&, const TensorView&, int, const
                                 const TensorView&, void*, size_t, void*) {
   fail_without_cuda("grouped_gemm_gathered_sm90");
 }
+bool grouped_gemm_swiglu_sm90_supported(const TensorView&, const TensorView&, int64_t) { return false; }
+void grouped_gemm_swiglu_sm90(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                              const TensorView&, void*, size_t, void*) {
+  fail_without_cuda("grouped_gemm_swiglu_sm90");
+}
 bool grouped_gemm_wgrad_gathered_sm90_supported(const TensorView&, const TensorView&, const TensorView&) {
   return false;
 }

@@ -266,6 +266,32 @@ def _(x, row_to_slot, k, slot_to_row, b, offsets, layout):
     return x.new_empty(row_to_slot.shape[0], b.shape[1] if layout == 0 else b.shape[2])
 
 
+@torch.library.custom_op("moe8::grouped_gemm_swiglu", mutates_args=())
+def grouped_gemm_swiglu(a: Tensor, b: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """(h, act) = (grouped_gemm(a, b, offsets, 0, None), activation(h, swiglu)): the up projection's forward, b
+    [E, 2I, K] with h as [gate | up], and its SwiGLU, in one kernel where one does that (the sm_90a bf16 forward with
+    SwiGLU in the GEMM's epilogue, I a multiple of 128), else as the two calls (the same bits either way): a [R, K]
+    -> h [R, 2I], act [R, I]. No autograd of its own."""
+    _c.tensor("a", a, 2, "[R, K]")
+    _c.tensor("b", b, 3, "[E, 2I, K]")
+    _c.one_device(("a", a), ("b", b), ("offsets", offsets))
+    if b.shape[1] % 2:
+        raise ValueError(f"b: SwiGLU expects an even 2I, got shape {list(b.shape)}")
+    h = a.new_empty(a.shape[0], b.shape[1])
+    act = a.new_empty(a.shape[0], b.shape[1] // 2)
+    ws = sm90_workspace(a, b.shape[0])
+    if _C.grouped_gemm_swiglu(a, b, offsets, h, act, _stream(a), False, ws):
+        return h, act
+    _C.grouped_gemm(a, b, offsets, 0, None, h, _stream(a), False, ws)
+    _C.activation_forward(h, ACTIVATIONS["swiglu"], False, 1.702, 7.0, act, _stream(a))
+    return h, act
+
+
+@grouped_gemm_swiglu.register_fake
+def _(a, b, offsets):
+    return a.new_empty(a.shape[0], b.shape[1]), a.new_empty(a.shape[0], b.shape[1] // 2)
+
+
 @torch.library.custom_op("moe8::gathered_grouped_gemm_wgrad", mutates_args=())
 def gathered_grouped_gemm_wgrad(
     x: Tensor,

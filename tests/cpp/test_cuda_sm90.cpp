@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "cuda/grouped_gemm_sm90.h"
+#include "cuda/ops.h"
 #include "test_cuda_util.h"
 
 namespace moe8::test {
@@ -461,6 +462,38 @@ TEST_F(Sm90Test, PreparedDescriptorsGiveTheSameBits) {
     }
   }
   set_override("MOE8_SM90_TILE", nullptr);
+}
+
+// The up projection's forward with SwiGLU in its epilogue (grouped_gemm_swiglu_sm90): h is the plain forward's bits
+// and act activation_forward's of that h, with three 256-wide tiles along 2I (no cluster) and four (CTAs paired),
+// ragged groups with empty ones and rows past offsets[E] (zeros in both).
+TEST_F(Sm90Test, SwiGLUEpilogueGivesTheSameBits) {
+  auto first_difference = [](const Bits& got, const Bits& want) {
+    for (size_t i = 0; i < want.size(); ++i)
+      if (got[i] != want[i]) return static_cast<int64_t>(i);
+    return int64_t{-1};
+  };
+  for (int64_t n : {768, 1024}) {
+    SCOPED_TRACE("2I " + std::to_string(n));
+    Problem p({200, 0, 300, 129, 5, 513, 160, 1}, 7, n, 384, 97700 + n);
+    DeviceProblem d(p);
+    const int64_t I = n / 2;
+    const Bits h_ref = d.forward(WeightLayout::kNK);
+    auto h_ref_dev = upload(h_ref.data(), h_ref.size() * 2);
+    auto act_ref_dev = poisoned(p.R * I * 2);
+    cuda::activation_forward(dview(*h_ref_dev, p.dt, {p.R, n}), ActParams{}, dview(*act_ref_dev, p.dt, {p.R, I}),
+                             nullptr);
+    const Bits act_ref = download(*act_ref_dev, p.R * I);
+    ASSERT_TRUE(cuda::grouped_gemm_swiglu_sm90_supported(d.av(), d.bv(WeightLayout::kNK), n));
+    auto h = poisoned(p.R * n * 2);
+    auto act = poisoned(p.R * I * 2);
+    cuda::grouped_gemm_swiglu_sm90(d.av(), d.bv(WeightLayout::kNK), d.offv(), dview(*h, p.dt, {p.R, n}),
+                                   dview(*act, p.dt, {p.R, I}), d.ws->get(), d.ws_bytes, nullptr);
+    const Bits h_got = download(*h, p.R * n), act_got = download(*act, p.R * I);
+    const int64_t bad_h = first_difference(h_got, h_ref), bad_act = first_difference(act_got, act_ref);
+    EXPECT_EQ(bad_h, -1) << "h differs first at row " << bad_h / n << " col " << bad_h % n;
+    EXPECT_EQ(bad_act, -1) << "act differs first at row " << bad_act / I << " col " << bad_act % I;
+  }
 }
 
 // The scheduler's tile order (MOE8_SM90_RASTER, MOE8_SM90_SWIZZLE; sm90_util::apply_schedule) moves only

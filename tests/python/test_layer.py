@@ -231,6 +231,7 @@ def test_opcheck():
             (torch.randn(24, 8), torch.randn(24, 2), torch.randn(4, 8, 2), offsets, 0),
         ),
         (moe8.ops.gathered_grouped_gemm, (x, r2s, 2, s2r, b, offsets, 0)),
+        (moe8.ops.grouped_gemm_swiglu, (torch.randn(24, 8), torch.randn(4, 6, 8), offsets)),
         (
             moe8.fused._gathered_linear,
             (x, b, None, None, None, offsets, 0, None, -1, r2s, 2, s2r, True),
@@ -432,6 +433,31 @@ def test_gathered_grouped_gemm_is_the_gemm_of_the_permuted_rows(device, T, H, N,
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     exact = torch.cat([(rows[offsets[e] : offsets[e + 1]].double() @ w[e].double().t()) for e in range(E)])
     torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "R, H, I, E", [(37, 72, 68, 5), (700, 128, 256, 6), (1500, 256, 384, 4), (0, 64, 128, 3)]
+)
+def test_grouped_gemm_swiglu_is_the_gemm_then_the_activation(device, R, H, I, E):
+    """ops.grouped_gemm_swiglu (on a Hopper GPU with I a multiple of 128 the sm_90a kernel with SwiGLU in the
+    GEMM's epilogue; elsewhere the two calls) against grouped_gemm then activation: the same bits for h and act,
+    rows past offsets[E] zero, ragged groups with an empty one; the wrong b raises naming it."""
+    g = torch.Generator().manual_seed(R + I)
+    a = torch.randn(R, H, generator=g).bfloat16().to(device)
+    w = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16().to(device)
+    cuts = sorted(torch.randint(0, max(R - 5, 0) + 1, (E - 1,), generator=g).tolist())
+    cuts[0] = cuts[1] if E > 2 else cuts[0]  # an empty group
+    offsets = torch.tensor([0, *cuts, max(R - 5, 0)], dtype=torch.int32, device=device)
+    h, act = moe8.ops.grouped_gemm_swiglu(a, w, offsets)
+    h_want = moe8.ops.grouped_gemm(a, w, offsets, 0, None)
+    act_want = moe8.ops.activation(h_want, moe8.ops.ACTIVATIONS["swiglu"], False, 1.702, 7.0)
+    assert torch.equal(h, h_want)
+    assert torch.equal(act, act_want)
+    tail = int(offsets[-1])
+    assert torch.equal(act[tail:], torch.zeros_like(act[tail:]))
+    with pytest.raises(ValueError, match="b: SwiGLU expects an even 2I"):
+        moe8.ops.grouped_gemm_swiglu(a, w[:, :-1], offsets)
 
 
 @pytest.mark.skipif(
