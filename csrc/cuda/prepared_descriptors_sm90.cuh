@@ -234,9 +234,11 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
 
  private:
   // act[r, 128 n + j] = SwiGLU(bf16(gate), bf16(up)) for the tile's rows r and its gate column j < 128, from this
-  // thread's accumulators, as activation_forward computes it from h (the same bits). In the wgmma accumulator layout
-  // (m64n256, the cooperative tile's warpgroup) a thread's element i + size / 2 is element i's row, 128 columns on,
-  // and elements 2q, 2q + 1 are one row's adjacent columns: one 32-bit store a pair.
+  // thread's accumulators, as activation_forward computes it from h (the same bits). The m64n256 wgmma accumulator
+  // layout (the cooperative tile's warpgroup) gives a thread elements i = c + 2 r + 4 g: columns 8 g + 2 (lane % 4) + c
+  // of rows lane / 4 + 8 r of its warp's 16, so element i + 64 is element i's row 128 columns on (g + 16). A row's 8
+  // columns 8 g .. 8 g + 7 lie with the four lanes of a quad, two each: the quad transposes four such groups (two
+  // rounds of shuffles) so that each lane stores one group's 16 bytes, four times fewer stores than pairs.
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
             class TiledMma>
   CUTLASS_DEVICE void store_swiglu(ProblemShapeMNKL problem_shape, TileShapeMNK tile_shape, TileCoordMNKL tile_coord,
@@ -244,28 +246,49 @@ struct PreparedStoreEpilogue : TakesDescriptors<WithRaggedStore<Base>> {
     using namespace cute;
     static_assert(size<1>(TileShapeMNK{}) == 2 * kPairedCols, "a tile of 128 gate and 128 up columns");
     constexpr int kElems = decltype(size(acc))::value, kHalf = kElems / 2;
-    static_assert(kElems % 4 == 0, "pairs of columns in both halves");
+    static_assert(kElems == 128, "one m64n256 accumulator a thread");
     const int group = static_cast<int>(get<3>(tile_coord));
     const int64_t row0 = starts_[group].d;
     const int rows = static_cast<int>(get<0>(problem_shape));
     const int m0 = static_cast<int>(get<0>(tile_coord)) * size<0>(tile_shape);
     ElementD* out = act_ + static_cast<int64_t>(get<1>(tile_coord)) * kPairedCols;
     Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(tile_shape)));
+    const int quad_lane = threadIdx.x % 4;
+    const bool odd = quad_lane & 1, high = quad_lane & 2;
     ActParams swiglu;
     swiglu.kind = ActKind::kSwiGLU;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kHalf; i += 2) {
-      const int m = m0 + static_cast<int>(get<0>(coords(i))), j = static_cast<int>(get<1>(coords(i)));
-      float v[2];
+    auto act_pair = [&](int i) {  // elements i, i + 1 as two bf16 in one word
+      cutlass::Array<ElementD, 2> pair;
       CUTLASS_PRAGMA_UNROLL
       for (int t = 0; t < 2; ++t)
-        v[t] = act_forward(swiglu, static_cast<float>(ElementD(acc(i + t))),
-                           static_cast<float>(ElementD(acc(i + t + kHalf))));
-      if (m < rows) {
-        cutlass::Array<ElementD, 2> pair;
-        pair[0] = ElementD(v[0]);
-        pair[1] = ElementD(v[1]);
-        *reinterpret_cast<cutlass::Array<ElementD, 2>*>(out + (row0 + m) * half_ + j) = pair;
+        pair[t] = ElementD(act_forward(swiglu, static_cast<float>(ElementD(acc(i + t))),
+                                       static_cast<float>(ElementD(acc(i + t + kHalf)))));
+      return reinterpret_cast<uint32_t const&>(pair);
+    };
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < kHalf / 16; ++b) {  // groups 4 b .. 4 b + 3
+        uint32_t w[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 4; ++g) w[g] = act_pair(2 * r + 4 * (4 * b + g));
+        // lane q holds group 4 b + g's words of lane q at w[g]; after: group 4 b + q's words of lanes 0-3 at w[0-3]
+        uint32_t x = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+        uint32_t y = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+        w[0] = odd ? x : w[0];
+        w[1] = odd ? w[1] : x;
+        w[2] = odd ? y : w[2];
+        w[3] = odd ? w[3] : y;
+        x = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
+        y = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
+        w[0] = high ? x : w[0];
+        w[1] = high ? y : w[1];
+        w[2] = high ? w[2] : x;
+        w[3] = high ? w[3] : y;
+        const int first = 2 * r + 16 * b;  // this lane's element of group 4 b: its row, column 32 b + 2 q
+        const int m = m0 + static_cast<int>(get<0>(coords(first)));
+        const int col = static_cast<int>(get<1>(coords(first))) + 6 * quad_lane;  // 8 (4 b + q)
+        if (m < rows) *reinterpret_cast<uint4*>(out + (row0 + m) * half_ + col) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
   }

@@ -48,6 +48,10 @@ class Config:
         as [gate | up]), so d act [R, I] is never written and read back (the same bits for d h; the routing
         weights' gradient summed in another order); off by default until measured faster than the GEMM and the
         pass.
+    fused_act_forward: with routed_down in bf16, the up projection's GEMM computes the activation in its epilogue
+        where a kernel does that (sm_90a, SwiGLU with h as [gate | up], I a multiple of 128: ops.grouped_gemm_swiglu)
+        and hands it to the down projection, so h is not read back (the same bits); off by default until measured
+        faster than the GEMM and the activation pass (docs/kernels.md).
     fused_lora_add: the expert LoRA's B projection added to the base GEMM's output in one pass
         (ops.grouped_lowrank_add; 1.8-1.9x faster than the GEMM and the add at ranks 16 and 32 on the H200,
         bench/results/lowrank_h200.md); False runs the two.
@@ -120,6 +124,7 @@ class Config:
     keep_permuted: bool = False
     gather_in_gemm: bool = False
     fused_act_dgrad: bool = False
+    fused_act_forward: bool = False
     fused_lora_add: bool = True
     check_ids: bool = False
     fuse_router: bool = True
@@ -152,6 +157,7 @@ class Config:
             "keep_permuted",
             "gather_in_gemm",
             "fused_act_dgrad",
+            "fused_act_forward",
             "fused_lora_add",
             "check_ids",
             "fuse_router",

@@ -19,7 +19,7 @@ from . import fused, ops
 from ._core import ACTIVATIONS, LAYOUTS, choice
 from .config import DEFAULT, Config
 from .fp8 import frozen_fp8
-from .precision import Precision, for_shape, precision
+from .precision import BF16, Precision, for_shape, precision
 
 
 class ExpertLoRA(NamedTuple):
@@ -205,8 +205,28 @@ def experts_forward(
     pad = max(prec.pad_multiple, prec_down.pad_multiple)
     x, k, offsets, row_to_slot, slot_to_row = dispatch_plan(x, ids, gate_up, pad, check_ids)
     if lora is None and not cfg.keep_permuted:  # the backward keeps x, not its [R, H] rows in expert order
+        # the activation in the up projection's epilogue, handed to activation_down_combine (routed_down, bf16)
+        swiglu_next = (
+            cfg.fused_act_forward
+            and cfg.routed_down
+            and down_bias is None
+            and act == ops.ACTIVATIONS["swiglu"]
+            and not interleaved
+            and prec is BF16
+            and prec_down is BF16
+        )
         h = fused.gathered_linear(
-            x, gate_up, offsets, lay, gate_up_bias, row_to_slot, k, slot_to_row, prec, cfg.gather_in_gemm
+            x,
+            gate_up,
+            offsets,
+            lay,
+            gate_up_bias,
+            row_to_slot,
+            k,
+            slot_to_row,
+            prec,
+            cfg.gather_in_gemm,
+            swiglu_next,
         )
     else:  # the LoRA branch reads the rows too
         x_rows = (x, row_to_slot, k, slot_to_row)  # xp's rows: x gathered (FP8 blockwise quantises from x)

@@ -139,20 +139,34 @@ def _gathered_linear(
     k: int,
     slot_to_row: Tensor,
     in_gemm: bool,
+    swiglu_next: bool,
 ) -> Tensor:
     wq, rows = (w_q, w_scale, w_row_scale), (row_to_slot, k, slot_to_row)
-    return from_code(precision).gathered_forward(x, rows, w, wq, offsets, layout, bias, in_gemm)
+    return from_code(precision).gathered_forward(x, rows, w, wq, offsets, layout, bias, in_gemm, swiglu_next)
 
 
 @_gathered_linear.register_fake
 def _(
-    x, w, w_q, w_scale, w_row_scale, offsets, layout, bias, precision, row_to_slot, k, slot_to_row, in_gemm
+    x,
+    w,
+    w_q,
+    w_scale,
+    w_row_scale,
+    offsets,
+    layout,
+    bias,
+    precision,
+    row_to_slot,
+    k,
+    slot_to_row,
+    in_gemm,
+    swiglu_next,
 ):
     return x.new_empty(row_to_slot.shape[0], _out_cols(w_q, w, layout))
 
 
 def _gl_setup(ctx, inputs, output):
-    x, w, _, _, _, offsets, layout, bias, precision, row_to_slot, k, slot_to_row, _ = inputs
+    x, w, _, _, _, offsets, layout, bias, precision, row_to_slot, k, slot_to_row, _, _ = inputs
     ctx.layout, ctx.precision, ctx.k = layout, precision, k
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(x, w, offsets, row_to_slot, slot_to_row)  # x, not its [R, H] rows
@@ -172,7 +186,7 @@ def _gl_bwd(ctx, g):
         da = prec.dgrad(g, w, offsets, ctx.layout)  # [R, H]
         dx = combine_rows(da, slot_to_row.view(-1, k), None)  # the gather's backward: a token's k rows summed
     HANDED_CODES.clear()  # codes handed to this op's dgrad are taken or stale now
-    return (dx, dw, None, None, None, None, None, dbias) + (None,) * 5
+    return (dx, dw, None, None, None, None, None, dbias) + (None,) * 6
 
 
 _gathered_linear.register_autograd(_gl_bwd, setup_context=_gl_setup)
@@ -189,13 +203,16 @@ def gathered_linear(
     slot_to_row: Tensor,
     precision: Precision = BF16,
     in_gemm: bool = True,
+    swiglu_next: bool = False,
 ) -> Tensor:
     """expert_linear(ops.permute(x, row_to_slot, slot_to_row, k), w, ...) (the experts' up projection from the
     tokens) whose backward keeps x and the plan instead of the [R, H] rows: they are gathered again for the
     weight gradient, and the input gradient is the dgrad's rows summed per token. x [T, H] -> [R, N].
     in_gemm: the forward GEMM reads x's rows itself where a kernel does that (bf16 without bias on sm_90a:
     moe8.ops.gathered_grouped_gemm), so the forward writes no [R, H] copy of them; the FP8 blockwise recipe quantises
-    them straight from x. The same bits as the two calls either way."""
+    them straight from x. The same bits as the two calls either way. swiglu_next: the output's SwiGLU (as [gate |
+    up]) comes next (activation_down_combine); in bf16 without a bias the GEMM computes it in its epilogue
+    (ops.grouped_gemm_swiglu) and hands it over (precision.HANDED_ACT), the same bits."""
     wq, b = _weight_and_bias(precision, w, layout, bias)
     in_kernel = b if precision.bias_in_kernel else None
     c = _gathered_linear(
@@ -210,6 +227,7 @@ def gathered_linear(
         int(k),
         slot_to_row,
         bool(in_gemm),
+        bool(swiglu_next),
     )
     return c if precision.bias_in_kernel else add_bias(c, b, offsets)
 

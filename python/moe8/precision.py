@@ -64,21 +64,29 @@ class Bf16Gemms:
         check_not_frozen("w", w)
         return ops.grouped_gemm(a, w.contiguous(), offsets, layout, bias)
 
-    def gathered_forward(self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True) -> Tensor:
+    def gathered_forward(
+        self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True, swiglu_next=False
+    ) -> Tensor:
         """forward(permute(x, ...)) for rows = (row_to_slot, k, slot_to_row): with in_gemm and no bias the GEMM
         reads x's rows itself where a kernel does that (moe8.ops.gathered_grouped_gemm), else they are gathered
-        into an [R, K] buffer first (freed on return)."""
+        into an [R, K] buffer first (freed on return). swiglu_next (layout 0, no bias, not in_gemm): the output's
+        SwiGLU made in the GEMM's epilogue (moe8.ops.grouped_gemm_swiglu) and handed to act_forward (HANDED_ACT)."""
         check_not_frozen("w", w)
         row_to_slot, k, slot_to_row = rows
         if in_gemm and bias is None:
             return ops.gathered_grouped_gemm(x, row_to_slot, k, slot_to_row, w.contiguous(), offsets, layout)
-        return self.forward(
-            ops.gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1)), w, wq, offsets, layout, bias
-        )
+        a = ops.gather_rows(x, row_to_slot, k, None, slot_to_row.view(-1))
+        if swiglu_next and layout == 0 and bias is None:
+            h, act = ops.grouped_gemm_swiglu(a, w.contiguous(), offsets)
+            HANDED_ACT.put(h, act)
+            return h
+        return self.forward(a, w, wq, offsets, layout, bias)
 
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
-        """forward(activation(h, *act)), the activations freed on return."""
-        return self.forward(ops.activation(h, *act), w, wq, offsets, layout, bias)
+        """forward(activation(h, *act)), the activations freed on return; a SwiGLU handed over with h
+        (gathered_forward's swiglu_next) is taken instead of computed again."""
+        a = HANDED_ACT.take(h) if tuple(act[:2]) == SWIGLU else None
+        return self.forward(ops.activation(h, *act) if a is None else a, w, wq, offsets, layout, bias)
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         """d a of c = a . op(w) from g = d c (`gathered`: g's rows are a gather, unused here)."""
@@ -153,6 +161,24 @@ def has_data(t: Tensor) -> bool:
 HANDED_CODES = HandedCodes()
 
 
+class HandedActivation(HandedCodes):
+    """The SwiGLU of an up projection's output h made in that GEMM's epilogue (Bf16Gemms.gathered_forward with
+    swiglu_next), for the down projection's forward that reads it next (act_forward): one entry, taken once,
+    matched as HandedCodes matches (h's storage, shape, strides and version). Eager only."""
+
+    def put(self, h: Tensor, act: Tensor) -> None:
+        super().put(h, act, act)
+
+    def take(self, h: Tensor) -> Optional[Tensor]:
+        """act of h and the entry dropped, or None."""
+        got = super().take(h)
+        return None if got is None else got[0]
+
+
+HANDED_ACT = HandedActivation()
+SWIGLU = (ops.ACTIVATIONS["swiglu"], False)  # (kind, interleaved) of the activation the GEMM's epilogue makes
+
+
 class Fp8Gemms:
     """The grouped GEMMs in FP8 with `recipe` (a moe8.fp8 recipe name or Float8Recipe). cache: where the
     weights' FP8 copies come from (None: quantised at every call, forward and FP8 dgrad; the backward's copies
@@ -184,8 +210,10 @@ class Fp8Gemms:
         assert bias is None, "Fp8Gemms adds biases outside the GEMM (add_bias)"
         return _fp8_forward(a, Fp8Weight(*wq), offsets, self.recipe, gathered)
 
-    def gathered_forward(self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True) -> Tensor:
-        """forward(permute(x, ...)): the blockwise recipe quantises the rows straight from x (no [R, K] copy in
+    def gathered_forward(
+        self, x, rows, w, wq, offsets, layout: int, bias=None, in_gemm=True, swiglu_next=False
+    ) -> Tensor:
+        """forward(permute(x, ...)) (swiglu_next: no fused activation here): the blockwise recipe quantises the rows straight from x (no [R, K] copy in
         x's dtype), the others gather them first."""
         row_to_slot, k, slot_to_row = rows
         gathered = (x, row_to_slot, k, slot_to_row)
