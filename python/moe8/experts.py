@@ -190,7 +190,7 @@ def experts_forward(
     nothing), never a read or write outside a tensor. Ids on the CPU are always checked (no sync there).
     Every bad argument raises TypeError (dtype) or ValueError (shape, device, value) naming it.
     config: a moe8.Config (routed_down, consume_gate_up, keep_permuted, gather_in_gemm, fused_act_dgrad,
-    fused_lora_add, fp8, check_ids); default moe8.config.DEFAULT.
+    fused_act_forward, fused_lora_add, fp8, check_ids); default moe8.config.DEFAULT.
     """
     if check_ids is None:
         check_ids = True if config is None else config.check_ids
