@@ -548,7 +548,7 @@ def routed_down_backward(
             dh = h
         else:
             a_w, dh, d_weights = dgrad_activation_backward(rows, *down, h, weights, row_to_slot, *act)
-    elif dh_codes and has_data(h):  # the hand-over is eager only (precision.HandedCodes)
+    elif dh_codes and has_data(h):  # the hand-over is eager only (precision.Handed)
         a_w = dgrad(rows)
         if consume_h:
             d_weights, q, scale = activation_backward_routed_codes_(h, a_w, weights, row_to_slot, *act)

@@ -85,8 +85,10 @@ class Bf16Gemms:
     def act_forward(self, h, w, wq, offsets, layout: int, act, bias=None) -> Tensor:
         """forward(activation(h, *act)), the activations freed on return; a SwiGLU handed over with h
         (gathered_forward's swiglu_next) is taken instead of computed again."""
-        a = HANDED_ACT.take(h) if tuple(act[:2]) == SWIGLU else None
-        return self.forward(ops.activation(h, *act) if a is None else a, w, wq, offsets, layout, bias)
+        handed = HANDED_ACT.take(h) if tuple(act[:2]) == SWIGLU else None
+        return self.forward(
+            ops.activation(h, *act) if handed is None else handed[0], w, wq, offsets, layout, bias
+        )
 
     def dgrad(self, g, w, offsets, layout: int, gathered=None) -> Tensor:
         """d a of c = a . op(w) from g = d c (`gathered`: g's rows are a gather, unused here)."""
@@ -112,38 +114,40 @@ def code_of(recipe: Float8Recipe, cache: Optional[Fp8WeightCache] = default_cach
     return recipe.id | (recipe.dgrad == "fp8") << 2 | (recipe.wgrad == "fp8") << 3 | c << 4
 
 
-class HandedCodes:
-    """A gradient's 1x128 FP8 codes made by the kernel that wrote the gradient (the routed activation backward
-    writes d h's: fused.activation_down_combine with dh_codes), for the blockwise FP8 dgrad that reads that
-    gradient next (the up projection's): one entry, taken once. The entry holds the gradient itself, so its
-    memory is not reused while the entry lives, and matches a tensor with its storage, shape, strides and
-    version: a gradient changed or replaced since then misses it and is quantised again (the same bits). Eager
-    only: in a traced backward (torch.compile) nothing is handed over and the dgrad quantises d h."""
+class Handed:
+    """A tensor's companions made by the kernel that wrote it, for the next op that reads that tensor: one entry,
+    taken once. HANDED_CODES: d h's 1x128 FP8 codes and scales from the routed activation backward
+    (fused.activation_down_combine with dh_codes), for the up projection's blockwise FP8 dgrad; HANDED_ACT: the
+    SwiGLU of h from the up projection's GEMM epilogue (Bf16Gemms.gathered_forward with swiglu_next), for the down
+    projection's forward (act_forward). The entry holds the tensor itself, so its memory is not reused while the
+    entry lives, and matches a tensor with its storage, shape, strides and version: one changed or replaced since
+    then misses it and the reader makes the companions again (the same bits). Eager only: in a traced graph
+    (torch.compile) nothing is handed over."""
 
     def __init__(self):
         self._entry = None
 
-    def put(self, g: Tensor, q: Tensor, scale: Tensor) -> None:
-        if has_data(g):
-            self._entry = (g, g._version, q, scale)
+    def put(self, t: Tensor, *companions: Tensor) -> None:
+        if has_data(t):
+            self._entry = (t, t._version, companions)
 
-    def take(self, g: Tensor) -> Optional[tuple[Tensor, Tensor]]:
-        """(q, scale) of g and the entry dropped, or None (the entry kept) when it is not g's."""
-        if self._entry is None or not has_data(g):
+    def take(self, t: Tensor) -> Optional[tuple]:
+        """t's companions and the entry dropped, or None (the entry kept) when it is not t's."""
+        if self._entry is None or not has_data(t):
             return None
-        held, version, q, scale = self._entry
+        held, version, companions = self._entry
         same = (
-            held.data_ptr() == g.data_ptr()
-            and held.device == g.device
-            and held.dtype == g.dtype
-            and held.shape == g.shape
-            and held.stride() == g.stride()
-            and version == g._version
+            held.data_ptr() == t.data_ptr()
+            and held.device == t.device
+            and held.dtype == t.dtype
+            and held.shape == t.shape
+            and held.stride() == t.stride()
+            and version == t._version
         )
         if not same:
             return None
         self._entry = None
-        return q, scale
+        return companions
 
     def clear(self) -> None:
         self._entry = None
@@ -158,24 +162,8 @@ def has_data(t: Tensor) -> bool:
     return True
 
 
-HANDED_CODES = HandedCodes()
-
-
-class HandedActivation(HandedCodes):
-    """The SwiGLU of an up projection's output h made in that GEMM's epilogue (Bf16Gemms.gathered_forward with
-    swiglu_next), for the down projection's forward that reads it next (act_forward): one entry, taken once,
-    matched as HandedCodes matches (h's storage, shape, strides and version). Eager only."""
-
-    def put(self, h: Tensor, act: Tensor) -> None:
-        super().put(h, act, act)
-
-    def take(self, h: Tensor) -> Optional[Tensor]:
-        """act of h and the entry dropped, or None."""
-        got = super().take(h)
-        return None if got is None else got[0]
-
-
-HANDED_ACT = HandedActivation()
+HANDED_CODES = Handed()  # d h -> (q, scale)
+HANDED_ACT = Handed()  # h -> (act,)
 SWIGLU = (ops.ACTIVATIONS["swiglu"], False)  # (kind, interleaved) of the activation the GEMM's epilogue makes
 
 
